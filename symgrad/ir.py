@@ -1,0 +1,157 @@
+"""The lowered program: small frozen dataclasses that templates turn into Python.
+
+Nothing here knows SymPy. An `Expr` is a TensorFlow expression tree; a `Step` binds one
+expression to a name; a `Block` is a straight-line function body. Frozen dataclasses are
+hashable, which is how lowering computes a common subexpression once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ----------------------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True)
+class Lit:
+    """A numeric literal, already written as Python source (`2`, `0.5`)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Var:
+    """A name in scope: a tensor, an attr, a size."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class DType:
+    """`X.dtype`: the computation dtype, read off an input."""
+
+    tensor: str
+
+
+@dataclass(frozen=True)
+class AxisSize:
+    """`tf.shape(X)[axis]`: the size of one axis of an input."""
+
+    tensor: str
+    axis: int
+
+
+@dataclass(frozen=True)
+class FloatSize:
+    """The size of an index as a float of the computation dtype (`tf.cast(_n_k, dtype)`)."""
+
+    size: str  # the integer size variable
+
+
+@dataclass(frozen=True)
+class View:
+    """`operand` with its axes permuted by `perm`, then new axes where `slots` says None.
+
+    slots lists, for each axis of the aligned result, the operand axis it comes from
+    (after `perm`) or None for a new broadcast axis.
+    """
+
+    operand: Expr
+    perm: tuple[int, ...] | None
+    slots: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    """`function(args...)`, e.g. `tf.exp(x)`; `keywords` are rendered as `k=v`."""
+
+    function: str
+    args: tuple[Expr, ...]
+    keywords: tuple[tuple[str, Expr], ...] = ()
+
+
+@dataclass(frozen=True)
+class Einsum:
+    """`tf.einsum("subscripts", operands...)`."""
+
+    subscripts: str
+    operands: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class Binary:
+    """`left op right` for + - * / ** >= <=."""
+
+    op: str
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
+class Negate:
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A list of integer sizes, `[_n_b, _n_i * _n_k]`."""
+
+    dims: tuple[tuple[str, ...], ...]  # each dim is a product of size variables
+
+
+Expr = Lit | Var | DType | AxisSize | FloatSize | View | Call | Einsum | Binary | Negate | Shape
+
+
+# ----------------------------------------------------------------------------- statements
+
+
+@dataclass(frozen=True)
+class Assign:
+    """`target = value`, with an optional comment saying what it is in the math."""
+
+    target: str
+    value: Expr
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class Block:
+    """A straight-line function body."""
+
+    steps: tuple[Assign, ...]
+    returns: tuple[str | None, ...]  # names returned, None for a `None` gradient
+
+
+@dataclass(frozen=True)
+class DimCheck:
+    """Axes that one index names must agree in size (checked when shapes are static)."""
+
+    index: str
+    axes: tuple[tuple[str, int], ...]  # (input, axis)
+
+
+@dataclass(frozen=True)
+class Attr:
+    name: str
+    kind: str  # "float" | "int" | "bool"
+    python_type: str  # the annotation in the generated signature
+
+
+@dataclass(frozen=True)
+class Module:
+    """Everything one generated module contains."""
+
+    op: str
+    source: str  # "symgrad.toml [ops.Name]"
+    formulas: tuple[str, ...]
+    gradient_lines: tuple[str, ...]  # per input: its gradient in index notation
+    inputs: tuple[str, ...]
+    ranks: tuple[int, ...]  # per input
+    outputs: tuple[str, ...]
+    attrs: tuple[Attr, ...]
+    grads: tuple[str, ...]  # names of the incoming gradients, one per output
+    dim_checks: tuple[DimCheck, ...]
+    forward: Block  # inputs, attrs -> outputs (and the intermediates in `saved`)
+    saved: tuple[str, ...]  # forward intermediates the backward reads
+    recompute: Block  # inputs, outputs, attrs -> saved (for `gradient(op, ...)`)
+    backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input

@@ -1,0 +1,629 @@
+"""Stage 5: canonical math -> IR (einsum contractions and elementwise steps).
+
+The same rule lowers the forward pass and every gradient: a sum of terms, each term a
+product of tensor accesses and pointwise factors summed over some indices, becomes one
+einsum per term (pointwise factors materialized first, over their own indices only),
+and the terms are added after aligning their axes. Concretely:
+
+- A pointwise factor whose indices no single operand covers (`(x[b,i,k] - x[b,j,k])**2`)
+  would be a tensor bigger than any operand; when it is a polynomial, the term is expanded
+  into monomials instead, each of which contracts directly.
+- Three or more operands contract pairwise in the order `opt_einsum` finds optimal for
+  representative sizes; TF's einsum would guess with unknown dims taken as 1.
+- A Kronecker delta left between two gradient indices becomes an identity-matrix operand
+  (`tf.eye`) in the einsum, which places the result on the diagonal; einsum itself cannot
+  write repeated output labels.
+- Identical expressions are computed once per function body (hash-consing on the frozen
+  IR), which shares work across the gradients of all inputs.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+
+import opt_einsum
+import sympy as sp
+
+from . import functions as fn
+from . import ir
+from .derive import Backward, Contribution, derive, grad_name
+from .model import Index, Level, Program, index_of_size, tensor
+from .notation import gradient_lines
+
+LETTERS = string.ascii_lowercase + string.ascii_uppercase
+REPRESENTATIVE_SIZE = 64  # per index, for choosing contraction orders
+MAX_EXPANDED_TERMS = 32
+
+UNARY = {
+    sp.exp: "tf.exp",
+    sp.log: "tf.math.log",
+    sp.sin: "tf.sin",
+    sp.cos: "tf.cos",
+    sp.tan: "tf.tan",
+    sp.tanh: "tf.tanh",
+    sp.sinh: "tf.sinh",
+    sp.cosh: "tf.cosh",
+    sp.Abs: "tf.abs",
+    sp.sign: "tf.sign",
+    sp.erf: "tf.math.erf",
+    fn.sigmoid: "tf.sigmoid",
+    fn.softplus: "tf.nn.softplus",
+}
+BINARY = {fn.maximum: "tf.maximum", fn.minimum: "tf.minimum"}
+MASKS = {fn.step_ge: ">=", fn.step_le: "<="}
+
+
+@dataclass
+class Value:
+    """A tensor in scope while lowering: its variable name and the index of each axis."""
+
+    name: str
+    labels: tuple[Index, ...]
+
+
+@dataclass
+class _Body:
+    """The steps of one function body being built, with hash-consing and sizes."""
+
+    program: Program
+    tensors: dict[str, Value]  # SymPy tensor name -> value in scope
+    steps: list[ir.Assign] = field(default_factory=list)
+    memo: dict[ir.Expr, str] = field(default_factory=dict)
+    counter: int = 0
+    sizes: dict[str, tuple[str, int]] = field(default_factory=dict)  # var -> (tensor, axis)
+    uses_dtype: bool = False
+
+    def fresh(self, stem: str = "_t") -> str:
+        self.counter += 1
+        return f"{stem}{self.counter}"
+
+    def bind(self, value: ir.Expr, name: str | None = None, comment: str = "") -> str:
+        """Assign `value` to a name (reusing an identical earlier step)."""
+        if isinstance(value, ir.Var) and name is None:
+            return value.name
+        if name is None and value in self.memo:
+            return self.memo[value]
+        target = name or self.fresh()
+        self.steps.append(ir.Assign(target, value, comment))
+        if name is None:
+            self.memo[value] = target
+        return target
+
+
+def _plain(name: str) -> str:
+    return name.replace("'", "_")
+
+
+class Lowerer:
+    """Lowers one op's Program (and its Backward) into an `ir.Module`."""
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+        self.backward = derive(program)
+        # Where each index's size can be read: index -> (input, axis).
+        self.size_of: dict[Index, tuple[str, int]] = {
+            index: sources[0] for index, sources in program.dims if sources
+        }
+        self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}
+        for output in program.outputs:
+            self.levels[output.level.name] = output.level
+        self.preferred = _preferred_letters(program, self.backward)
+
+    # -- sizes ------------------------------------------------------------------------
+
+    def index_size(self, body: _Body, index: Index) -> str:
+        source = self.size_of.get(index)
+        if source is None:
+            raise AssertionError(f"no size known for index {index}")
+        for var, known in body.sizes.items():
+            if known == source:
+                return var
+        name = index.name if not index.name.startswith("_") else self.preferred.get(index, "")
+        var = f"_n_{_plain(name)}" if name else ""
+        if not name or var in body.sizes:
+            var = f"_n_{source[0]}_{source[1]}"
+        body.sizes[var] = source
+        return var
+
+    def register_axes(self, tensor_name: str, labels: tuple[Index, ...]) -> None:
+        """Teach `size_of` the indices of a tensor's axes (for gradient indices)."""
+        axes = self.axis_sources(tensor_name)
+        for label, source in zip(labels, axes, strict=True):
+            self.size_of.setdefault(label, source)
+
+    def axis_sources(self, tensor_name: str) -> tuple[tuple[str, int], ...]:
+        if tensor_name in self.program.inputs:
+            return tuple((tensor_name, a) for a in range(self.program.rank(tensor_name)))
+        level = self.levels[tensor_name]
+        return tuple(self.size_of[i] for i in level.indices)
+
+    # -- pointwise expressions ----------------------------------------------------------
+
+    def expr(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
+        """A pointwise SymPy expression as TF code over the axes `target`."""
+        if isinstance(e, sp.Indexed):
+            return self.access(body, e, target)
+        if e.is_Integer:
+            return ir.Lit(str(int(e)))
+        if e.is_Rational or e.is_Float or e.is_NumberSymbol:
+            return ir.Lit(repr(float(e)))
+        if isinstance(e, sp.Symbol):
+            index = index_of_size(e)
+            if index is not None:
+                body.uses_dtype = True
+                return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
+            return ir.Var(e.name)  # an attr
+        if isinstance(e, sp.Add):
+            terms = sorted(e.args, key=_print_order)
+            result = self.expr(body, terms[0], target)
+            for term in terms[1:]:
+                coeff, rest = term.as_coeff_Mul()
+                if coeff.is_negative:
+                    result = ir.Binary("-", result, self.expr(body, -term, target))
+                else:
+                    result = ir.Binary("+", result, self.expr(body, term, target))
+            return result
+        if isinstance(e, sp.Mul):
+            coeff, rest = e.as_coeff_Mul()
+            if coeff.is_negative:
+                return ir.Negate(self.expr(body, -e, target))
+            numerator, denominator = [], []
+            for factor in sp.Mul.make_args(e):
+                base, exponent = factor.as_base_exp()
+                if exponent.is_Number and exponent.is_negative and not factor.is_Number:
+                    denominator.append(base ** (-exponent))
+                else:
+                    numerator.append(factor)
+            top = [self.expr(body, f, target) for f in sorted(numerator, key=_print_order)]
+            result = top[0] if top else ir.Lit("1")
+            for factor in top[1:]:
+                result = ir.Binary("*", result, factor)
+            for factor in sorted(denominator, key=_print_order):
+                result = ir.Binary("/", result, self.expr(body, factor, target))
+            return result
+        if isinstance(e, sp.Pow):
+            base, exponent = e.args
+            if exponent == -1:
+                return ir.Binary("/", ir.Lit("1"), self.expr(body, base, target))
+            inner = self.expr(body, base, target)
+            if exponent == 2:
+                return ir.Call("tf.square", (inner,))
+            if exponent == sp.Rational(1, 2):
+                return ir.Call("tf.sqrt", (inner,))
+            if exponent == -sp.Rational(1, 2):
+                return ir.Call("tf.math.rsqrt", (inner,))
+            return ir.Binary("**", inner, self.expr(body, exponent, target))
+        if isinstance(e, sp.Function):
+            func = type(e)
+            args = tuple(self.expr(body, a, target) for a in e.args)
+            if func in UNARY:
+                return ir.Call(UNARY[func], args)
+            if func in BINARY:
+                return ir.Call(BINARY[func], args)
+            if func in MASKS:
+                body.uses_dtype = True
+                return ir.Call("tf.cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
+        raise AssertionError(f"cannot lower {e!r}")
+
+    def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
+        """`X[i, j]` aligned to `target` axes (diagonals read with a one-operand einsum)."""
+        value = body.tensors[access.base.label.name]
+        labels = tuple(access.indices)
+        operand: ir.Expr = ir.Var(value.name)
+        if len(set(labels)) != len(labels):
+            unique = tuple(dict.fromkeys(labels))
+            letters = _letters([labels, unique], self.preferred)
+            subscripts = f"{_word(labels, letters)}->{_word(unique, letters)}"
+            operand = ir.Var(body.bind(ir.Einsum(subscripts, (operand,))))
+            labels = unique
+        return align(operand, labels, target)
+
+    # -- terms: products summed over indices ------------------------------------------
+
+    def term(
+        self, body: _Body, e: sp.Expr, summed: tuple[Index, ...], out: tuple[Index, ...],
+        eyes: tuple[tuple[Index, Index], ...] = (),
+    ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
+        """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
+        factors = sp.Mul.make_args(e)
+        operand_sets = [set(f.indices) for f in factors if isinstance(f, sp.Indexed)]
+        for factor in factors:
+            if isinstance(factor, sp.Indexed) or not factor.atoms(sp.Indexed):
+                continue
+            needed = _index_set(factor)
+            if any(needed <= s for s in operand_sets):
+                continue
+            if factor.is_polynomial(*factor.atoms(sp.Indexed)):
+                expanded = sp.expand(e, power_base=False, power_exp=False, log=False)
+                parts = sp.Add.make_args(expanded)
+                if 1 < len(parts) <= MAX_EXPANDED_TERMS:
+                    pieces = []
+                    for part in parts:
+                        pieces += self.term(body, part, summed, out, eyes)
+                    return pieces
+        return [self.contract(body, e, summed, out, eyes)]
+
+    def contract(
+        self, body: _Body, e: sp.Expr, summed: tuple[Index, ...], out: tuple[Index, ...],
+        eyes: tuple[tuple[Index, Index], ...],
+    ) -> tuple[ir.Expr, tuple[Index, ...]]:
+        """One product, summed: an elementwise expression or an einsum."""
+        present = _index_set(e) | {i for pair in eyes for i in pair}
+        result_axes = tuple(i for i in out if i in present)
+        absent = [s for s in summed if s not in present]
+        summed = tuple(s for s in summed if s in present)
+        coefficient = sp.Integer(1)
+        for index in absent:  # Σ over an index nothing depends on: times its size
+            coefficient *= sp.Symbol(f"|{index.name}|")
+        if not summed and not eyes:
+            return self.expr(body, coefficient * e, result_axes), result_axes
+        operands: list[tuple[ir.Expr, tuple[Index, ...]]] = []
+        pointwise: list[sp.Expr] = []
+        for factor in sp.Mul.make_args(e):
+            if not factor.atoms(sp.Indexed):
+                coefficient *= factor
+            elif isinstance(factor, sp.Indexed):
+                operands.append((factor, tuple(factor.indices)))
+            else:
+                pointwise.append(factor)
+        # Fold accesses into a pointwise factor whose indices cover them: one operand less.
+        if pointwise:
+            merged = sp.Mul(*pointwise)
+            cover = _index_set(merged)
+            keep = []
+            for access, labels in operands:
+                if set(labels) <= cover:
+                    merged *= access
+                else:
+                    keep.append((access, labels))
+            axes = _axes_of(merged, result_axes, summed)
+            operands = keep + [(("pointwise", merged), axes)]
+        einsum_operands = []
+        for operand, labels in operands:
+            if isinstance(operand, tuple):
+                merged = operand[1]
+                name = body.bind(self.expr(body, merged, labels))
+                einsum_operands.append((ir.Var(name), labels))
+            else:
+                value = body.tensors[operand.base.label.name]
+                einsum_operands.append((ir.Var(value.name), labels))
+        for left, right in eyes:
+            eye = body.bind(
+                ir.Call("tf.eye", (ir.Var(self.index_size(body, left)),),
+                        (("dtype", ir.Var("dtype")),))
+            )
+            body.uses_dtype = True
+            einsum_operands.append((ir.Var(eye), (left, right)))
+        value = self.einsum(body, einsum_operands, result_axes)
+        if coefficient != 1:
+            value = ir.Binary("*", self.expr(body, coefficient, ()), value)
+        return value, result_axes
+
+    def einsum(
+        self, body: _Body, operands: list[tuple[ir.Expr, tuple[Index, ...]]],
+        out: tuple[Index, ...],
+    ) -> ir.Expr:
+        """Contract operands to `out`, pairwise in an optimal order."""
+        while len(operands) > 2:
+            operands = self.contract_pair(body, operands, out)
+        labels = [labels for _, labels in operands]
+        letters = _letters([*labels, out], self.preferred)
+        inputs = ",".join(_word(lab, letters) for lab in labels)
+        subscripts = f"{inputs}->{_word(out, letters)}"
+        if len(operands) == 1 and labels[0] == out:
+            return operands[0][0]
+        return ir.Einsum(subscripts, tuple(op for op, _ in operands))
+
+    def contract_pair(self, body, operands, out):
+        letters = _letters([*[lab for _, lab in operands], out], self.preferred)
+        words = [_word(lab, letters) for _, lab in operands]
+        equation = f"{','.join(words)}->{_word(out, letters)}"
+        shapes = [(REPRESENTATIVE_SIZE,) * len(lab) for _, lab in operands]
+        path, _ = opt_einsum.contract_path(
+            equation, *shapes, shapes=True, optimize="optimal", memory_limit="max_input"
+        )
+        first, second = sorted(path[0])
+        pair = [operands[first], operands[second]]
+        rest = [op for n, op in enumerate(operands) if n not in (first, second)]
+        needed = set(out) | {i for _, lab in rest for i in lab}
+        axes = tuple(dict.fromkeys(i for _, lab in pair for i in lab if i in needed))
+        name = body.bind(self.einsum(body, pair, axes))
+        return [*rest, (ir.Var(name), axes)]
+
+    def sum_terms(
+        self, body: _Body, pieces: list[tuple[ir.Expr, tuple[Index, ...]]],
+        out: tuple[Index, ...],
+    ) -> tuple[ir.Expr, tuple[Index, ...]]:
+        """Add pieces over subsets of `out`; the result's axes are their union, in order."""
+        union = {i for _, axes in pieces for i in axes}
+        axes = tuple(i for i in out if i in union)
+        result: ir.Expr | None = None
+        for value, piece_axes in pieces:
+            if piece_axes != axes and not _is_simple(value):
+                value = ir.Var(body.bind(value))
+            aligned = align(value, piece_axes, axes)
+            if result is None:
+                result = aligned
+            elif isinstance(aligned, ir.Negate):
+                result = ir.Binary("-", result, aligned.operand)
+            else:
+                result = ir.Binary("+", result, aligned)
+        assert result is not None
+        return result, axes
+
+    def full(
+        self, body: _Body, value: ir.Expr, axes: tuple[Index, ...], out: tuple[Index, ...],
+    ) -> ir.Expr:
+        """Broadcast a value over `axes` ⊆ `out` to the full shape of `out`."""
+        if axes == out:
+            return value
+        aligned = align(value, axes, out)
+        shape = ir.Shape(tuple((self.index_size(body, i),) for i in out))
+        return ir.Call("tf.broadcast_to", (aligned, shape))
+
+    # -- levels -------------------------------------------------------------------------
+
+    def level(self, body: _Body, level: Level) -> ir.Expr:
+        """The value of an intermediate or an output over its own indices."""
+        if level.kind == "logsumexp":
+            (term,) = level.terms
+            order = (*level.indices, *term.summed)
+            operand = self.expr(body, term.expr, order)
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
+            return ir.Call("tf.reduce_logsumexp", (operand,), (("axis", axes),))
+        pieces = []
+        for term in level.terms:
+            pieces += self.term(body, term.expr, term.summed, level.indices)
+        value, axes = self.sum_terms(body, pieces, level.indices)
+        return self.full(body, value, axes, level.indices)
+
+    def gradient(self, body: _Body, target: str, contributions: list[Contribution]) -> ir.Expr:
+        """Σ of contributions to one tensor's gradient, shaped like that tensor."""
+        indices = contributions[0].indices
+        self.register_axes(target, indices)
+        pieces = []
+        for c in contributions:
+            expr = c.grad * c.partial
+            pieces += self.term(body, expr, c.summed, indices, c.diagonal)
+        value, axes = self.sum_terms(body, pieces, indices)
+        return self.full(body, value, axes, indices)
+
+
+def _preferred_letters(program: Program, backward: Backward) -> dict[Index, str]:
+    """Einsum letters that read like the formula: each index's own name where possible.
+
+    A gradient index takes the name the formula gives that axis of its tensor.
+    """
+    preferred: dict[Index, str] = {}
+    levels = [*program.intermediates, *(o.level for o in program.outputs)]
+    axis_names: dict[str, tuple[Index, ...]] = {lv.name: lv.indices for lv in levels}
+    for level in levels:
+        for index in level.indices:
+            preferred.setdefault(index, index.name[0])
+        for term in level.terms:
+            for access in _accesses_written(term.expr):
+                axis_names.setdefault(access.base.label.name, tuple(access.indices))
+            for symbol in sorted(term.expr.free_symbols | set(term.summed), key=str):
+                if isinstance(symbol, sp.Symbol) and symbol.name[:1].isalpha():
+                    preferred.setdefault(symbol, symbol.name[0])
+    for c in backward.contributions:
+        names = axis_names.get(c.target, ())
+        for p, named in zip(c.indices, names, strict=False):
+            preferred.setdefault(p, named.name[0])
+    return preferred
+
+
+def _accesses_written(e: sp.Expr) -> list[sp.Indexed]:
+    return sorted(e.atoms(sp.Indexed), key=sp.default_sort_key)
+
+
+def _letters(groups, preferred: dict[Index, str]) -> dict[Index, str]:
+    """Deterministic einsum letters for the indices in `groups` (order of appearance)."""
+    chosen: dict[Index, str] = {}
+    used: set[str] = set()
+    symbols = list(dict.fromkeys(i for group in groups for i in group))
+    for symbol in symbols:  # first pass: preferred letters
+        letter = preferred.get(symbol)
+        if letter and letter in LETTERS and letter not in used:
+            chosen[symbol] = letter
+            used.add(letter)
+    for symbol in symbols:
+        if symbol not in chosen:
+            letter = next(c for c in LETTERS if c not in used)
+            chosen[symbol] = letter
+            used.add(letter)
+    return chosen
+
+
+def _word(labels, letters) -> str:
+    return "".join(letters[i] for i in labels)
+
+
+def _index_set(e: sp.Expr) -> set[Index]:
+    return {i for a in e.atoms(sp.Indexed) for i in a.indices}
+
+
+def _axes_of(e: sp.Expr, out: tuple[Index, ...], summed: tuple[Index, ...]):
+    present = _index_set(e)
+    return tuple(i for i in (*out, *summed) if i in present)
+
+
+def _print_order(e: sp.Expr):
+    return sp.default_sort_key(e)
+
+
+def _is_simple(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Var)
+
+
+def align(operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]) -> ir.Expr:
+    """`operand` (axes `labels`) permuted and expanded to broadcast against `target`."""
+    order = tuple(i for i in target if i in labels)
+    perm = None
+    if order != labels:
+        perm = tuple(labels.index(i) for i in order)
+    slots = tuple(order.index(i) if i in order else None for i in target)
+    # Leading new axes are implied by broadcasting; drop them.
+    while slots and slots[0] is None:
+        slots = slots[1:]
+    if perm is None and all(s is not None for s in slots):
+        return operand
+    return ir.View(operand, perm, slots)
+
+
+def lower(program: Program) -> ir.Module:
+    """The whole module for one op."""
+    lowerer = Lowerer(program)
+    backward = lowerer.backward
+    inputs = {name: Value(name, _input_labels(name, program)) for name in program.inputs}
+
+    # Forward: intermediates in order, then outputs.
+    fwd = _Body(program, dict(inputs))
+    for level in program.intermediates:
+        fwd.tensors[level.name] = Value(level.name, level.indices)
+        fwd.bind(lowerer.level(fwd, level), name=level.name)
+    outputs = []
+    for output in program.outputs:
+        level = output.level
+        value = lowerer.level(fwd, level)
+        if any(len(group) > 1 for group in output.groups):
+            value = ir.Var(fwd.bind(value))
+            shape = ir.Shape(tuple(tuple(lowerer.index_size(fwd, i) for i in group)
+                                   for group in output.groups))
+            value = ir.Call("tf.reshape", (value, shape))
+        fwd.bind(value, name=level.name)
+        fwd.tensors[level.name] = Value(level.name, level.indices)
+        outputs.append(level.name)
+
+    # Backward.
+    bwd = _Body(program, dict(inputs))
+    for output in program.outputs:
+        bwd.tensors[output.level.name] = Value(output.level.name, output.level.indices)
+    for level in program.intermediates:
+        bwd.tensors[level.name] = Value(level.name, level.indices)
+    grads = []
+    for output in program.outputs:
+        level = output.level
+        name = grad_name(level.name)
+        grads.append(name)
+        if any(len(group) > 1 for group in output.groups):
+            shape = ir.Shape(tuple((lowerer.index_size(bwd, i),) for i in level.indices))
+            bwd.bind(ir.Call("tf.reshape", (ir.Var(name), shape)), name=name,
+                     comment="split the composite axes")
+        bwd.tensors[name] = Value(name, level.indices)
+    by_target: dict[str, list[Contribution]] = {}
+    for c in backward.contributions:
+        by_target.setdefault(c.target, []).append(c)
+    for name in backward.order:
+        if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
+            level = lowerer.levels[name]
+            gname = grad_name(name)
+            value = lowerer.gradient(bwd, name, by_target[name])
+            bwd.bind(value, name=gname, comment=f"∂L/∂{name}")
+            bwd.tensors[gname] = Value(gname, level.indices)
+    returns: list[str | None] = []
+    for name in program.inputs:
+        if name not in backward.targets:
+            returns.append(None)
+            continue
+        contributions = by_target.get(name)
+        gname = grad_name(name)
+        if not contributions:
+            bwd.bind(ir.Call("tf.zeros_like", (ir.Var(name),)), name=gname)
+        else:
+            bwd.bind(lowerer.gradient(bwd, name, contributions), name=gname)
+        returns.append(gname)
+    backward_block = _finish(bwd, tuple(returns))
+
+    # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
+    read = _names_read(backward_block)
+    saved = tuple(lv.name for lv in program.intermediates if lv.name in read)
+    forward_block = _finish(fwd, tuple(outputs))
+    recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs))
+    return ir.Module(
+        op=program.op,
+        source=program.source,
+        formulas=program.formulas,
+        gradient_lines=gradient_lines(program, backward),
+        inputs=program.inputs,
+        ranks=tuple(program.rank(n) for n in program.inputs),
+        outputs=tuple(outputs),
+        attrs=tuple(
+            ir.Attr(name, kind, {"float": "float", "int": "int", "bool": "bool"}[kind])
+            for name, kind in program.attrs
+        ),
+        grads=tuple(grads),
+        dim_checks=tuple(
+            ir.DimCheck(index.name, axes) for index, axes in program.dims if len(axes) > 1
+        ),
+        forward=forward_block,
+        saved=saved,
+        recompute=recompute,
+        backward=backward_block,
+    )
+
+
+def _input_labels(name: str, program: Program) -> tuple[Index, ...]:
+    return tuple(sp.Symbol(f"_{name}{axis}") for axis in range(program.rank(name)))
+
+
+def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
+    """Prepend the size and dtype definitions the steps use."""
+    prelude = []
+    if body.uses_dtype:
+        prelude.append(ir.Assign("dtype", ir.DType(body.program.inputs[0])))
+    for var, (tensor_name, axis) in sorted(body.sizes.items()):
+        prelude.append(ir.Assign(var, ir.AxisSize(tensor_name, axis)))
+    return ir.Block(tuple(prelude + body.steps), returns)
+
+
+def _names_read(block: ir.Block) -> set[str]:
+    names: set[str] = set()
+
+    def walk(e) -> None:
+        if isinstance(e, ir.Var):
+            names.add(e.name)
+        elif isinstance(e, ir.DType | ir.AxisSize):
+            names.add(e.tensor)
+        elif isinstance(e, ir.FloatSize):
+            names.update((e.size, "dtype"))
+        elif isinstance(e, ir.View):
+            walk(e.operand)
+        elif isinstance(e, ir.Call):
+            for a in e.args:
+                walk(a)
+            for _, a in e.keywords:
+                walk(a)
+        elif isinstance(e, ir.Einsum):
+            for a in e.operands:
+                walk(a)
+        elif isinstance(e, ir.Binary):
+            walk(e.left)
+            walk(e.right)
+        elif isinstance(e, ir.Negate):
+            walk(e.operand)
+        elif isinstance(e, ir.Shape):
+            for dim in e.dims:
+                names.update(dim)
+
+    for step in block.steps:
+        walk(step.value)
+    return names
+
+
+def _prune(block: ir.Block, wanted: tuple[str, ...], available: set[str]) -> ir.Block:
+    """The steps of `block` needed to compute `wanted` from `available` names."""
+    needed = set(wanted)
+    kept: list[ir.Assign] = []
+    for step in reversed(block.steps):
+        if step.target in needed and step.target not in available - set(wanted):
+            kept.append(step)
+            needed |= _names_read(ir.Block((step,), ()))
+    kept.reverse()
+    return ir.Block(tuple(kept), wanted)
+
+
+__all__ = ["lower", "align", "Backward", "tensor"]

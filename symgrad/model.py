@@ -1,0 +1,511 @@
+"""Stage 3: typed AST -> the op's math in canonical form (SymPy), validated.
+
+Canonical form: every tensor the op computes -- each output, and each intermediate that a
+nonlinearity forces -- is a `Level`: a sum of `Term`s, a term being a pointwise SymPy
+expression (a product of accesses and elementwise functions) summed over a set of bound
+indices. A sum nested inside a nonlinearity (`exp(sum(A*B, k))`, `1/sum(...)`) becomes
+an intermediate `Level` over the sum's free indices and is then read like an input.
+
+We keep our own index bookkeeping instead of `sympy.Sum`: `Sum.doit` and the array
+converter are wrong or slow on batched formulas (see DESIGN.md, "Known pitfalls").
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy as sp
+
+from . import functions as fn
+from .errors import SymgradError
+from .parse import Access, AttrRef, BinOp, Call, Constant, Equation, Neg, Node, Num, Reduce
+from .parse import MAX_INDICES, parse_equation
+from .spec import OpSpec
+
+Index = sp.Symbol
+
+
+@dataclass(frozen=True)
+class Term:
+    """`Σ_{summed} expr`: `expr` is pointwise (no sums inside) in tensor accesses."""
+
+    expr: sp.Expr
+    summed: tuple[Index, ...]  # bound indices, in order of first appearance
+
+
+@dataclass(frozen=True)
+class Level:
+    """A tensor defined by a formula over its free `indices`.
+
+    kind "sum":       value[indices] = Σ_terms Σ_{term.summed} term.expr
+    kind "logsumexp": value[indices] = log Σ_{summed} exp(expr) for its single term;
+                      the stable form of `log(sum(exp(u)))`, created for any `sum(exp(u))`.
+    """
+
+    name: str
+    indices: tuple[Index, ...]
+    terms: tuple[Term, ...]
+    kind: str = "sum"
+
+
+@dataclass(frozen=True)
+class Output:
+    """One equation's left side: its level, and how its indices group into axes."""
+
+    level: Level
+    groups: tuple[tuple[Index, ...], ...]  # one tuple per axis; composite axes have several
+    formula: str  # the equation as written
+
+
+@dataclass(frozen=True)
+class Program:
+    """An op, ready for differentiation and lowering."""
+
+    op: str
+    source: str  # "symgrad.toml [ops.Name]"
+    formulas: tuple[str, ...]
+    inputs: tuple[str, ...]  # op input order
+    ranks: tuple[tuple[str, int], ...]  # (tensor, rank) for inputs, then intermediates
+    attrs: tuple[tuple[str, str], ...]
+    no_gradient: tuple[str, ...]
+    outputs: tuple[Output, ...]
+    intermediates: tuple[Level, ...]  # in dependency order
+    dims: tuple[tuple[Index, tuple[tuple[str, int], ...]], ...]  # index -> (input, axis)s
+
+    def rank(self, tensor: str) -> int:
+        return dict(self.ranks)[tensor]
+
+    def size_source(self, index: Index) -> tuple[str, int]:
+        """An (input, axis) whose size is the size of `index`."""
+        return dict(self.dims)[index][0]
+
+
+def tensor(name: str) -> sp.IndexedBase:
+    """The SymPy handle of a named tensor (inputs, outputs, intermediates, grads)."""
+    return sp.IndexedBase(name, real=True)
+
+
+def size_of(index: Index) -> sp.Symbol:
+    """The size of an index's dimension as a symbol (`|k|`), used by `mean`."""
+    return sp.Symbol(f"|{index.name}|", positive=True)
+
+
+def index_of_size(symbol: sp.Symbol) -> str | None:
+    name = symbol.name
+    return name[1:-1] if name.startswith("|") and name.endswith("|") else None
+
+
+def accesses(expr: sp.Expr) -> list[sp.Indexed]:
+    """The distinct tensor accesses in an expression, in a deterministic order."""
+    return sorted(expr.atoms(sp.Indexed), key=sp.default_sort_key)
+
+
+def indices_in_order(expr: sp.Expr) -> list[Index]:
+    """Indices used by accesses in `expr`, in a deterministic order of appearance."""
+    seen: dict[Index, None] = {}
+    for access in _accesses_in_print_order(expr):
+        for index in access.indices:
+            for symbol in sorted(index.free_symbols, key=sp.default_sort_key):
+                seen.setdefault(symbol, None)
+    return list(seen)
+
+
+def _accesses_in_print_order(expr: sp.Expr) -> list[sp.Indexed]:
+    if isinstance(expr, sp.Indexed):
+        return [expr]
+    found: list[sp.Indexed] = []
+    for arg in expr.args:
+        found.extend(_accesses_in_print_order(arg))
+    return found
+
+
+class _Builder:
+    """Turns one op's equations into Levels; owns the op-wide index and name bookkeeping."""
+
+    def __init__(self, op: OpSpec) -> None:
+        self.op = op
+        self.attrs = {name: sp.Symbol(name, real=True) for name, _ in op.attrs}
+        self.ranks: dict[str, int] = {}
+        self.first_access: dict[str, tuple[str, int]] = {}
+        self.input_order: list[str] = []
+        self.dims: dict[Index, list[tuple[str, int]]] = {}
+        self.used_names: set[str] = set()
+        self.intermediates: list[Level] = []
+        self.by_key: dict[str, tuple[Level, tuple[Index, ...]]] = {}
+        self.equation: Equation | None = None
+
+    # -- errors -----------------------------------------------------------------------
+
+    def fail(self, message: str, col: int | None = None) -> SymgradError:
+        text = self.equation.text if self.equation else None
+        return SymgradError(message, formula=text if col is not None else None, column=col)
+
+    # -- indices ----------------------------------------------------------------------
+
+    def bind(self, name: str) -> Index:
+        """A fresh index symbol for a bound (summed) index named `name` by the user."""
+        candidate = name
+        while candidate in self.used_names:
+            candidate += "'"
+        self.used_names.add(candidate)
+        return sp.Symbol(candidate)
+
+    # -- AST -> terms -----------------------------------------------------------------
+
+    def convert(self, node: Node, scope: dict[str, Index]) -> list[Term]:
+        """Convert a scope's expression: implicit sums attach to each additive term."""
+        result: list[Term] = []
+        for sign, part in _additive_parts(node, 1):
+            implicit = self.implicit_indices(part, scope)
+            inner_scope = dict(scope)
+            bound = []
+            for name in implicit:
+                symbol = self.bind(name)
+                inner_scope[name] = symbol
+                bound.append(symbol)
+            for term in self.factor(part, inner_scope):
+                summed = _ordered_union(term.summed, bound)
+                result.append(Term(sign * term.expr, summed))
+        return _merge_pointwise(result)
+
+    def implicit_indices(self, node: Node, scope: dict[str, Index]) -> list[str]:
+        """Indices used in `node` that no enclosing scope binds (Einstein convention)."""
+        found: dict[str, None] = {}
+
+        def walk(n: Node, bound: frozenset[str]) -> None:
+            if isinstance(n, Access):
+                for index in n.indices:
+                    if index not in scope and index not in bound:
+                        found.setdefault(index, None)
+            elif isinstance(n, Reduce):
+                walk(n.body, bound | set(n.indices))
+            elif isinstance(n, Neg):
+                walk(n.operand, bound)
+            elif isinstance(n, BinOp):
+                walk(n.left, bound)
+                walk(n.right, bound)
+            elif isinstance(n, Call):
+                for arg in n.args:
+                    walk(arg, bound)
+
+        walk(node, frozenset())
+        return list(found)
+
+    def factor(self, node: Node, scope: dict[str, Index]) -> list[Term]:
+        """Convert a node inside a scope where every index is already bound."""
+        if isinstance(node, Num):
+            return [Term(_number(node.value), ())]
+        if isinstance(node, Constant):
+            return [Term(sp.pi if node.name == "pi" else sp.E, ())]
+        if isinstance(node, AttrRef):
+            return [Term(self.attrs[node.name], ())]
+        if isinstance(node, Access):
+            return [Term(self.access(node, scope), ())]
+        if isinstance(node, Neg):
+            return [Term(-t.expr, t.summed) for t in self.factor(node.operand, scope)]
+        if isinstance(node, Reduce):
+            inner = dict(scope)
+            bound = []
+            for name in node.indices:
+                symbol = self.bind(name)
+                inner[name] = symbol
+                bound.append(symbol)
+            body = self.convert(node.body, inner)
+            scale = sp.Integer(1)
+            if node.kind == "mean":
+                for symbol in bound:
+                    scale /= size_of(symbol)
+            for symbol in bound:
+                if not any(symbol in t.expr.free_symbols for t in body):
+                    raise self.fail(
+                        f"{node.kind}() over {symbol.name.rstrip(chr(39))!r}, "
+                        "which no tensor in it uses",
+                        node.col,
+                    )
+            return [Term(scale * t.expr, _ordered_union(t.summed, bound)) for t in body]
+        if isinstance(node, BinOp):
+            if node.op in "+-":
+                sign = 1 if node.op == "+" else -1
+                left = self.factor(node.left, scope)
+                right = self.factor(node.right, scope)
+                return _merge_pointwise(left + [Term(sign * t.expr, t.summed) for t in right])
+            if node.op == "*":
+                return self.product(self.factor(node.left, scope),
+                                    self.factor(node.right, scope))
+            if node.op == "/":
+                denominator = self.pointwise(node.right, scope)
+                if denominator == 0:
+                    raise self.fail("division by zero", node.right.col)
+                return self.product(self.factor(node.left, scope),
+                                    [Term(1 / denominator, ())])
+            base = self.pointwise(node.left, scope)
+            exponent = self.pointwise(node.right, scope)
+            if base == 0 and exponent.is_negative:
+                raise self.fail("division by zero", node.col)
+            return [Term(base**exponent, ())]
+        if isinstance(node, Call):
+            args = [self.pointwise(arg, scope) for arg in node.args]
+            return [Term(fn.apply(node.function, args), ())]
+        raise AssertionError(f"unexpected node {node!r}")  # parse only builds the above
+
+    def pointwise(self, node: Node, scope: dict[str, Index]) -> sp.Expr:
+        """A node used where only a pointwise value fits: sums become intermediates."""
+        terms = self.factor(node, scope)
+        if len(terms) == 1 and not terms[0].summed:
+            return terms[0].expr
+        written = [scope[name] for name in _written_indices(node) if name in scope]
+        return self.lift(terms, list(dict.fromkeys(written)))
+
+    def product(self, left: list[Term], right: list[Term]) -> list[Term]:
+        out = [
+            Term(a.expr * b.expr, _ordered_union(a.summed, b.summed))
+            for a, b in itertools.product(left, right)
+        ]
+        return _merge_pointwise(out)
+
+    def access(self, node: Access, scope: dict[str, Index]) -> sp.Indexed:
+        name = node.tensor
+        if name in self.attrs:
+            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices",
+                            node.col)
+        if self.equation and name == self.equation.output:
+            raise self.fail(f"output {name!r} cannot be used on the right side", node.col)
+        rank = len(node.indices)
+        if rank == 0:
+            raise self.fail(f"tensor {name!r} needs at least one index", node.col)
+        known = self.ranks.get(name)
+        if known is None:
+            self.ranks[name] = rank
+            self.first_access[name] = (self.equation.text if self.equation else "", node.col)
+            self.input_order.append(name)
+        elif known != rank:
+            raise self.fail(
+                f"tensor {name!r} is used with {rank} indices here but {known} elsewhere",
+                node.col,
+            )
+        symbols = []
+        for axis, index in enumerate(node.indices):
+            if index not in scope:  # pragma: no cover - implicit_indices binds all
+                raise self.fail(f"index {index!r} is not bound", node.col)
+            symbol = scope[index]
+            self.dims.setdefault(symbol, [])
+            if (name, axis) not in self.dims[symbol]:
+                self.dims[symbol].append((name, axis))
+            symbols.append(symbol)
+        return tensor(name)[tuple(symbols)]
+
+    # -- intermediates ----------------------------------------------------------------
+
+    def lift(self, terms: list[Term], written: list[Index]) -> sp.Expr:
+        """A sum used inside a nonlinearity: define it once as an intermediate.
+
+        Its free indices keep the order they are written in (`written`).
+        """
+        terms = [Term(_simplify(t.expr), t.summed) for t in terms]
+        used: list[Index] = []
+        for term in terms:
+            for symbol in indices_in_order(term.expr):
+                if symbol not in term.summed and symbol not in used:
+                    used.append(symbol)
+        free = [s for s in written if s in used] + [s for s in used if s not in written]
+        exp_sum = len(terms) == 1 and isinstance(terms[0].expr, sp.exp) and terms[0].summed
+        kind = "logsumexp" if exp_sum else "sum"
+        if exp_sum:
+            terms = [Term(terms[0].expr.args[0], terms[0].summed)]
+        key, canonical_free = _canonical_key(kind, terms, free)
+        if key in self.by_key:
+            level, level_free = self.by_key[key]
+            mapping = dict(zip(canonical_free, free, strict=True))
+            indices = tuple(mapping[c] for c in level_free)
+        else:
+            name = f"_{'lse' if exp_sum else 's'}{len(self.intermediates) + 1}"
+            level = Level(name, tuple(free), tuple(terms), kind)
+            self.intermediates.append(level)
+            self.ranks[name] = len(free)
+            self.by_key[key] = (level, tuple(canonical_free))
+            indices = tuple(free)
+        if not indices:
+            raise self.fail("a sum inside a function must keep at least one free index "
+                            "(a sum over every index is not supported inside functions)")
+        value = tensor(level.name)[indices]
+        return sp.exp(value) if exp_sum else value
+
+    # -- equations --------------------------------------------------------------------
+
+    def output(self, equation: Equation) -> Output:
+        self.equation = equation
+        name = equation.output
+        indices = equation.output_indices
+        seen: set[str] = set()
+        for index in indices:
+            if index in seen:
+                raise self.fail(
+                    f"output index {index!r} is repeated; each output index must be distinct",
+                    equation.output_col,
+                )
+            seen.add(index)
+        if len(indices) > MAX_INDICES:
+            raise self.fail(f"more than {MAX_INDICES} output indices", equation.output_col)
+        scope = {index: sp.Symbol(index) for index in indices}
+        self.used_names.update(indices)
+        terms = self.convert(equation.rhs, scope)
+        terms = [Term(_simplify(t.expr), t.summed) for t in terms if t.expr != 0]
+        for index in indices:
+            if not self.dims.get(scope[index]):
+                raise self.fail(
+                    f"output index {index!r} is not used by any input, so its size is unknown",
+                    equation.output_col,
+                )
+        for term in terms:
+            if term.expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+                raise self.fail("the formula divides by zero", 0)
+        level = Level(name, tuple(scope[i] for i in indices), tuple(terms))
+        groups = tuple(tuple(scope[i] for i in group) for group in equation.groups)
+        self.equation = None
+        return Output(level, groups, equation.text)
+
+
+def _number(value: Fraction) -> sp.Expr:
+    return sp.Rational(value.numerator, value.denominator)
+
+
+def _simplify(expr: sp.Expr) -> sp.Expr:
+    """Cheap canonical form: combine exp products (exp(a)*exp(-b) -> exp(a-b))."""
+    return sp.powsimp(expr, combine="exp")
+
+
+def _written_indices(node: Node) -> list[str]:
+    """Index names of the accesses under `node`, in written order."""
+    if isinstance(node, Access):
+        return list(node.indices)
+    if isinstance(node, Reduce):
+        return _written_indices(node.body)
+    if isinstance(node, Neg):
+        return _written_indices(node.operand)
+    if isinstance(node, BinOp):
+        return _written_indices(node.left) + _written_indices(node.right)
+    if isinstance(node, Call):
+        return [name for arg in node.args for name in _written_indices(arg)]
+    return []
+
+
+def _additive_parts(node: Node, sign: int) -> list[tuple[int, Node]]:
+    if isinstance(node, BinOp) and node.op in "+-":
+        right_sign = sign if node.op == "+" else -sign
+        return _additive_parts(node.left, sign) + _additive_parts(node.right, right_sign)
+    if isinstance(node, Neg):
+        return _additive_parts(node.operand, -sign)
+    return [(sign, node)]
+
+
+def _ordered_union(first: tuple[Index, ...], second) -> tuple[Index, ...]:
+    return tuple(dict.fromkeys((*first, *second)))
+
+
+def _merge_pointwise(terms: list[Term]) -> list[Term]:
+    """Pointwise terms (no sums) add up into one, so `(A + B) * C` stays a product."""
+    pointwise = [t.expr for t in terms if not t.summed]
+    summed = [t for t in terms if t.summed]
+    if len(pointwise) <= 1 and len(pointwise) + len(summed) == len(terms):
+        merged = [Term(pointwise[0], ())] if pointwise else []
+        return merged + summed
+    return [Term(sp.Add(*pointwise), ())] + summed
+
+
+def _canonical_key(kind: str, terms: list[Term], free: list[Index]):
+    """A name-independent key, so the same sub-formula written twice is computed once."""
+    canonical_free = [sp.Symbol(f"_f{n}") for n in range(len(free))]
+    bound = list(dict.fromkeys(s for t in terms for s in t.summed))
+    best = None
+    for order in itertools.permutations(range(len(bound))) if len(bound) <= 4 else [
+        tuple(range(len(bound)))
+    ]:
+        mapping = dict(zip(free, canonical_free, strict=True))
+        mapping.update({bound[n]: sp.Symbol(f"_b{k}") for n, k in enumerate(order)})
+        text = repr(
+            sorted(
+                (sp.srepr(t.expr.xreplace(mapping)), sorted(mapping[s].name for s in t.summed))
+                for t in terms
+            )
+        )
+        if best is None or text < best:
+            best = text
+    return f"{kind}:{len(free)}:{best}", canonical_free
+
+
+def build(op: OpSpec) -> Program:
+    """Validate an op's formulas and bring them into canonical form."""
+    builder = _Builder(op)
+    attrs = frozenset(builder.attrs)
+    outputs: list[Output] = []
+    for text in op.formulas:
+        try:
+            equation = parse_equation(text, attrs)
+            outputs.append(builder.output(equation))
+        except SymgradError as exc:
+            raise exc.located(op.source, text) from None
+    return _check(builder, outputs)
+
+
+def _check(builder: _Builder, outputs: list[Output]) -> Program:
+    op = builder.op
+    where = op.source
+
+    def fail(message: str) -> SymgradError:
+        return SymgradError(message, where=where)
+
+    names = [o.level.name for o in outputs]
+    for name in names:
+        if names.count(name) > 1:
+            raise fail(f"output {name!r} is defined twice")
+    inputs_used = [n for n in builder.input_order if not n.startswith("_")]
+    for output in names:
+        if output in inputs_used:
+            raise fail(f"output {output!r} is also used as an input")
+        if output in builder.attrs:
+            raise fail(f"output {output!r} has the name of an attr")
+    for name in inputs_used:
+        if name in builder.attrs:
+            raise fail(f"{name!r} is both an attr and a tensor")
+    if op.inputs is not None:
+        missing = [n for n in op.inputs if n not in inputs_used]
+        extra = [n for n in inputs_used if n not in op.inputs]
+        if missing:
+            raise fail(f"`inputs` lists {', '.join(map(repr, missing))}, "
+                       "which no formula uses")
+        if extra:
+            raise fail(f"`inputs` does not list {', '.join(map(repr, extra))}, "
+                       "which the formula uses")
+        inputs = op.inputs
+    else:
+        inputs = tuple(inputs_used)
+    if not inputs:
+        raise fail("the formula uses no input tensor")
+    for name in op.no_gradient:
+        if name not in inputs:
+            raise fail(f"`no_gradient` names {name!r}, which is not an input")
+    unused = [a for a in builder.attrs if not any(
+        builder.attrs[a] in t.expr.free_symbols
+        for level in (*[o.level for o in outputs], *builder.intermediates)
+        for t in level.terms)]
+    if unused:
+        raise fail(f"attr {unused[0]!r} is declared but no formula uses it")
+    ranks = tuple((n, builder.ranks[n]) for n in (*inputs, *(l.name for l in builder.intermediates)))
+    dims = tuple(
+        (index, tuple((t, a) for t, a in sources if not t.startswith("_")))
+        for index, sources in builder.dims.items()
+    )
+    return Program(
+        op=op.name,
+        source=where,
+        formulas=op.formulas,
+        inputs=tuple(inputs),
+        ranks=ranks,
+        attrs=op.attrs,
+        no_gradient=op.no_gradient,
+        outputs=tuple(outputs),
+        intermediates=tuple(builder.intermediates),
+        dims=dims,
+    )

@@ -1,0 +1,423 @@
+"""Stage 2: formula text -> typed AST.
+
+Python's own tokenizer and parser (`ast.parse`) read the text; nothing is ever evaluated.
+The walk below accepts a small whitelist of node shapes and turns them into the frozen
+dataclasses of this module; everything else is refused with its column. Size limits are
+checked before `ast.parse` sees the text, so hostile input fails fast.
+"""
+
+from __future__ import annotations
+
+import ast
+import keyword
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .errors import SymgradError
+
+MAX_FORMULA_LENGTH = 2000
+MAX_DEPTH = 40  # nesting of brackets and of the walked expression tree
+MAX_INTEGER = 10**9
+MAX_EXPONENT = 64
+MAX_INDICES = 52  # einsum has 52 letters
+
+FUNCTIONS: dict[str, int] = {
+    "exp": 1,
+    "log": 1,
+    "sin": 1,
+    "cos": 1,
+    "tan": 1,
+    "tanh": 1,
+    "sinh": 1,
+    "cosh": 1,
+    "sqrt": 1,
+    "abs": 1,
+    "sigmoid": 1,
+    "softplus": 1,
+    "erf": 1,
+    "max": 2,
+    "min": 2,
+}
+REDUCTIONS = ("sum", "mean")
+CONSTANTS = ("pi", "e")
+
+# Names the generated module uses itself, or that would read confusingly as tensors.
+RESERVED = frozenset(
+    {*FUNCTIONS, *REDUCTIONS, *CONSTANTS, "tf", "op", "grad", "grads", "dtype", "forward",
+     "vjp", "gradient", "OP_TYPE", "INPUTS", "OUTPUTS", "ATTRS", "None", "True", "False",
+     "math", "np", "self", "cls", "print", "len", "float", "int", "bool", "range", "tuple",
+     "list", "dict", "str", "type", "object", "super", "isinstance", "ValueError",
+     "TypeError", "KeyError"}
+)
+IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+
+
+# ----------------------------------------------------------------------------- AST
+
+
+@dataclass(frozen=True)
+class Num:
+    """A numeric literal, kept exact."""
+
+    value: Fraction
+    col: int
+
+
+@dataclass(frozen=True)
+class Constant:
+    """`pi` or `e`."""
+
+    name: str
+    col: int
+
+
+@dataclass(frozen=True)
+class AttrRef:
+    """A scalar op attribute used by name."""
+
+    name: str
+    col: int
+
+
+@dataclass(frozen=True)
+class Access:
+    """`X[i, j, ...]`: one element of an input tensor."""
+
+    tensor: str
+    indices: tuple[str, ...]
+    col: int
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: Node
+    col: int
+
+
+@dataclass(frozen=True)
+class BinOp:
+    """`left op right` with op one of + - * / **."""
+
+    op: str
+    left: Node
+    right: Node
+    col: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """An elementwise function applied to sub-formulas."""
+
+    function: str
+    args: tuple[Node, ...]
+    col: int
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """`sum(body, k, ...)` or `mean(body, k, ...)`."""
+
+    kind: str
+    body: Node
+    indices: tuple[str, ...]
+    col: int
+
+
+Node = Num | Constant | AttrRef | Access | Neg | BinOp | Call | Reduce
+
+
+@dataclass(frozen=True)
+class Equation:
+    """`out[groups] = rhs`; each output group is one index or a composite `(i, k)`."""
+
+    output: str
+    groups: tuple[tuple[str, ...], ...]
+    rhs: Node
+    text: str
+    output_col: int
+
+    @property
+    def output_indices(self) -> tuple[str, ...]:
+        """The plain indices of the output, composite groups flattened."""
+        return tuple(index for group in self.groups for index in group)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_name(name: str, what: str) -> str | None:
+    """Why `name` cannot be used as a `what`, or None when it can."""
+    if not IDENTIFIER.match(name):
+        return (
+            f"{what} name {name!r} must be a plain ASCII identifier "
+            "(a letter, then letters, digits or '_')"
+        )
+    if keyword.iskeyword(name) or name in RESERVED or name.startswith("grad_"):
+        return f"{what} name {name!r} is reserved"
+    return None
+
+
+def _check_text(text: str) -> None:
+    if len(text) > MAX_FORMULA_LENGTH:
+        raise SymgradError(
+            f"formula is {len(text)} characters long; the limit is {MAX_FORMULA_LENGTH}"
+        )
+    for col, char in enumerate(text):
+        if not (" " <= char <= "~"):
+            described = repr(char) if char.isprintable() else f"U+{ord(char):04X}"
+            raise SymgradError(
+                f"character {described} is not allowed in a formula "
+                "(formulas are one line of printable ASCII)",
+                formula=_printable(text),
+                column=col,
+            )
+    depth = 0
+    for col, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SymgradError(
+                    f"brackets nest deeper than {MAX_DEPTH} levels", formula=text, column=col
+                )
+        elif char in ")]}":
+            depth -= 1
+
+
+def _printable(text: str) -> str:
+    return "".join(char if " " <= char <= "~" else "?" for char in text)
+
+
+# ----------------------------------------------------------------------------- walk
+
+
+class _Walker:
+    def __init__(self, text: str, attrs: frozenset[str]) -> None:
+        self.text = text
+        self.attrs = attrs
+
+    def fail(self, message: str, node: ast.AST | None = None, col: int | None = None):
+        column = col if col is not None else getattr(node, "col_offset", None)
+        raise SymgradError(message, formula=self.text, column=column)
+
+    def equation(self, tree: ast.Module) -> Equation:
+        if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign):
+            self.fail("a formula is one equation `out[i, ...] = expression`", col=0)
+        assign = tree.body[0]
+        if len(assign.targets) != 1:
+            self.fail("a formula has exactly one `=`", assign.targets[1])
+        target = assign.targets[0]
+        if not isinstance(target, ast.Subscript) or not isinstance(target.value, ast.Name):
+            self.fail("the left side must be an indexed output such as `y[b, i]`", target)
+        output = target.value.id
+        problem = check_name(output, "output")
+        if problem:
+            self.fail(problem, target)
+        groups: list[tuple[str, ...]] = []
+        for element in _slice_elements(target.slice):
+            if isinstance(element, ast.Tuple):
+                if len(element.elts) < 2:
+                    self.fail("a composite output index needs two or more indices", element)
+                groups.append(tuple(self.index_name(e) for e in element.elts))
+            else:
+                groups.append((self.index_name(element),))
+        rhs = self.expr(assign.value, 0)
+        return Equation(output, tuple(groups), rhs, self.text, target.col_offset)
+
+    def index_name(self, node: ast.AST) -> str:
+        if not isinstance(node, ast.Name):
+            self.fail("an index must be a plain name such as `i`", node)
+        problem = check_name(node.id, "index")
+        if problem:
+            self.fail(problem, node)
+        return node.id
+
+    def expr(self, node: ast.AST, depth: int) -> Node:
+        if depth > MAX_DEPTH:
+            self.fail(f"the expression nests deeper than {MAX_DEPTH} levels", node)
+        col = getattr(node, "col_offset", 0)
+        if isinstance(node, ast.BinOp):
+            ops = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
+            op = ops.get(type(node.op))
+            if op is None:
+                self.fail(f"operator {_op_symbol(node.op)} is not supported", node)
+            left = self.expr(node.left, depth + 1)
+            right = self.expr(node.right, depth + 1)
+            if op == "/" and isinstance(right, Num) and right.value == 0:
+                self.fail("division by zero", node.right)
+            if op == "**":
+                self.check_exponent(right, node.right)
+            result = BinOp(op, left, right, col)
+            try:
+                _constant_value(result)  # constant sub-formulas must stay of sane size
+            except SymgradError as exc:
+                self.fail(exc.message, col=exc.column)
+            return result
+        if isinstance(node, ast.UnaryOp):
+            if isinstance(node.op, ast.USub):
+                return Neg(self.expr(node.operand, depth + 1), col)
+            if isinstance(node.op, ast.UAdd):
+                return self.expr(node.operand, depth + 1)
+            self.fail(f"operator {_op_symbol(node.op)} is not supported", node)
+        if isinstance(node, ast.Constant):
+            return self.number(node)
+        if isinstance(node, ast.Name):
+            if node.id in CONSTANTS:
+                return Constant(node.id, col)
+            if node.id in self.attrs:
+                return AttrRef(node.id, col)
+            if node.id in FUNCTIONS or node.id in REDUCTIONS:
+                self.fail(f"function {node.id!r} must be called", node)
+            self.fail(
+                f"unknown name {node.id!r}: tensors need indices (`{node.id}[...]`) "
+                "and scalars must be declared in `attrs`",
+                node,
+            )
+        if isinstance(node, ast.Subscript):
+            if not isinstance(node.value, ast.Name):
+                self.fail("only a named tensor can be indexed", node)
+            name = node.value.id
+            problem = check_name(name, "tensor")
+            if problem:
+                self.fail(problem, node)
+            elements = _slice_elements(node.slice)
+            indices = tuple(self.index_name(e) for e in elements)
+            return Access(name, indices, col)
+        if isinstance(node, ast.Call):
+            return self.call(node, depth)
+        self.fail(f"{_describe(node)} is not allowed in a formula", node)
+
+    def call(self, node: ast.Call, depth: int) -> Node:
+        col = node.col_offset
+        if not isinstance(node.func, ast.Name):
+            self.fail(f"{_describe(node.func)} cannot be called; only named functions", node)
+        name = node.func.id
+        if node.keywords:
+            self.fail(f"{name}() takes no keyword arguments", node.keywords[0].value)
+        for arg in node.args:
+            if isinstance(arg, ast.Starred):
+                self.fail("starred arguments are not allowed", arg)
+        if name in REDUCTIONS:
+            if len(node.args) < 2:
+                self.fail(f"{name}(expr, k, ...) needs an expression and at least one index",
+                          node)
+            body = self.expr(node.args[0], depth + 1)
+            indices = tuple(self.index_name(a) for a in node.args[1:])
+            if len(set(indices)) != len(indices):
+                self.fail(f"{name}() names an index twice", node.args[1])
+            return Reduce(name, body, indices, col)
+        arity = FUNCTIONS.get(name)
+        if arity is None:
+            known = ", ".join(sorted(FUNCTIONS) + list(REDUCTIONS))
+            self.fail(f"unknown function {name!r} (known: {known})", node)
+        if len(node.args) != arity:
+            self.fail(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
+                      f"got {len(node.args)}", node)
+        return Call(name, tuple(self.expr(a, depth + 1) for a in node.args), col)
+
+    def number(self, node: ast.Constant) -> Num:
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(f"{_describe(node)} is not allowed in a formula", node)
+        if isinstance(value, int):
+            if abs(value) > MAX_INTEGER:
+                self.fail(f"integer constant is larger than {MAX_INTEGER}", node)
+            return Num(Fraction(value), node.col_offset)
+        if not math.isfinite(value) or abs(value) > MAX_INTEGER:
+            self.fail(f"number {value!r} is out of range", node)
+        # The literal as written, exactly: 0.1 means one tenth, not the nearest double.
+        literal = ast.get_source_segment(self.text, node) or repr(value)
+        return Num(Fraction(literal.replace("_", "")), node.col_offset)
+
+    def check_exponent(self, exponent: Node, node: ast.AST) -> None:
+        try:
+            value = _constant_value(exponent)
+        except SymgradError as exc:
+            self.fail(exc.message, col=exc.column)
+        if value is not None and abs(value) > MAX_EXPONENT:
+            self.fail(f"exponent {value} is larger than {MAX_EXPONENT} in magnitude", node)
+
+
+def _constant_value(node: Node) -> Fraction | None:
+    """The exact value of a constant sub-formula (numbers only), or None.
+
+    Folding is guarded so that `9**9**9**9` fails fast instead of hanging.
+    """
+    if isinstance(node, Num):
+        return node.value
+    if isinstance(node, Neg):
+        inner = _constant_value(node.operand)
+        return None if inner is None else -inner
+    if not isinstance(node, BinOp):
+        return None
+    left, right = _constant_value(node.left), _constant_value(node.right)
+    if left is None or right is None:
+        return None
+    if node.op == "+":
+        value = left + right
+    elif node.op == "-":
+        value = left - right
+    elif node.op == "*":
+        value = left * right
+    elif node.op == "/":
+        if right == 0:
+            raise SymgradError("division by zero", column=node.col)
+        value = left / right
+    else:
+        if right.denominator != 1:
+            return None  # a root: stays symbolic
+        if abs(right) > MAX_EXPONENT:
+            raise SymgradError(
+                f"exponent {right} is larger than {MAX_EXPONENT} in magnitude", column=node.col
+            )
+        if left == 0 and right < 0:
+            raise SymgradError("division by zero", column=node.col)
+        value = left ** int(right)
+    if max(value.numerator.bit_length(), value.denominator.bit_length()) > 1024:
+        raise SymgradError("constant is too large", column=node.col)
+    return value
+
+
+def _slice_elements(node: ast.AST) -> list[ast.AST]:
+    return list(node.elts) if isinstance(node, ast.Tuple) else [node]
+
+
+def _op_symbol(op: ast.AST) -> str:
+    symbols = {
+        ast.FloorDiv: "//", ast.Mod: "%", ast.MatMult: "@", ast.BitAnd: "&", ast.BitOr: "|",
+        ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>", ast.Not: "not", ast.Invert: "~",
+    }
+    return repr(symbols.get(type(op), type(op).__name__))
+
+
+def _describe(node: ast.AST) -> str:
+    names = {
+        ast.Attribute: "attribute access", ast.Lambda: "a lambda", ast.ListComp: "a comprehension",
+        ast.GeneratorExp: "a comprehension", ast.SetComp: "a comprehension",
+        ast.DictComp: "a comprehension", ast.Compare: "a comparison", ast.BoolOp: "and/or",
+        ast.IfExp: "a conditional expression", ast.List: "a list", ast.Tuple: "a tuple",
+        ast.Dict: "a dict", ast.Set: "a set", ast.Starred: "a starred expression",
+        ast.NamedExpr: "an assignment expression", ast.JoinedStr: "a string",
+        ast.Await: "await", ast.Yield: "yield", ast.Slice: "a slice",
+    }
+    if isinstance(node, ast.Constant):
+        return f"the literal {node.value!r}"
+    return names.get(type(node), type(node).__name__)
+
+
+def parse_equation(text: str, attrs: frozenset[str] = frozenset()) -> Equation:
+    """Parse one `out[idx] = expr` formula; raise SymgradError with a column on failure."""
+    text = text.strip(" ")
+    _check_text(text)
+    if not text:
+        raise SymgradError("formula is empty")
+    try:
+        tree = ast.parse(text, mode="exec")
+    except SyntaxError as exc:
+        column = max((exc.offset or 1) - 1, 0)
+        message = (exc.msg or "invalid syntax").split(" (")[0]
+        raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
+    except (RecursionError, MemoryError, ValueError):
+        raise SymgradError("the formula is too deeply nested to read") from None
+    return _Walker(text, attrs).equation(tree)

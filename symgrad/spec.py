@@ -1,0 +1,169 @@
+"""Stage 1: load and validate a spec file (`symgrad.toml`).
+
+The schema is strict: unknown keys, wrong types and bad names are errors that name the
+file and the op. Nothing here looks at formulas beyond their type; `model` does that.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SymgradError
+from .parse import check_name
+
+OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
+ATTR_TYPES = ("float", "int", "bool")
+TOP_KEYS = ("out", "ops")
+OP_KEYS = ("formula", "inputs", "attrs", "no_gradient")
+MAX_OPS = 500
+MAX_FORMULAS = 16
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One `[ops.Name]` table, validated for shape and names."""
+
+    name: str  # the TF op type the gradient is registered for
+    formulas: tuple[str, ...]  # one equation per output, in output order
+    inputs: tuple[str, ...] | None  # declared op input order, or None for first appearance
+    attrs: tuple[tuple[str, str], ...]  # (attr name, "float" | "int" | "bool"), spec order
+    no_gradient: tuple[str, ...]  # inputs whose gradient is None
+    source: str  # where it came from, for messages and headers: "symgrad.toml [ops.Name]"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A whole spec file."""
+
+    path: str  # as given by the user (used in messages and generated headers)
+    out: str | None  # output folder from the file, relative to the spec's folder
+    ops: tuple[OpSpec, ...]  # sorted by name, so spec order never changes the output
+
+
+def _type_name(value: object) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _string_list(value: object, what: str, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SymgradError(f"`{what}` must be an array of strings, not {_type_name(value)}",
+                           where=where)
+    if len(set(value)) != len(value):
+        raise SymgradError(f"`{what}` names the same tensor twice", where=where)
+    return tuple(value)
+
+
+def _op_spec(name: str, table: object, path: str) -> OpSpec:
+    where = f"{path} [ops.{name}]"
+    if not OP_NAME.match(name):
+        raise SymgradError(
+            f"op name {name!r} is not a TensorFlow op name ([A-Z][A-Za-z0-9_]*)",
+            where=f"{path} [ops]",
+        )
+    if not isinstance(table, dict):
+        raise SymgradError(f"must be a table, not {_type_name(table)}", where=where)
+    for key in table:
+        if key not in OP_KEYS:
+            raise SymgradError(
+                f"unknown key {key!r} (known: {', '.join(OP_KEYS)})", where=where
+            )
+    if "formula" not in table:
+        raise SymgradError("missing `formula`", where=where)
+    formula = table["formula"]
+    if isinstance(formula, str):
+        formulas: tuple[str, ...] = (formula,)
+    elif isinstance(formula, list) and formula and all(isinstance(f, str) for f in formula):
+        formulas = tuple(formula)
+    else:
+        raise SymgradError(
+            f"`formula` must be a string or a non-empty array of strings, "
+            f"not {_type_name(formula)}",
+            where=where,
+        )
+    if len(formulas) > MAX_FORMULAS:
+        raise SymgradError(f"more than {MAX_FORMULAS} formulas", where=where)
+    inputs = _string_list(table["inputs"], "inputs", where) if "inputs" in table else None
+    no_gradient = (
+        _string_list(table["no_gradient"], "no_gradient", where)
+        if "no_gradient" in table
+        else ()
+    )
+    attrs_table = table.get("attrs", {})
+    if not isinstance(attrs_table, dict):
+        raise SymgradError(f"`attrs` must be a table, not {_type_name(attrs_table)}",
+                           where=where)
+    attrs = []
+    for attr, kind in attrs_table.items():
+        problem = check_name(attr, "attr")
+        if problem:
+            raise SymgradError(problem, where=where)
+        if kind not in ATTR_TYPES:
+            raise SymgradError(
+                f"attr {attr!r} has type {kind!r}; known types: {', '.join(ATTR_TYPES)}",
+                where=where,
+            )
+        attrs.append((attr, kind))
+    for tensor in (*(inputs or ()), *no_gradient):
+        problem = check_name(tensor, "tensor")
+        if problem:
+            raise SymgradError(problem, where=where)
+    return OpSpec(name, formulas, inputs, tuple(attrs), no_gradient, where)
+
+
+def parse_spec(text: str, path: str) -> Spec:
+    """Validate the TOML text of a spec file (pure: no file access)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SymgradError(f"not valid TOML: {exc}", where=path) from None
+    for key in data:
+        if key not in TOP_KEYS:
+            raise SymgradError(
+                f"unknown top-level key {key!r} (known: {', '.join(TOP_KEYS)})", where=path
+            )
+    out = data.get("out")
+    if out is not None and (not isinstance(out, str) or not out.strip()):
+        raise SymgradError("`out` must be a non-empty string (a folder)", where=path)
+    ops_table = data.get("ops")
+    if ops_table is None:
+        raise SymgradError("no `[ops.<Name>]` tables: nothing to generate", where=path)
+    if not isinstance(ops_table, dict):
+        raise SymgradError("`ops` must be a table of `[ops.<Name>]` tables", where=path)
+    if len(ops_table) > MAX_OPS:
+        raise SymgradError(f"more than {MAX_OPS} ops", where=path)
+    ops = [_op_spec(name, table, path) for name, table in ops_table.items()]
+    modules: dict[str, str] = {}
+    for op in ops:
+        module = snake_case(op.name)
+        if module in modules:
+            raise SymgradError(
+                f"ops {modules[module]!r} and {op.name!r} would both write {module}.py",
+                where=path,
+            )
+        modules[module] = op.name
+    return Spec(path, out, tuple(sorted(ops, key=lambda op: op.name)))
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise SymgradError("spec file not found", where=str(path)) from None
+    except OSError as exc:
+        raise SymgradError(f"cannot read spec file: {exc.strerror}", where=str(path)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SymgradError("spec file is not UTF-8", where=str(path)) from None
+    return parse_spec(text, str(path))
+
+
+def snake_case(name: str) -> str:
+    """`BatchMatMul` -> `batch_mat_mul` (the module name of an op)."""
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name)
+    return re.sub(r"_+", "_", words).lower()
