@@ -146,7 +146,7 @@ class Lowerer:
             return self.access(body, e, target)
         if e.is_Integer:
             return ir.Lit(str(int(e)))
-        if e.is_Rational or e.is_Float or e.is_NumberSymbol:
+        if e.is_number:  # 1/2, pi, sqrt(pi): a Python float takes the tensors' dtype
             return ir.Lit(repr(float(e)))
         if isinstance(e, sp.Symbol):
             index = index_of_size(e)

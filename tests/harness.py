@@ -1,0 +1,162 @@
+"""Generate a module from formulas in a temp folder, import it, and check it numerically.
+
+Every check is float64: the generated `forward`, `vjp`, the registered `gradient(op, ...)`
+and a tape over `forward` (the custom-gradient path) against TF autodiff over the
+independent reference evaluator, plus finite differences (`tf.test.compute_gradient`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from reference import evaluate
+from symgrad.emit import module_text
+from symgrad.model import build
+from symgrad.spec import OpSpec
+
+_counter = itertools.count()
+
+
+@dataclass
+class Case:
+    """A formula (or several), how to make its inputs, and its attrs."""
+
+    formulas: tuple[str, ...] | str
+    shapes: dict[str, tuple[int, ...]]
+    attrs: dict[str, object] = field(default_factory=dict)
+    attr_types: dict[str, str] = field(default_factory=dict)
+    low: float = -1.0
+    high: float = 1.0
+    no_gradient: tuple[str, ...] = ()
+    inputs: tuple[str, ...] | None = None
+    rtol: float = 1e-7
+    fd_tol: float = 1e-5
+
+    @property
+    def equations(self) -> tuple[str, ...]:
+        return (self.formulas,) if isinstance(self.formulas, str) else tuple(self.formulas)
+
+
+def op_spec(case: Case, name: str) -> OpSpec:
+    attr_types = dict(case.attr_types)
+    for attr, value in case.attrs.items():
+        attr_types.setdefault(
+            attr, "bool" if isinstance(value, bool) else "int" if isinstance(value, int)
+            else "float"
+        )
+    return OpSpec(name, case.equations, case.inputs, tuple(attr_types.items()),
+                  case.no_gradient, f"test [ops.{name}]")
+
+
+def load_module(text: str, folder: Path, stem: str):
+    """Import generated source from a file under a unique module name."""
+    path = folder / f"{stem}.py"
+    path.write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def generate(case: Case, folder: Path, prefix: str = "Corpus"):
+    name = f"{prefix}{next(_counter)}"
+    text = module_text(op_spec(case, name), "test.toml")
+    return load_module(text, folder, f"symgrad_test_{name.lower()}")
+
+
+class FakeOp:
+    """What TF hands a registered gradient: inputs, outputs, attrs."""
+
+    def __init__(self, inputs, outputs, attrs):
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self._attrs = attrs
+
+    def get_attr(self, name):
+        return self._attrs[name]
+
+
+def make_inputs(case: Case, program, seed: int = 0, dtype=tf.float64):
+    rng = np.random.default_rng(seed)
+    return [
+        tf.constant(rng.uniform(case.low, case.high, case.shapes[name]), dtype=dtype)
+        for name in program.inputs
+    ]
+
+
+def reference_outputs(case: Case, program, tensors):
+    named = dict(zip(program.inputs, tensors, strict=True))
+    return [evaluate(f, named, case.attrs) for f in case.equations]
+
+
+def check(case: Case, module, seed: int = 0) -> None:
+    """All numerical checks of one generated module against the reference."""
+    program = build(op_spec(case, module.OP_TYPE))
+    tensors = make_inputs(case, program, seed)
+    rng = np.random.default_rng(seed + 1)
+
+    # Forward values.
+    expected = reference_outputs(case, program, tensors)
+    got = module.forward(*tensors, **case.attrs)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=case.rtol, atol=1e-9)
+
+    # Reference gradients by TF autodiff.
+    grads = [tf.constant(rng.standard_normal(e.shape.as_list())) for e in expected]
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(tensors)
+        outs = reference_outputs(case, program, tensors)
+    want = tape.gradient(outs, tensors, output_gradients=grads)
+
+    def compare(got_grads, how: str) -> None:
+        assert len(got_grads) == len(tensors), how
+        for name, g, w in zip(program.inputs, got_grads, want, strict=True):
+            if name in case.no_gradient:
+                assert g is None, f"{how}: {name} should get None"
+                continue
+            w = np.zeros(tensors[program.inputs.index(name)].shape) if w is None else w
+            np.testing.assert_allclose(
+                np.asarray(g), np.asarray(w), rtol=case.rtol, atol=1e-9,
+                err_msg=f"{how}: gradient of {name}",
+            )
+
+    compare(module.vjp(*tensors, *grads, **case.attrs), "vjp")
+    outputs = module.forward(*tensors, **case.attrs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    fake = FakeOp(tensors, outputs, case.attrs)
+    compare(module.gradient(fake, *grads), "registered gradient")
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        outs = module.forward(*tensors, **case.attrs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        loss = tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
+    taped = tape.gradient(loss, tensors)
+    taped = [None if n in case.no_gradient else t for n, t in zip(program.inputs, taped,
+                                                                  strict=True)]
+    compare(taped, "tape over forward")
+
+    # Finite differences of the scalar <forward, grads>, one input at a time.
+    for index, name in enumerate(program.inputs):
+        if name in case.no_gradient:
+            continue
+
+        def scalar(x, index=index):
+            args = list(tensors)
+            args[index] = x
+            outs = module.forward(*args, **case.attrs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            return tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
+
+        theoretical, numerical = tf.test.compute_gradient(scalar, [tensors[index]])
+        np.testing.assert_allclose(theoretical[0], numerical[0], rtol=case.fd_tol,
+                                   atol=case.fd_tol, err_msg=f"finite differences: {name}")
