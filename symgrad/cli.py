@@ -32,11 +32,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--diff", action="store_true", help="like --check, and print a diff")
     gen.add_argument("--force", action="store_true", help="overwrite hand-edited modules")
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
-    exp = commands.add_parser("explain", help="show the derivation of a gradient")
-    exp.add_argument("formula", nargs="?", help='e.g. "y[b,i,j] = A[b,i,k] * B[b,k,j]"')
+    exp = commands.add_parser(
+        "explain",
+        help="show what the gradient function must return, and why",
+        description="For each input: the partial derivatives (with Kronecker deltas), the "
+        "contraction with grad once the deltas are eliminated, and the TensorFlow code.",
+    )
+    exp.add_argument(
+        "formula",
+        nargs="?",
+        help='e.g. "y[b,i,j] = A[b,i,k] * B[b,k,j]"; with --op: the spec file',
+    )
     exp.add_argument("--op", help="explain this op from the spec instead of a formula")
-    exp.add_argument("--spec", dest="spec_file", default="symgrad.toml",
-                     help="spec file for --op (symgrad.toml)")
+    exp.add_argument("--spec", dest="spec_file", help="spec file for --op (symgrad.toml)")
     exp.add_argument("--format", choices=FORMATS, default="text")
     exp.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
@@ -51,40 +59,54 @@ def _generate(args) -> int:
     files = generate(spec)
     changes = plan(files, out)
     if args.check or args.diff:
-        for change in changes.changes:
-            state = {"create": "missing", "update": "stale", "delete": "orphaned"}[change.action]
-            edited = " (edited by hand)" if change.name in changes.edited else ""
-            print(f"{out / change.name}: {state}{edited}")
-            if args.diff:
-                sys.stdout.write(diff(change, out))
-        if changes.changes:
-            print(f"{len(changes.changes)} file(s) out of date; run `symgrad generate`",
-                  file=sys.stderr)
-            return EXIT_STALE
-        print(f"{out}: up to date ({len(files)} files)")
-        return EXIT_OK
+        return _report(changes, out, len(files), show_diff=args.diff)
     if changes.edited and not args.force:
-        names = ", ".join(changes.edited)
+        names = ", ".join(str(out / name) for name in changes.edited)
         raise SymgradError(
-            f"{names} changed by hand since generation; edit the spec instead, "
-            "or use --force to overwrite", where=str(out)
+            f"{names}: changed by hand since symgrad generated it (its hash no longer "
+            "matches); edit the spec instead, or pass --force to overwrite"
         )
     write(changes, out)
     for change in changes.changes:
-        print(f"{change.action:>6} {out / change.name}")
+        print(f"{ACTIONS[change.action]:>7} {out / change.name}")
     if not changes.changes:
         print(f"{out}: up to date ({len(files)} files)")
     return EXIT_OK
 
 
+ACTIONS = {"create": "created", "update": "updated", "delete": "deleted"}
+STATES = {"create": "missing", "update": "stale", "delete": "orphaned (op no longer in the spec)"}
+
+
+def _report(changes, out: Path, count: int, *, show_diff: bool) -> int:
+    """Check mode: name every file that is not as symgrad would write it; write nothing."""
+    for change in changes.changes:
+        edited = " and edited by hand (needs --force)" if change.name in changes.edited else ""
+        print(f"{out / change.name}: {STATES[change.action]}{edited}")
+        if show_diff:
+            sys.stdout.write(diff(change, out))
+    if changes.changes:
+        print(f"{len(changes.changes)} file(s) out of date; run `symgrad generate`",
+              file=sys.stderr)
+        return EXIT_STALE
+    print(f"{out}: up to date ({count} files)")
+    return EXIT_OK
+
+
 def _explain(args) -> int:
     if args.op:
-        spec = load_spec(args.spec_file)
+        if args.formula and args.spec_file:
+            raise SymgradError("give the spec file once: as SPEC or as --spec")
+        spec_file = args.spec_file or args.formula or "symgrad.toml"
+        spec = load_spec(spec_file)
         ops = {op.name: op for op in spec.ops}
         if args.op not in ops:
-            raise SymgradError(f"no op {args.op!r} in the spec", where=args.spec_file)
+            known = ", ".join(ops)
+            raise SymgradError(f"no op {args.op!r} in the spec (ops: {known})", where=spec_file)
         op = ops[args.op]
     elif args.formula:
+        if args.spec_file:
+            raise SymgradError("--spec goes with --op NAME, not with a FORMULA")
         op = OpSpec("Formula", (args.formula,), None, (), (), "formula")
     else:
         raise SymgradError("explain needs a FORMULA or --op NAME")

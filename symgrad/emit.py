@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .spec import Spec, snake_case
 
 HASH_LINE = re.compile(r"^# hash: (sha256:[0-9a-f]+)$", re.MULTILINE)
 PLACEHOLDER = "{content_hash}"
+INIT = "__init__.py"
 
 
 def _ruff() -> str:
@@ -109,7 +111,7 @@ def generate(spec: Spec) -> dict[str, str]:
     """Every file of the output package, in memory. Raises SymgradError on bad input."""
     source_name = Path(spec.path).name
     files = {f"{snake_case(op.name)}.py": module_text(op, source_name) for op in spec.ops}
-    files["__init__.py"] = package_init(spec, source_name)
+    files[INIT] = package_init(spec, source_name)
     return dict(sorted(files.items()))
 
 
@@ -128,6 +130,8 @@ class Change:
 
 @dataclass(frozen=True)
 class Plan:
+    """Everything writing would do, decided before the first write."""
+
     changes: tuple[Change, ...]
     edited: tuple[str, ...]  # generated files whose content no longer matches their hash
 
@@ -141,10 +145,15 @@ def plan(files: dict[str, str], out: Path) -> Plan:
         raise SymgradError("output path exists and is not a folder", where=str(out))
     if out.is_dir():
         for path in sorted(out.glob("*.py")):
+            if not path.is_file():
+                existing[path.name] = ""  # a folder or dangling link: not ours either
+                continue
             try:
+                # Text mode on purpose: a CRLF checkout (git autocrlf) reads as the LF text
+                # symgrad writes, so it is neither stale nor "edited by hand".
                 existing[path.name] = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
-                existing[path.name] = ""
+                existing[path.name] = ""  # unreadable: treated as a file symgrad did not write
     for name, text in files.items():
         old = existing.get(name)
         if old is None:
@@ -152,9 +161,9 @@ def plan(files: dict[str, str], out: Path) -> Plan:
             continue
         if not old.startswith(HEADER):
             raise SymgradError(
-                f"{name} exists but was not written by symgrad; refusing to overwrite it "
-                "(move it away or choose another --out)",
-                where=str(out),
+                f"{name} exists but was not written by symgrad (no `{HEADER}` header); "
+                "refusing to overwrite it: move it away, rename the op, or choose another --out",
+                where=str(out / name),
             )
         if old != text:
             if not intact(old):
@@ -169,6 +178,7 @@ def plan(files: dict[str, str], out: Path) -> Plan:
 
 
 def diff(change: Change, out: Path) -> str:
+    """A unified diff from the file on disk to the file symgrad would write."""
     path = str(out / change.name)
     return "".join(
         difflib.unified_diff(
@@ -181,28 +191,60 @@ def diff(change: Change, out: Path) -> str:
 
 
 def write(plan_: Plan, out: Path) -> None:
-    """Apply a plan: each file replaced atomically; deletions last."""
-    out.mkdir(parents=True, exist_ok=True)
-    for change in plan_.changes:
-        if change.action == "delete":
-            continue
+    """Apply a plan. Each file is replaced atomically, so an interruption leaves every file
+    either old or new. Modules first, then `__init__.py` (so the package never lists a
+    module that is not there yet), deletions last. OS errors become SymgradErrors."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SymgradError(f"cannot create the output folder: {exc.strerror}",
+                           where=str(out)) from None
+    writes = [c for c in plan_.changes if c.action != "delete"]
+    writes.sort(key=lambda c: c.name == INIT)
+    for change in writes:
         _atomic_write(out / change.name, change.new or "")
     for change in plan_.changes:
         if change.action == "delete":
-            (out / change.name).unlink(missing_ok=True)
+            try:
+                (out / change.name).unlink(missing_ok=True)
+            except OSError as exc:
+                raise SymgradError(f"cannot delete {change.name}: {exc.strerror}",
+                                   where=str(out)) from None
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write `text` to a temporary file beside `path`, then `os.replace` it into place."""
+    try:
+        mode = _file_mode(path)
+        handle, temporary = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+        )
+    except OSError as exc:
+        raise SymgradError(f"cannot write {path.name}: {exc.strerror}",
+                           where=str(path.parent)) from None
     try:
         with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
+        os.chmod(temporary, mode)  # mkstemp makes 0600 files; keep the usual permissions
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         Path(temporary).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise SymgradError(f"cannot write {path.name}: {exc.strerror or exc}",
+                               where=str(path.parent)) from None
         raise
+
+
+def _file_mode(path: Path) -> int:
+    """The permissions of the file being replaced, or what `open()` would give a new one."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 __all__ = ["generate", "plan", "write", "diff", "intact", "Plan", "Change", "__version__"]

@@ -40,10 +40,20 @@ class SymgradError(Exception):
 
     def render(self) -> str:
         """One line, plus the formula and a caret when a column is known."""
-        head = f"error: {self.where}: {self.message}" if self.where else f"error: {self.message}"
+        where, message = _visible(self.where), _visible(self.message)
+        head = f"error: {where}: {message}" if where else f"error: {message}"
         if self.formula is None or self.column is None:
             return head
-        return f"{head}\n    {self.formula}\n    {' ' * self.column}^"
+        formula = "".join(char if " " <= char <= "~" else "?" for char in self.formula)
+        column = min(max(self.column, 0), len(formula))
+        return f"{head}\n    {formula}\n    {' ' * column}^"
 
     def __str__(self) -> str:
         return self.render()
+
+
+def _visible(text: str) -> str:
+    """Control and invisible characters (newlines, U+202E...) escaped: one honest line."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else f"\\u{ord(char):04x}" for char in text)

@@ -52,6 +52,25 @@ RESERVED = frozenset(
      "TypeError", "KeyError"}
 )
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+MAX_NUMBER_BITS = 1024  # numerator and denominator of any exact constant
+MAX_EXP_ARGUMENT = 700
+MAX_DIGITS = 400  # digits of a decimal literal, and the size of its exponent
+DECIMAL = re.compile(r"(\d*)\.?(\d*)(?:[eE]([+-]?\d+))?\Z")
+# Elementwise functions whose value at some real constants is not a finite real.
+DOMAINS = {
+    "log": lambda value: value > 0,
+    "sqrt": lambda value: value >= 0,
+    "exp": lambda value: value <= MAX_EXP_ARGUMENT,  # beyond: inf in float64
+    "sinh": lambda value: abs(value) <= MAX_EXP_ARGUMENT,
+    "cosh": lambda value: abs(value) <= MAX_EXP_ARGUMENT,
+}
+
+# Characters no formula needs that Python's parser would not show us as nodes: a comment
+# would vanish from the AST but stay in the text, which generated docstrings quote.
+FORBIDDEN = {
+    "#": "comments ('#') are not allowed in a formula",
+    "\\": "backslashes are not allowed in a formula",
+}
 
 
 # ----------------------------------------------------------------------------- AST
@@ -173,6 +192,9 @@ def _check_text(text: str) -> None:
                 formula=_printable(text),
                 column=col,
             )
+    for col, char in enumerate(text):
+        if char in FORBIDDEN:
+            raise SymgradError(FORBIDDEN[char], formula=text, column=col)
     depth = 0
     for col, char in enumerate(text):
         if char in "([{":
@@ -196,6 +218,9 @@ class _Walker:
     def __init__(self, text: str, attrs: frozenset[str]) -> None:
         self.text = text
         self.attrs = attrs
+        self.indices: set[str] = set()  # every index name used, for the einsum letter limit
+        self.output_indices: frozenset[str] = frozenset()
+        self.summing: list[str] = []  # indices bound by the enclosing sum()/mean() calls
 
     def fail(self, message: str, node: ast.AST | None = None, col: int | None = None):
         column = col if col is not None else getattr(node, "col_offset", None)
@@ -222,6 +247,7 @@ class _Walker:
                 groups.append(tuple(self.index_name(e) for e in element.elts))
             else:
                 groups.append((self.index_name(element),))
+        self.output_indices = frozenset(index for group in groups for index in group)
         rhs = self.expr(assign.value, 0)
         return Equation(output, tuple(groups), rhs, self.text, target.col_offset)
 
@@ -231,6 +257,10 @@ class _Walker:
         problem = check_name(node.id, "index")
         if problem:
             self.fail(problem, node)
+        self.indices.add(node.id)
+        if len(self.indices) > MAX_INDICES:
+            self.fail(f"more than {MAX_INDICES} different indices in one formula "
+                      "(einsum has 52 letters)", node)
         return node.id
 
     def expr(self, node: ast.AST, depth: int) -> Node:
@@ -248,6 +278,7 @@ class _Walker:
                 self.fail("division by zero", node.right)
             if op == "**":
                 self.check_exponent(right, node.right)
+                self.check_base(left, right, node.left)
             result = BinOp(op, left, right, col)
             try:
                 _constant_value(result)  # constant sub-formulas must stay of sane size
@@ -302,10 +333,20 @@ class _Walker:
             if len(node.args) < 2:
                 self.fail(f"{name}(expr, k, ...) needs an expression and at least one index",
                           node)
-            body = self.expr(node.args[0], depth + 1)
             indices = tuple(self.index_name(a) for a in node.args[1:])
             if len(set(indices)) != len(indices):
                 self.fail(f"{name}() names an index twice", node.args[1])
+            for index, arg in zip(indices, node.args[1:], strict=True):
+                if index in self.output_indices:
+                    self.fail(f"{name}() over {index!r}, which is an output index", arg)
+                if index in self.summing:
+                    self.fail(f"{name}() over {index!r}, which an enclosing sum already "
+                              "sums over", arg)
+            self.summing.extend(indices)
+            try:
+                body = self.expr(node.args[0], depth + 1)
+            finally:
+                del self.summing[len(self.summing) - len(indices):]
             return Reduce(name, body, indices, col)
         arity = FUNCTIONS.get(name)
         if arity is None:
@@ -314,7 +355,15 @@ class _Walker:
         if len(node.args) != arity:
             self.fail(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
                       f"got {len(node.args)}", node)
-        return Call(name, tuple(self.expr(a, depth + 1) for a in node.args), col)
+        args = tuple(self.expr(a, depth + 1) for a in node.args)
+        if name in DOMAINS:
+            try:
+                value = _constant_value(args[0])
+            except SymgradError as exc:
+                self.fail(exc.message, col=exc.column)
+            if value is not None and not DOMAINS[name](value):
+                self.fail(f"{name}({_show_number(value)}) is not a finite real number", node)
+        return Call(name, args, col)
 
     def number(self, node: ast.Constant) -> Num:
         value = node.value
@@ -327,8 +376,36 @@ class _Walker:
         if not math.isfinite(value) or abs(value) > MAX_INTEGER:
             self.fail(f"number {value!r} is out of range", node)
         # The literal as written, exactly: 0.1 means one tenth, not the nearest double.
-        literal = ast.get_source_segment(self.text, node) or repr(value)
-        return Num(Fraction(literal.replace("_", "")), node.col_offset)
+        literal = (ast.get_source_segment(self.text, node) or repr(value)).replace("_", "")
+        match = DECIMAL.fullmatch(literal)
+        if match is None:  # pragma: no cover - Python float literals are decimal
+            self.fail(f"number {literal!r} is not a decimal number", node)
+        digits = match.group(1) + match.group(2)
+        exponent = int(match.group(3) or 0)
+        if len(digits) > MAX_DIGITS:
+            self.fail(f"number {_shorten(literal)} has too many digits", node)
+        if abs(exponent) > MAX_DIGITS:
+            self.fail(f"number {_shorten(literal)} is out of range", node)
+        exact = Fraction(literal)  # cheap now: at most ~2*MAX_DIGITS decimal digits
+        if (exact != 0 and value == 0) or _too_big(exact):
+            self.fail(f"number {_shorten(literal)} is out of range", node)
+        return Num(exact, node.col_offset)
+
+    def check_base(self, base: Node, exponent: Node, node: ast.AST) -> None:
+        """A constant base must keep the power real and differentiable."""
+        try:
+            value = _constant_value(base)
+            power = _constant_value(exponent)
+        except SymgradError as exc:
+            self.fail(exc.message, col=exc.column)
+        if value is None:
+            return
+        if power is None and value <= 0:
+            self.fail(f"the base of a power with a variable exponent must be positive, "
+                      f"not {_show_number(value)}", node)
+        if power is not None and value < 0 and power.denominator != 1:
+            self.fail(f"a negative number to the power {_show_number(power)} is not real",
+                      node)
 
     def check_exponent(self, exponent: Node, node: ast.AST) -> None:
         try:
@@ -374,9 +451,21 @@ def _constant_value(node: Node) -> Fraction | None:
         if left == 0 and right < 0:
             raise SymgradError("division by zero", column=node.col)
         value = left ** int(right)
-    if max(value.numerator.bit_length(), value.denominator.bit_length()) > 1024:
+    if _too_big(value):
         raise SymgradError("constant is too large", column=node.col)
     return value
+
+
+def _too_big(value: Fraction) -> bool:
+    return max(value.numerator.bit_length(), value.denominator.bit_length()) > MAX_NUMBER_BITS
+
+
+def _show_number(value: Fraction) -> str:
+    return _shorten(str(value))
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def _slice_elements(node: ast.AST) -> list[ast.AST]:

@@ -6,10 +6,11 @@ file and the op. Nothing here looks at formulas beyond their type; `model` does 
 
 from __future__ import annotations
 
+import keyword
 import re
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from .errors import SymgradError
 from .parse import check_name
@@ -20,6 +21,10 @@ TOP_KEYS = ("out", "ops")
 OP_KEYS = ("formula", "inputs", "attrs", "no_gradient")
 MAX_OPS = 500
 MAX_FORMULAS = 16
+MAX_OP_NAME = 100  # the module file name must stay well below the usual 255-byte limit
+MAX_SPEC_BYTES = 1_000_000
+# Module names that would shadow what generated modules import, or that `import` cannot name.
+BAD_MODULES = frozenset({*keyword.kwlist, "tensorflow", "tf"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,12 @@ def _type_name(value: object) -> str:
             list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
 
 
+def _show(value: object, limit: int = 40) -> str:
+    """`repr(value)`, shortened: user text in messages stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 4]}...{text[-1]}"
+
+
 def _string_list(value: object, what: str, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise SymgradError(f"`{what}` must be an array of strings, not {_type_name(value)}",
@@ -61,15 +72,27 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
     where = f"{path} [ops.{name}]"
     if not OP_NAME.match(name):
         raise SymgradError(
-            f"op name {name!r} is not a TensorFlow op name ([A-Z][A-Za-z0-9_]*)",
+            f"op name {_show(name)} is not a TensorFlow op name ([A-Z][A-Za-z0-9_]*)",
             where=f"{path} [ops]",
+        )
+    if len(name) > MAX_OP_NAME:
+        raise SymgradError(
+            f"op name {_show(name)} is longer than {MAX_OP_NAME} characters",
+            where=f"{path} [ops]",
+        )
+    module = snake_case(name)
+    if module in BAD_MODULES:
+        raise SymgradError(
+            f"op name {name!r} would write {module}.py, which cannot be imported "
+            "as a module next to TensorFlow; choose another name",
+            where=where,
         )
     if not isinstance(table, dict):
         raise SymgradError(f"must be a table, not {_type_name(table)}", where=where)
     for key in table:
         if key not in OP_KEYS:
             raise SymgradError(
-                f"unknown key {key!r} (known: {', '.join(OP_KEYS)})", where=where
+                f"unknown key {_show(key)} (known: {', '.join(OP_KEYS)})", where=where
             )
     if "formula" not in table:
         raise SymgradError("missing `formula`", where=where)
@@ -101,9 +124,15 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
         problem = check_name(attr, "attr")
         if problem:
             raise SymgradError(problem, where=where)
+        if not isinstance(kind, str):
+            raise SymgradError(
+                f"the type of attr {attr!r} must be a string ({', '.join(ATTR_TYPES)}), "
+                f"not {_type_name(kind)}",
+                where=where,
+            )
         if kind not in ATTR_TYPES:
             raise SymgradError(
-                f"attr {attr!r} has type {kind!r}; known types: {', '.join(ATTR_TYPES)}",
+                f"attr {attr!r} has type {_show(kind)}; known types: {', '.join(ATTR_TYPES)}",
                 where=where,
             )
         attrs.append((attr, kind))
@@ -116,23 +145,30 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
 
 def parse_spec(text: str, path: str) -> Spec:
     """Validate the TOML text of a spec file (pure: no file access)."""
+    _check_path(path)
+    text = text.removeprefix("\ufeff")  # a byte-order mark, as some editors write it
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SymgradError(f"not valid TOML: {exc}", where=path) from None
+    except RecursionError:
+        raise SymgradError("not valid TOML: nested too deeply", where=path) from None
     for key in data:
         if key not in TOP_KEYS:
             raise SymgradError(
-                f"unknown top-level key {key!r} (known: {', '.join(TOP_KEYS)})", where=path
+                f"unknown top-level key {_show(key)} (known: {', '.join(TOP_KEYS)})",
+                where=path,
             )
     out = data.get("out")
-    if out is not None and (not isinstance(out, str) or not out.strip()):
-        raise SymgradError("`out` must be a non-empty string (a folder)", where=path)
+    if out is not None:
+        _check_out(out, path)
     ops_table = data.get("ops")
     if ops_table is None:
         raise SymgradError("no `[ops.<Name>]` tables: nothing to generate", where=path)
     if not isinstance(ops_table, dict):
         raise SymgradError("`ops` must be a table of `[ops.<Name>]` tables", where=path)
+    if not ops_table:
+        raise SymgradError("`ops` is empty: nothing to generate", where=path)
     if len(ops_table) > MAX_OPS:
         raise SymgradError(f"more than {MAX_OPS} ops", where=path)
     ops = [_op_spec(name, table, path) for name, table in ops_table.items()]
@@ -148,14 +184,42 @@ def parse_spec(text: str, path: str) -> Spec:
     return Spec(path, out, tuple(sorted(ops, key=lambda op: op.name)))
 
 
+def _check_path(path: str) -> None:
+    """The spec's path is quoted in messages and its name in generated headers."""
+    if not str(path).isprintable():
+        raise SymgradError(
+            f"spec file name {_show(str(path), 60)} contains control or invisible characters"
+        )
+
+
+def _check_out(out: object, path: str) -> None:
+    if not isinstance(out, str) or not out.strip():
+        raise SymgradError("`out` must be a non-empty string (a folder)", where=path)
+    if not out.isprintable():
+        raise SymgradError(
+            f"`out` {_show(out)} contains control or invisible characters", where=path
+        )
+    folder = PurePath(out)
+    if folder.is_absolute() or folder.drive or ".." in folder.parts:
+        raise SymgradError(
+            f"`out` {_show(out)} must be a folder inside the spec's folder (relative, no "
+            "'..'); use --out to write elsewhere",
+            where=path,
+        )
+
+
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file."""
+    _check_path(str(path))
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
         raise SymgradError("spec file not found", where=str(path)) from None
     except OSError as exc:
         raise SymgradError(f"cannot read spec file: {exc.strerror}", where=str(path)) from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SymgradError(f"spec file is larger than {MAX_SPEC_BYTES} bytes", where=str(path))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -36,7 +36,7 @@ class Case:
     high: float = 1.0
     no_gradient: tuple[str, ...] = ()
     inputs: tuple[str, ...] | None = None
-    rtol: float = 1e-7
+    rtol: float = 1e-9
     fd_tol: float = 1e-5
 
     @property

@@ -102,7 +102,7 @@ class Evaluator:
         if isinstance(node, Constant):
             return Dense(tf.constant(math.pi if node.name == "pi" else math.e, self.dtype), ())
         if isinstance(node, AttrRef):
-            return Dense(tf.cast(self.attrs[node.name], self.dtype), ())
+            return Dense(tf.constant(float(self.attrs[node.name]), self.dtype), ())
         if isinstance(node, Access):
             tensor = self.inputs[node.tensor]
             labels = node.indices
