@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 import sympy as sp
-from sympy.printing.latex import LatexPrinter
+from sympy.printing.latex import LatexPrinter, tex_greek_dictionary
 
 from .derive import Contribution, Partial, grad_name
 from .lower import Lowerer, lower
@@ -52,6 +52,9 @@ class _TextMath:
     def sum(self, indices: list[str]) -> str:
         return f"Σ_{','.join(indices)} " if indices else ""
 
+    def join(self, terms: list[str]) -> str:
+        return _join(terms)
+
     def deltas(self, pairs: list[tuple[str, str]]) -> str:
         return "".join(f"δ({u},{v})" for u, v in pairs)
 
@@ -74,6 +77,16 @@ class _TexExpr(LatexPrinter):
     """SymPy's LaTeX printer with symgrad's tensors, masks and max/min."""
 
     printmethod = "_symgrad_latex"
+
+    def _print_Symbol(self, expr, style="plain"):
+        name = expr.name
+        if name.startswith("|") and name.endswith("|"):  # the size of an index (`mean`)
+            return rf"\lvert {self._print(sp.Symbol(name[1:-1]))} \rvert"
+        stem = name.rstrip("'")
+        if len(stem) > 1 and stem not in tex_greek_dictionary:
+            # `eps`, `x1`, `batch`: one name, not a product of letters or a subscript
+            return rf"\mathit{{{stem.replace('_', chr(92) + '_')}}}" + name[len(stem):]
+        return super()._print_Symbol(expr, style)
 
     def _print_Indexed(self, expr):
         indices = [self._print(i) for i in expr.indices]
@@ -124,6 +137,9 @@ class _TexMath:
 
     def sum(self, indices: list[str]) -> str:
         return rf"\sum_{{{','.join(indices)}}} " if indices else ""
+
+    def join(self, terms: list[str]) -> str:
+        return _join(terms)
 
     def deltas(self, pairs: list[tuple[str, str]]) -> str:
         return " ".join(rf"\delta_{{{u},{v}}}" for u, v in pairs)
@@ -199,11 +215,11 @@ class _Explainer:
         for term in level.terms:
             body = self.p.expr(term.expr)
             if term.summed:
-                if isinstance(term.expr, sp.Add):
+                if isinstance(term.expr, sp.Add) or body.startswith("-"):
                     body = self.p.group(body)
                 body = self.p.sum([self.p.index(s) for s in term.summed]) + body
             parts.append(body)
-        right = " + ".join(parts) if parts else "0"
+        right = self.p.join(parts) if parts else "0"
         if level.kind == "logsumexp":
             (term,) = level.terms
             right = self.p.logsumexp([self.p.index(s) for s in term.summed],
@@ -253,7 +269,7 @@ class _Explainer:
             self.level_access(level),
             self.p.tensor(target, [self.p.index(s) for s in primed]),
         )
-        return Equation(left, " + ".join(summands))
+        return Equation(left, self.p.join(summands))
 
     def contraction(self, target: str, levels: list[str], primed) -> Equation:
         """`grad_A[b',i',k'] = Σ_b,i,j grad_y[b,i,j] · ∂y[b,i,j]/∂A[b',i',k']`."""
@@ -277,12 +293,15 @@ class _Explainer:
         shown = display_indices(self.names[target])
         terms = [self.contribution(c, shown) for c in contributions]
         left = self.p.tensor(grad_name(target), [self.p.index(s) for s in shown])
-        return Equation(left, " + ".join(terms))
+        return Equation(left, self.p.join(terms))
 
     def contribution(self, c: Contribution, shown) -> str:
         mapping = rename(c, shown)
         grad = self.p.expr(c.grad.xreplace(mapping))
         body = c.partial.xreplace(mapping)
+        sign = ""
+        if body.could_extract_minus_sign():
+            sign, body = "-", -body
         if body == 1:
             text = grad
         else:
@@ -295,7 +314,7 @@ class _Explainer:
             text = f"{self.p.deltas(pairs)} {text}"
         if c.summed:
             text = self.p.sum([self.p.index(mapping[s]) for s in c.summed]) + text
-        return text
+        return f"- {text}" if sign else text
 
     # -- sections -----------------------------------------------------------------
 
@@ -366,6 +385,21 @@ class _Explainer:
         return f"gradient(op, {grads}) returns {tuple_text}"
 
 
+def _join(terms: list[str]) -> str:
+    """`a + b`, and `a - b` for a term printed with a leading minus."""
+    text = ""
+    for n, term in enumerate(terms):
+        if n == 0:
+            text = term
+        elif term.startswith("- "):
+            text += f" - {term[2:]}"
+        elif term.startswith("-"):
+            text += f" - {term[1:]}"
+        else:
+            text += f" + {term}"
+    return text
+
+
 def _code_for(module, target: str) -> list[str]:
     """The backward steps that compute `target` (and the temporaries it needs)."""
     needed = {target}
@@ -380,10 +414,13 @@ def _code_for(module, target: str) -> list[str]:
 # ---------------------------------------------------------------------------- formats
 
 
-INTRO = (
-    "grad_X = Σ over the output's indices of grad_y · ∂y/∂X: the vector-Jacobian product, "
-    "shaped like X (grad_y = ∂L/∂y arrives shaped like y)."
-)
+def _intro(program: Program) -> str:
+    """What every gradient below is: the vector-Jacobian product."""
+    outs = [o.level.name for o in program.outputs]
+    terms = " + ".join(f"Σ_{y} {grad_name(y)} · ∂{y}/∂X" for y in outs)
+    return f"grad_X = {terms} for each input X, Σ_{outs[0]} summing over every index of " + (
+        outs[0] if len(outs) == 1 else "that output"
+    )
 
 
 def explain(program: Program, fmt: str = "text") -> str:
@@ -421,7 +458,7 @@ def _text(program: Program, explainer: _Explainer, sections: list[Section]) -> s
     if program.intermediates:
         lines.append("  where (intermediates symgrad computes once):")
         lines += [f"    {e.left} = {e.right}" for e in formula.partials[len(program.outputs):]]
-    lines += ["", f"{explainer.signature()}, where", f"  {INTRO}", ""]
+    lines += ["", f"{explainer.signature()}, the vector-Jacobian product:", f"  {_intro(program)}", ""]
     for section in gradients:
         lines.append(f"{section.title}:")
         groups, code_lines = _text_block(section)
@@ -442,7 +479,8 @@ def _markdown(program: Program, explainer: _Explainer, sections: list[Section]) 
     if program.intermediates:
         lines.append("where (intermediates symgrad computes once):")
         lines += [f"  {e.left} = {e.right}" for e in formula.partials[len(program.outputs):]]
-    lines += ["```", "", f"`{explainer.signature()}`, where {INTRO}", ""]
+    lines += ["```", "", f"`{explainer.signature()}`, the vector-Jacobian product:", "",
+              f"    {_intro(program)}", ""]
     for section in gradients:
         lines += [f"## {section.title}", ""]
         groups, code_lines = _text_block(section)

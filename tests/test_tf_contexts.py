@@ -1,0 +1,232 @@
+"""Generated `forward` in the places TF code runs: tf.function with unknown dims, XLA,
+MirroredStrategy, higher-order gradients; dtypes; stability; what the gradient computes."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, FakeOp, generate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RNG = np.random.default_rng(3)
+
+
+def rand(*shape, dtype=tf.float64):
+    return tf.constant(RNG.uniform(-1, 1, shape), dtype=dtype)
+
+
+def matmul_module():
+    return importlib.import_module("generated.batched_mat_mul")
+
+
+def test_forward_in_tf_function_with_unknown_batch():
+    module = importlib.import_module("generated.attention_softmax")
+    spec = tf.TensorSpec([None, None, 4], tf.float64)
+
+    @tf.function(input_signature=[spec, spec])
+    def loss_and_grads(Q, K):
+        with tf.GradientTape() as tape:
+            tape.watch([Q, K])
+            loss = tf.reduce_sum(module.forward(Q, K) ** 2)
+        return loss, tape.gradient(loss, [Q, K])
+
+    for batch, n in ((2, 3), (5, 1)):
+        Q, K = rand(batch, n, 4), rand(batch, n + 2, 4)
+        _, grads = loss_and_grads(Q, K)
+        with tf.GradientTape() as tape:
+            tape.watch([Q, K])
+            ref = tf.reduce_sum(tf.nn.softmax(tf.matmul(Q, K, transpose_b=True)) ** 2)
+        want = tape.gradient(ref, [Q, K])
+        for g, w in zip(grads, want, strict=True):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["batch_kron", "layer_norm", "sin_diag_outer"])
+def test_forward_and_gradient_under_xla(name):
+    module = importlib.import_module(f"generated.{name}")
+    shapes = {"batch_kron": [(2, 2, 2), (2, 3, 3)], "layer_norm": [(3, 5)],
+              "sin_diag_outer": [(2, 3, 3), (2, 4, 4)]}[name]
+    attrs = {"eps": 1e-3} if name == "layer_norm" else {}
+    inputs = [rand(*s) for s in shapes]
+
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(tf.sin(module.forward(*xs, **attrs)))
+        return tape.gradient(loss, xs)
+
+    eager = step(*inputs)
+    compiled = tf.function(step, jit_compile=True)(*inputs)
+    for e, c in zip(eager, compiled, strict=True):
+        np.testing.assert_allclose(c.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_second_order_gradient():
+    module = importlib.import_module("generated.exp_mat_mul")
+    A, B = rand(2, 3, 4), rand(2, 4, 2)
+    with tf.GradientTape() as outer:
+        outer.watch(A)
+        with tf.GradientTape() as inner:
+            inner.watch(A)
+            loss = tf.reduce_sum(module.forward(A, B))
+        grad = inner.gradient(loss, A)
+        second = tf.reduce_sum(grad**2)
+    got = outer.gradient(second, A)
+    with tf.GradientTape() as outer:
+        outer.watch(A)
+        with tf.GradientTape() as inner:
+            inner.watch(A)
+            loss = tf.reduce_sum(tf.exp(tf.matmul(A, B)))
+        grad = inner.gradient(loss, A)
+        second = tf.reduce_sum(grad**2)
+    want = outer.gradient(second, A)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
+
+
+def test_mirrored_strategy_over_two_logical_cpus():
+    """Logical devices must be configured before TF starts: run in a fresh process."""
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        import tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        from generated import batched_mat_mul as m
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            w = tf.Variable(np.ones((1, 4, 3)), dtype=tf.float64)
+        x = tf.constant(np.arange(24.0).reshape(2, 3, 4), dtype=tf.float64)
+        dataset = tf.data.Dataset.from_tensor_slices(x).batch(2)
+        dist = strategy.experimental_distribute_dataset(dataset)
+
+        @tf.function
+        def step(batch):
+            def replica(b):
+                with tf.GradientTape() as tape:
+                    y = m.forward(b, tf.tile(w, [tf.shape(b)[0], 1, 1]))
+                    loss = tf.reduce_sum(y)
+                return tape.gradient(loss, w)
+            grads = strategy.run(replica, args=(batch,))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, grads, axis=None)
+
+        for batch in dist:
+            got = step(batch).numpy()
+        want = np.einsum("bik->k", x.numpy())[None, :, None] * np.ones((1, 4, 3))
+        assert strategy.num_replicas_in_sync == 2
+        np.testing.assert_allclose(got, want)
+        print("ok", strategy.num_replicas_in_sync)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok 2" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+def test_generated_code_follows_the_input_dtype(dtype):
+    module = importlib.import_module("generated.layer_norm")
+    x = rand(3, 8, dtype=dtype)
+    y = module.forward(x, eps=1e-3)
+    assert y.dtype == dtype
+    (grad,) = module.vjp(x, tf.ones_like(y), eps=1e-3)
+    assert grad.dtype == dtype
+    x64 = tf.cast(x, tf.float64)
+    want = module.forward(x64, eps=1e-3)
+    tol = {tf.float16: 2e-2, tf.bfloat16: 1e-1, tf.float32: 1e-5, tf.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(tf.cast(y, tf.float64).numpy(), want.numpy(), atol=tol,
+                               rtol=tol)
+    kron = importlib.import_module("generated.sin_diag_outer")  # tf.eye follows the dtype
+    A, B = rand(2, 3, 3, dtype=dtype), rand(2, 4, 4, dtype=dtype)
+    grads = kron.vjp(A, B, tf.ones([2, 3, 4], dtype))
+    assert all(g.dtype == dtype for g in grads)
+
+
+def test_complex_inputs_are_refused_at_call_time():
+    with pytest.raises(TypeError, match=r"BatchedMatMul: input A has dtype complex128"):
+        matmul_module().forward(tf.zeros([1, 2, 2], tf.complex128),
+                                tf.zeros([1, 2, 2], tf.complex128))
+
+
+def test_rank_and_size_mismatch_name_op_tensor_and_index():
+    module = matmul_module()
+    with pytest.raises(ValueError, match=r"BatchedMatMul: input B has rank 2; expected 3"):
+        module.forward(rand(1, 2, 3), rand(3, 4))
+    with pytest.raises(ValueError, match=r"BatchedMatMul: index k has different sizes"):
+        module.forward(rand(1, 2, 3), rand(1, 4, 2))
+
+
+def test_logits_in_the_hundreds_stay_finite():
+    lse = importlib.import_module("generated.log_sum_exp")
+    soft = importlib.import_module("generated.attention_softmax")
+    A = tf.constant([[[800.0, 799.0, -900.0, 5.0]]], tf.float64)
+    y = lse.forward(A)
+    np.testing.assert_allclose(y.numpy(), tf.reduce_logsumexp(A, -1).numpy(), rtol=1e-14)
+    (grad,) = lse.vjp(A, tf.ones_like(y))
+    np.testing.assert_allclose(grad.numpy(), tf.nn.softmax(A).numpy(), rtol=1e-12)
+    Q = tf.constant([[[30.0, -20.0], [25.0, 40.0]]], tf.float64)
+    K = tf.constant([[[10.0, 1.0], [-10.0, 3.0], [9.0, -8.0]]], tf.float64)
+    y = soft.forward(Q, K)
+    want = tf.nn.softmax(tf.matmul(Q, K, transpose_b=True))
+    np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-12, atol=1e-300)
+    grads = soft.vjp(Q, K, tf.ones_like(y) + y)
+    assert all(np.isfinite(g.numpy()).all() for g in grads)
+    for g32 in soft.vjp(tf.cast(Q, tf.float32) * 10, tf.cast(K, tf.float32), tf.ones([1, 2, 3])):
+        assert np.isfinite(g32.numpy()).all()
+
+
+def _graph_ops(fn, *args):
+    graph = tf.function(fn).get_concrete_function(*args).graph
+    return graph.get_operations()
+
+
+def test_registered_gradient_reuses_outputs_instead_of_recomputing():
+    """Like TF's own Exp/Tanh/Softmax gradients: read op.outputs, never recompute them."""
+    for name, inputs, banned in (
+        ("exp_mat_mul", (rand(2, 3, 4), rand(2, 4, 5)), {"Exp"}),
+        ("attention_softmax", (rand(2, 3, 4), rand(2, 5, 4)), {"Exp", "Softmax", "Max"}),
+        ("log_sum_exp", (rand(2, 3, 6),), {"Log", "Max"}),
+    ):
+        module = importlib.import_module(f"generated.{name}")
+        outputs = [module.forward(*inputs)]
+        grad = tf.ones_like(outputs[0])
+
+        def run(*xs, module=module):
+            return module.gradient(FakeOp(xs[:-2], xs[-2:-1], {}), xs[-1])
+
+        types = {op.type for op in _graph_ops(run, *inputs, *outputs, grad)}
+        assert not types & banned, f"{name}: gradient recomputes {types & banned}"
+
+
+def test_pairwise_distances_never_build_a_four_axis_tensor():
+    module = importlib.import_module("generated.pairwise_sq_dist")
+    x = rand(2, 5, 3)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = module.forward(x)
+        return y, tape.gradient(y, x, output_gradients=tf.ones_like(y))
+
+    for op in _graph_ops(step, x):
+        for out in op.outputs:
+            rank = out.shape.rank
+            assert rank is None or rank <= 3, f"{op.type} makes a rank-{rank} tensor"
+
+
+def test_diagonal_gradient_is_embedded_without_a_jacobian(tmp_path):
+    module = generate(Case("y[b,i] = A[b,i,i]", {}), tmp_path, "DiagPart")
+    A = rand(2, 4, 4)
+    grad = rand(2, 4)
+    (got,) = module.vjp(A, grad)
+    np.testing.assert_array_equal(got.numpy(), tf.linalg.diag(grad).numpy())
