@@ -86,8 +86,9 @@ def _report(changes, out: Path, count: int, *, show_diff: bool) -> int:
         if show_diff:
             sys.stdout.write(diff(change, out))
     if changes.changes:
-        print(f"{len(changes.changes)} file(s) out of date; run `symgrad generate`",
-              file=sys.stderr)
+        print(
+            f"{len(changes.changes)} file(s) out of date; run `symgrad generate`", file=sys.stderr
+        )
         return EXIT_STALE
     print(f"{out}: up to date ({count} files)")
     return EXIT_OK
@@ -123,12 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     except SymgradError as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_ERROR
-    except Exception as exc:  # a bug in symgrad, not the user's input
+    except Exception as exc:  # noqa: BLE001 - a bug in symgrad, not the user's input
         if args.debug:
             traceback.print_exc()
         else:
-            print(f"error: internal error in symgrad ({type(exc).__name__}: {exc}); "
-                  "rerun with --debug for a traceback", file=sys.stderr)
+            print(
+                f"error: internal error in symgrad ({type(exc).__name__}: {exc}); "
+                "rerun with --debug for a traceback",
+                file=sys.stderr,
+            )
         return EXIT_ERROR
 
 

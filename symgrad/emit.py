@@ -197,8 +197,9 @@ def write(plan_: Plan, out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise SymgradError(f"cannot create the output folder: {exc.strerror}",
-                           where=str(out)) from None
+        raise SymgradError(
+            f"cannot create the output folder: {exc.strerror}", where=str(out)
+        ) from None
     writes = [c for c in plan_.changes if c.action != "delete"]
     writes.sort(key=lambda c: c.name == INIT)
     for change in writes:
@@ -208,8 +209,9 @@ def write(plan_: Plan, out: Path) -> None:
             try:
                 (out / change.name).unlink(missing_ok=True)
             except OSError as exc:
-                raise SymgradError(f"cannot delete {change.name}: {exc.strerror}",
-                                   where=str(out)) from None
+                raise SymgradError(
+                    f"cannot delete {change.name}: {exc.strerror}", where=str(out)
+                ) from None
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -220,8 +222,9 @@ def _atomic_write(path: Path, text: str) -> None:
             dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
         )
     except OSError as exc:
-        raise SymgradError(f"cannot write {path.name}: {exc.strerror}",
-                           where=str(path.parent)) from None
+        raise SymgradError(
+            f"cannot write {path.name}: {exc.strerror}", where=str(path.parent)
+        ) from None
     try:
         with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
             stream.write(text)
@@ -232,8 +235,9 @@ def _atomic_write(path: Path, text: str) -> None:
     except BaseException as exc:
         Path(temporary).unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise SymgradError(f"cannot write {path.name}: {exc.strerror or exc}",
-                               where=str(path.parent)) from None
+            raise SymgradError(
+                f"cannot write {path.name}: {exc.strerror or exc}", where=str(path.parent)
+            ) from None
         raise
 
 
@@ -247,4 +251,4 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
-__all__ = ["generate", "plan", "write", "diff", "intact", "Plan", "Change", "__version__"]
+__all__ = ["Change", "Plan", "__version__", "diff", "generate", "intact", "plan", "write"]

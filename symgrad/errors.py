@@ -6,6 +6,8 @@ line (plus a caret line under the formula when there is a position) and exits wi
 
 from __future__ import annotations
 
+WINDOW = 80  # at most this much of a long formula is shown around the caret
+
 
 class SymgradError(Exception):
     """Bad input, explained.
@@ -46,6 +48,13 @@ class SymgradError(Exception):
             return head
         formula = "".join(char if " " <= char <= "~" else "?" for char in self.formula)
         column = min(max(self.column, 0), len(formula))
+        if len(formula) > WINDOW + 20:  # a long formula: show the part around the caret
+            start = max(0, min(column - WINDOW // 2, len(formula) - WINDOW))
+            end = start + WINDOW
+            before = "..." if start > 0 else ""
+            after = "..." if end < len(formula) else ""
+            formula = before + formula[start:end] + after
+            column = column - start + len(before)
         return f"{head}\n    {formula}\n    {' ' * column}^"
 
     def __str__(self) -> str:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 import sympy as sp
-from sympy.printing.latex import LatexPrinter, tex_greek_dictionary
+from sympy.printing.latex import LatexPrinter, greek_letters_set, tex_greek_dictionary
 
 from .derive import Contribution, Partial, grad_name
 from .lower import Lowerer, lower
@@ -83,9 +83,10 @@ class _TexExpr(LatexPrinter):
         if name.startswith("|") and name.endswith("|"):  # the size of an index (`mean`)
             return rf"\lvert {self._print(sp.Symbol(name[1:-1]))} \rvert"
         stem = name.rstrip("'")
-        if len(stem) > 1 and stem not in tex_greek_dictionary:
+        greek = stem.lower() in greek_letters_set or stem in tex_greek_dictionary
+        if len(stem) > 1 and not greek:
             # `eps`, `x1`, `batch`: one name, not a product of letters or a subscript
-            return rf"\mathit{{{stem.replace('_', chr(92) + '_')}}}" + name[len(stem):]
+            return rf"\mathit{{{stem.replace('_', chr(92) + '_')}}}" + name[len(stem) :]
         return super()._print_Symbol(expr, style)
 
     def _print_Indexed(self, expr):
@@ -108,9 +109,9 @@ class _TexExpr(LatexPrinter):
 def _tex_name(name: str) -> str:
     """`A` -> `A`; `weights` -> `\\mathit{weights}`; `grad_A` -> `\\bar{A}`."""
     if name.startswith("_grad"):  # the gradient of an intermediate `_s1`
-        return rf"\overline{{{_tex_name(name[len('_grad'):])}}}"
+        return rf"\overline{{{_tex_name(name[len('_grad') :])}}}"
     if name.startswith("grad_"):
-        inner = _tex_name(name[len("grad_"):])
+        inner = _tex_name(name[len("grad_") :])
         return rf"\bar{{{inner}}}" if len(name) == len("grad_") + 1 else rf"\overline{{{inner}}}"
     if len(name) == 1:
         return name
@@ -202,7 +203,8 @@ class _Explainer:
         if name in self.outputs:
             groups = self.outputs[name].groups
             shown = [
-                self.p.index(g[0]) if len(g) == 1
+                self.p.index(g[0])
+                if len(g) == 1
                 else "(" + ",".join(self.p.index(i) for i in g) + ")"
                 for g in groups
             ]
@@ -222,8 +224,7 @@ class _Explainer:
         right = self.p.join(parts) if parts else "0"
         if level.kind == "logsumexp":
             (term,) = level.terms
-            right = self.p.logsumexp([self.p.index(s) for s in term.summed],
-                                     self.p.expr(term.expr))
+            right = self.p.logsumexp([self.p.index(s) for s in term.summed], self.p.expr(term.expr))
         return Equation(self.level_access(level.name), right)
 
     def primed(self, target: str, partials: list[Partial]) -> tuple[sp.Symbol, ...]:
@@ -279,9 +280,7 @@ class _Explainer:
             indices = [self.p.index(i) for i in self.levels[level].indices]
             access = self.level_access(level)
             grad = self.level_access(level, shown_as=grad_name(level))
-            parts.append(
-                self.p.sum(indices) + self.p.times(grad, self.p.partial(access, wrt))
-            )
+            parts.append(self.p.sum(indices) + self.p.times(grad, self.p.partial(access, wrt)))
         left = self.p.tensor(grad_name(target), [self.p.index(s) for s in primed])
         return Equation(left, " + ".join(parts))
 
@@ -332,9 +331,7 @@ class _Explainer:
         by_target: dict[str, list[Contribution]] = {}
         for c in self.backward.contributions:
             by_target.setdefault(c.target, []).append(c)
-        intermediates = [
-            n for n in self.backward.order if n in by_target and n not in self.outputs
-        ]
+        intermediates = [n for n in self.backward.order if n in by_target and n not in self.outputs]
         for name in [*intermediates, *program.inputs]:
             title = f"Gradient of {name}" + (" (intermediate)" if name in intermediates else "")
             shown = [self.p.index(s) for s in display_indices(self.names.get(name, ()))]
@@ -378,8 +375,7 @@ class _Explainer:
         """`gradient(op, grad_y) returns (grad_A, grad_B)`."""
         grads = ", ".join(grad_name(o.level.name) for o in self.program.outputs)
         returns = [
-            "None" if n in self.program.no_gradient else grad_name(n)
-            for n in self.program.inputs
+            "None" if n in self.program.no_gradient else grad_name(n) for n in self.program.inputs
         ]
         tuple_text = f"({', '.join(returns)}{',' if len(returns) == 1 else ''})"
         return f"gradient(op, {grads}) returns {tuple_text}"
@@ -418,9 +414,9 @@ def _intro(program: Program) -> str:
     """What every gradient below is: the vector-Jacobian product."""
     outs = [o.level.name for o in program.outputs]
     terms = " + ".join(f"Σ_{y} {grad_name(y)} · ∂{y}/∂X" for y in outs)
-    return f"grad_X = {terms} for each input X, Σ_{outs[0]} summing over every index of " + (
-        outs[0] if len(outs) == 1 else "that output"
-    )
+    sums = ", ".join(f"Σ_{y}" for y in outs)
+    over = outs[0] if len(outs) == 1 else "that output"
+    return f"grad_X = {terms} for each input X ({sums}: over every index of {over})"
 
 
 def explain(program: Program, fmt: str = "text") -> str:
@@ -431,8 +427,10 @@ def explain(program: Program, fmt: str = "text") -> str:
         return _latex(program)
     explainer = _Explainer(program, _TextMath())
     sections = explainer.sections()
-    return _markdown(program, explainer, sections) if fmt == "markdown" else _text(
-        program, explainer, sections
+    return (
+        _markdown(program, explainer, sections)
+        if fmt == "markdown"
+        else _text(program, explainer, sections)
     )
 
 
@@ -440,8 +438,12 @@ def _text_block(section: Section) -> tuple[list[tuple[str, list[str]]], list[str
     """(label, equation lines) groups, and code lines, for the text-like formats."""
     groups: list[tuple[str, list[str]]] = []
     if section.partials and section.title != "Formula":
-        groups.append(("partial derivatives (δ is the Kronecker delta):",
-                       [f"{e.left} = {e.right}" for e in section.partials]))
+        groups.append(
+            (
+                "partial derivatives (δ is the Kronecker delta):",
+                [f"{e.left} = {e.right}" for e in section.partials],
+            )
+        )
     if section.contraction:
         c = section.contraction
         groups.append(("contracted with the incoming gradient:", [f"{c.left} = {c.right}"]))
@@ -457,8 +459,13 @@ def _text(program: Program, explainer: _Explainer, sections: list[Section]) -> s
     lines = ["Formula:", *(f"  {f}" for f in program.formulas)]
     if program.intermediates:
         lines.append("  where (intermediates symgrad computes once):")
-        lines += [f"    {e.left} = {e.right}" for e in formula.partials[len(program.outputs):]]
-    lines += ["", f"{explainer.signature()}, the vector-Jacobian product:", f"  {_intro(program)}", ""]
+        lines += [f"    {e.left} = {e.right}" for e in formula.partials[len(program.outputs) :]]
+    lines += [
+        "",
+        f"{explainer.signature()}, the vector-Jacobian product:",
+        f"  {_intro(program)}",
+        "",
+    ]
     for section in gradients:
         lines.append(f"{section.title}:")
         groups, code_lines = _text_block(section)
@@ -478,9 +485,15 @@ def _markdown(program: Program, explainer: _Explainer, sections: list[Section]) 
     lines += ["```text", *program.formulas]
     if program.intermediates:
         lines.append("where (intermediates symgrad computes once):")
-        lines += [f"  {e.left} = {e.right}" for e in formula.partials[len(program.outputs):]]
-    lines += ["```", "", f"`{explainer.signature()}`, the vector-Jacobian product:", "",
-              f"    {_intro(program)}", ""]
+        lines += [f"  {e.left} = {e.right}" for e in formula.partials[len(program.outputs) :]]
+    lines += [
+        "```",
+        "",
+        f"`{explainer.signature()}`, the vector-Jacobian product:",
+        "",
+        f"    {_intro(program)}",
+        "",
+    ]
     for section in gradients:
         lines += [f"## {section.title}", ""]
         groups, code_lines = _text_block(section)
@@ -489,6 +502,13 @@ def _markdown(program: Program, explainer: _Explainer, sections: list[Section]) 
         if code_lines:
             lines += ["TensorFlow:", "", "```python", *code_lines, "```", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+LEGEND = (
+    r"Here $\bar{X}$ is \texttt{grad\_X} $= \partial L / \partial X$, the gradient of the "
+    r"loss; $\delta$ is the Kronecker delta; an index on the right that is not on the left "
+    r"is summed."
+)
 
 
 def _latex(program: Program) -> str:
@@ -500,10 +520,7 @@ def _latex(program: Program) -> str:
         "% A LaTeX fragment; the document needs \\usepackage{amsmath}.",
         r"\paragraph{Formula}",
         *_align([*formula.partials]),
-        "Here $\\bar{X}$ is \\texttt{grad\\_X} $= \\partial L / \\partial X$, the gradient "
-        "of the loss; "
-        "$\\delta$ is the Kronecker delta; an index on the right that is not on the left "
-        "is summed.",
+        LEGEND,
         "",
     ]
     for section in gradients:

@@ -377,6 +377,10 @@ class Lowerer:
         pieces = []
         for term in level.terms:
             pieces += self.term(body, term.expr, term.summed, level.indices)
+        if not pieces:  # the formula is identically zero
+            body.uses_dtype = True
+            shape = ir.Shape(tuple((self.index_size(body, i),) for i in level.indices))
+            return ir.Call("tf.zeros", (shape,), (("dtype", ir.Var("dtype")),))
         value, axes = self.sum_terms(body, pieces, level.indices)
         return self.full(body, value, axes, level.indices)
 

@@ -235,11 +235,11 @@ class _Builder:
                 return self.product(self.factor(node.left, scope),
                                     self.factor(node.right, scope))
             if node.op == "/":
+                numerator = self.factor(node.left, scope)  # first: inputs in written order
                 denominator = self.pointwise(node.right, scope)
                 if denominator == 0:
                     raise self.fail("division by zero", node.right.col)
-                return self.product(self.factor(node.left, scope),
-                                    [Term(1 / denominator, ())])
+                return self.product(numerator, [Term(1 / denominator, ())])
             base = self.pointwise(node.left, scope)
             exponent = self.pointwise(node.right, scope)
             if base == 0 and exponent.is_negative:
