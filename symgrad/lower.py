@@ -308,6 +308,14 @@ class Lowerer:
         while len(operands) > 2:
             operands = self.contract_pair(body, operands, out)
         labels = [labels for _, labels in operands]
+        flat = all(len(set(lab)) == len(lab) for lab in labels)
+        if flat and {i for lab in labels for i in lab} == set(out):
+            # Nothing is summed: a broadcasting product reads better and skips einsum.
+            product = None
+            for operand, lab in operands:
+                aligned = align(operand, lab, out)
+                product = aligned if product is None else ir.Binary("*", product, aligned)
+            return product
         letters = _letters([*labels, out], self.preferred)
         inputs = ",".join(_word(lab, letters) for lab in labels)
         subscripts = f"{inputs}->{_word(out, letters)}"
