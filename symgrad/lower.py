@@ -279,6 +279,8 @@ class Lowerer:
                     keep.append((access, labels))
             axes = _axes_of(merged, result_axes, summed)
             operands = keep + [(("pointwise", merged), axes)]
+        # The incoming gradient first: `grad_y[b,i,j] * B[b,k,j]` as in the docstring.
+        operands.sort(key=lambda item: not _is_gradient(item[0]))
         einsum_operands = []
         for operand, labels in operands:
             if isinstance(operand, tuple):
@@ -465,6 +467,13 @@ def _axes_of(e: sp.Expr, out: tuple[Index, ...], summed: tuple[Index, ...]):
 
 def _print_order(e: sp.Expr):
     return sp.default_sort_key(e)
+
+
+def _is_gradient(operand) -> bool:
+    if isinstance(operand, tuple):  # a pointwise factor
+        return False
+    name = operand.base.label.name
+    return name.startswith(("grad_", "_grad"))
 
 
 def _is_simple(e: ir.Expr) -> bool:
