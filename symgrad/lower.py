@@ -337,7 +337,10 @@ class Lowerer:
         pair = [operands[first], operands[second]]
         rest = [op for n, op in enumerate(operands) if n not in (first, second)]
         needed = set(out) | {i for _, lab in rest for i in lab}
-        axes = tuple(dict.fromkeys(i for _, lab in pair for i in lab if i in needed))
+        kept = {i for _, lab in pair for i in lab if i in needed}
+        # Axes the result keeps first in the output's order (batch first), then the rest.
+        axes = tuple(i for i in out if i in kept)
+        axes += tuple(dict.fromkeys(i for _, lab in pair for i in lab if i in kept - set(out)))
         name = body.bind(self.einsum(body, pair, axes))
         return [*rest, (ir.Var(name), axes)]
 
@@ -543,6 +546,9 @@ def lower(program: Program) -> ir.Module:
             level = lowerer.levels[name]
             gname = grad_name(name)
             value = lowerer.gradient(bwd, name, by_target[name])
+            if isinstance(value, ir.Var):  # passed through unchanged: no new name
+                bwd.tensors[gname] = Value(value.name, level.indices)
+                continue
             bwd.bind(value, name=gname, comment=f"∂L/∂{name}")
             bwd.tensors[gname] = Value(gname, level.indices)
     returns: list[str | None] = []
