@@ -73,10 +73,11 @@ class _Body:
     counter: int = 0
     sizes: dict[str, tuple[str, int]] = field(default_factory=dict)  # var -> (tensor, axis)
     uses_dtype: bool = False
+    stem: str = "_t"  # temporaries: _f1.. in the forward, _t1.. in the backward
 
-    def fresh(self, stem: str = "_t") -> str:
+    def fresh(self) -> str:
         self.counter += 1
-        return f"{stem}{self.counter}"
+        return f"{self.stem}{self.counter}"
 
     def bind(self, value: ir.Expr, name: str | None = None, comment: str = "") -> str:
         """Assign `value` to a name (reusing an identical earlier step)."""
@@ -267,18 +268,31 @@ class Lowerer:
                 operands.append((factor, tuple(factor.indices)))
             else:
                 pointwise.append(factor)
-        # Fold accesses into a pointwise factor whose indices cover them: one operand less.
-        if pointwise:
-            merged = sp.Mul(*pointwise)
-            cover = _index_set(merged)
-            keep = []
-            for access, labels in operands:
+        # Pointwise factors are materialized over their own indices only: factors merge
+        # (and accesses fold in, one operand less) only into a factor covering them, so
+        # `tanh(A[b,i,k]) * tanh(A[b,j,k])` stays two (b,_,k) operands, never (b,i,j,k).
+        groups: list[tuple[set[Index], sp.Expr]] = []
+        for factor in sorted(pointwise, key=lambda f: (-len(_index_set(f)),
+                                                       sp.default_sort_key(f))):
+            need = _index_set(factor)
+            for n, (cover, merged) in enumerate(groups):
+                if need <= cover:
+                    groups[n] = (cover, merged * factor)
+                    break
+            else:
+                groups.append((need, factor))
+        keep = []
+        for access, labels in operands:
+            for n, (cover, merged) in enumerate(groups):
                 if set(labels) <= cover:
-                    merged *= access
-                else:
-                    keep.append((access, labels))
-            axes = _axes_of(merged, result_axes, summed)
-            operands = keep + [(("pointwise", merged), axes)]
+                    groups[n] = (cover, merged * access)
+                    break
+            else:
+                keep.append((access, labels))
+        operands = keep + [
+            (("pointwise", merged), _axes_of(merged, result_axes, summed))
+            for _, merged in groups
+        ]
         # The incoming gradient first: `grad_y[b,i,j] * B[b,k,j]` as in the docstring.
         operands.sort(key=lambda item: not _is_gradient(item[0]))
         einsum_operands = []
@@ -464,8 +478,13 @@ def _index_set(e: sp.Expr) -> set[Index]:
 
 
 def _axes_of(e: sp.Expr, out: tuple[Index, ...], summed: tuple[Index, ...]):
-    present = _index_set(e)
-    return tuple(i for i in (*out, *summed) if i in present)
+    """Axes for materializing a pointwise factor: its widest access's own order, so that
+    `tanh(A[b,j,k])` is `tf.tanh(A)` (shared with the forward pass), not a transpose."""
+    widest = sorted(e.atoms(sp.Indexed), key=lambda a: (-len(set(a.indices)),
+                                                        sp.default_sort_key(a)))
+    order = [i for a in widest for i in a.indices]
+    order += [i for i in (*out, *summed) if i in order]
+    return tuple(dict.fromkeys(order))
 
 
 def _print_order(e: sp.Expr):
@@ -505,7 +524,7 @@ def lower(program: Program) -> ir.Module:
     inputs = {name: Value(name, _input_labels(name, program)) for name in program.inputs}
 
     # Forward: intermediates in order, then outputs.
-    fwd = _Body(program, dict(inputs))
+    fwd = _Body(program, dict(inputs), stem="_f")
     for level in program.intermediates:
         fwd.tensors[level.name] = Value(level.name, level.indices)
         fwd.bind(lowerer.level(fwd, level), name=level.name)
@@ -566,9 +585,15 @@ def lower(program: Program) -> ir.Module:
     backward_block = _finish(bwd, tuple(returns))
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
+    backward_block = _borrow(backward_block, fwd.memo)
     read = _names_read(backward_block)
-    saved = tuple(lv.name for lv in program.intermediates if lv.name in read)
     forward_block = _finish(fwd, tuple(outputs))
+    saved = tuple(
+        step.target for step in forward_block.steps
+        if step.target in read and step.target not in outputs
+        and step.target not in program.inputs and step.target not in _PRELUDE_NAMES
+        and not step.target.startswith("_n_")
+    )
     recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs))
     return ir.Module(
         op=program.op,
@@ -605,6 +630,46 @@ def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
     for var, (tensor_name, axis) in sorted(body.sizes.items()):
         prelude.append(ir.Assign(var, ir.AxisSize(tensor_name, axis)))
     return ir.Block(tuple(prelude + body.steps), returns)
+
+
+_PRELUDE_NAMES = ("dtype",)
+
+
+def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
+    """Read values the forward pass already computed (`tanh(A)`) instead of recomputing.
+
+    The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
+    """
+    usable = {
+        expr: name for expr, name in forward.items()
+        if not any(n.startswith("_n_") for n in _names_read(ir.Block((ir.Assign("", expr),),
+                                                                      ())))
+    }
+
+    def walk(e: ir.Expr) -> ir.Expr:
+        if e in usable:
+            return ir.Var(usable[e])
+        if isinstance(e, ir.View):
+            return ir.View(walk(e.operand), e.perm, e.slots)
+        if isinstance(e, ir.Call):
+            return ir.Call(e.function, tuple(walk(a) for a in e.args),
+                           tuple((k, walk(v)) for k, v in e.keywords))
+        if isinstance(e, ir.Einsum):
+            return ir.Einsum(e.subscripts, tuple(walk(a) for a in e.operands))
+        if isinstance(e, ir.Binary):
+            return ir.Binary(e.op, walk(e.left), walk(e.right))
+        if isinstance(e, ir.Negate):
+            return ir.Negate(walk(e.operand))
+        return e
+
+    steps = []
+    for step in block.steps:
+        value = walk(step.value)
+        if isinstance(value, ir.Var) and step.target.startswith("_t"):
+            usable[ir.Var(step.target)] = value.name  # an alias: read the original
+            continue
+        steps.append(ir.Assign(step.target, value, step.comment))
+    return ir.Block(tuple(steps), block.returns)
 
 
 def _names_read(block: ir.Block) -> set[str]:

@@ -208,20 +208,38 @@ def test_registered_gradient_reuses_outputs_instead_of_recomputing():
         assert not types & banned, f"{name}: gradient recomputes {types & banned}"
 
 
-def test_pairwise_distances_never_build_a_four_axis_tensor():
-    module = importlib.import_module("generated.pairwise_sq_dist")
-    x = rand(2, 5, 3)
+@pytest.mark.parametrize("name", ["attention_softmax", "batch_kron", "batched_mat_mul",
+                                  "exp_mat_mul", "gram_tanh", "layer_norm", "log_sum_exp",
+                                  "mat_mul_and_squares", "pairwise_sq_dist", "sin_diag_outer"])
+def test_no_tensor_larger_than_the_largest_input_or_output(name):
+    """Forward + backward through `forward`: e.g. pairwise distances never build (b,i,j,k)."""
+    from test_generated_ops import OPS
 
-    def step(x):
+    module = importlib.import_module(f"generated.{name}")
+    inputs, attrs, reference = OPS[name]
+    outputs = reference(*inputs, **attrs)
+    limit = max(int(np.prod(t.shape)) for t in (*inputs, *outputs))
+
+    def step(*xs):
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = module.forward(x)
-        return y, tape.gradient(y, x, output_gradients=tf.ones_like(y))
+            tape.watch(xs)
+            outs = module.forward(*xs, **attrs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            loss = tf.add_n([tf.reduce_sum(o) for o in outs])
+        return tape.gradient(loss, xs)
 
-    for op in _graph_ops(step, x):
-        for out in op.outputs:
-            rank = out.shape.rank
-            assert rank is None or rank <= 3, f"{op.type} makes a rank-{rank} tensor"
+    n = len(inputs)
+
+    def run_gradient(*xs):  # the op's outputs come in from outside, as TF hands them over
+        ins, outs = xs[:n], xs[n:]
+        return module.gradient(FakeOp(ins, outs, attrs), *[tf.ones_like(o) for o in outs])
+
+    for fn, args in ((step, inputs), (run_gradient, (*inputs, *outputs))):
+        for op in _graph_ops(fn, *args):
+            for out in op.outputs:
+                if out.shape.is_fully_defined():
+                    size = int(np.prod(out.shape))
+                    assert size <= limit, f"{op.type} makes {out.shape} (> {limit} elements)"
 
 
 def test_diagonal_gradient_is_embedded_without_a_jacobian(tmp_path):
