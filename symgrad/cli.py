@@ -25,12 +25,24 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate TensorFlow gradient modules from elementwise formulas.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="write one gradient module per op in the spec")
-    gen.add_argument("spec", nargs="?", default="symgrad.toml", help="spec file (symgrad.toml)")
-    gen.add_argument("--out", help="output folder (overrides `out` in the spec)")
-    gen.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
-    gen.add_argument("--diff", action="store_true", help="like --check, and print a diff")
-    gen.add_argument("--force", action="store_true", help="overwrite hand-edited modules")
+    gen = commands.add_parser(
+        "generate",
+        help="write one gradient module per op in the spec",
+        description="Write one gradient module per op (only files whose content changes; "
+        "nothing at all if any op fails). Files symgrad did not write are never touched.",
+        epilog="exit status: 0 written or up to date; 1 out of date (--check/--diff); 2 error",
+    )
+    gen.add_argument(
+        "spec", nargs="?", default="symgrad.toml", metavar="SPEC", help="spec file (symgrad.toml)"
+    )
+    gen.add_argument("--out", metavar="DIR", help="output folder (overrides `out` in the spec)")
+    gen.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 naming each stale file"
+    )
+    gen.add_argument("--diff", action="store_true", help="like --check, and print a unified diff")
+    gen.add_argument(
+        "--force", action="store_true", help="overwrite or delete modules edited by hand"
+    )
     gen.add_argument("--debug", action="store_true", help="show tracebacks")
     exp = commands.add_parser(
         "explain",
@@ -41,10 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "formula",
         nargs="?",
+        metavar="FORMULA",
         help='e.g. "y[b,i,j] = A[b,i,k] * B[b,k,j]"; with --op: the spec file',
     )
-    exp.add_argument("--op", help="explain this op from the spec instead of a formula")
-    exp.add_argument("--spec", dest="spec_file", help="spec file for --op (symgrad.toml)")
+    exp.add_argument("--op", metavar="NAME", help="explain this op from the spec instead")
+    exp.add_argument(
+        "--spec", dest="spec_file", metavar="SPEC", help="spec file for --op (symgrad.toml)"
+    )
     exp.add_argument("--format", choices=FORMATS, default="text")
     exp.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser

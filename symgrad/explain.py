@@ -76,8 +76,6 @@ class _TextMath:
 class _TexExpr(LatexPrinter):
     """SymPy's LaTeX printer with symgrad's tensors, masks and max/min."""
 
-    printmethod = "_symgrad_latex"
-
     def _print_Symbol(self, expr, style="plain"):
         name = expr.name
         if name.startswith("|") and name.endswith("|"):  # the size of an index (`mean`)

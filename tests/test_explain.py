@@ -1,0 +1,231 @@
+"""`symgrad explain`: the partials with their deltas, the contraction with grad, the einsum.
+
+Exact lines for the batched matmul in each format, the special shapes (diagonal, composite,
+several outputs, no_gradient, intermediates), errors, and LaTeX that compiles (structural
+checks always; a real `pdflatex` run where one is installed).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from symgrad.cli import main
+
+TESTS = Path(__file__).resolve().parent
+REPO_SPEC = TESTS.parent / "symgrad.toml"
+GOLDEN = TESTS / "golden"
+MATMUL = "y[b,i,j] = A[b,i,k] * B[b,k,j]"
+
+
+def einsum_of(text: str, target: str) -> tuple:
+    """`target = tf.einsum(...)` in `text`, up to operand order and letter names."""
+    match = re.search(rf'^\s*{target} = tf\.einsum\("([^"]+)", ([^)]+)\)$', text, re.MULTILINE)
+    assert match, f"no einsum for {target} in:\n{text}"
+    inputs, output = match.group(1).split("->")
+    pairs = sorted(zip(match.group(2).split(", "), inputs.split(","), strict=True))
+    letters: dict[str, str] = {}
+    for char in output + "".join(subscripts for _, subscripts in pairs):
+        letters.setdefault(char, chr(ord("a") + len(letters)))
+    relabel = str.maketrans(letters)
+    return output.translate(relabel), tuple((n, s.translate(relabel)) for n, s in pairs)
+
+
+GRAD_A = einsum_of('grad_A = tf.einsum("bkj,bij->bik", B, grad_y)', "grad_A")
+GRAD_B = einsum_of('grad_B = tf.einsum("bik,bij->bkj", A, grad_y)', "grad_B")
+
+
+def explain(capsys, *argv) -> str:
+    code = main(["explain", *map(str, argv)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out
+
+
+def test_matmul_text(capsys):
+    text = explain(capsys, MATMUL)
+    lines = [line.strip() for line in text.splitlines()]
+    assert "gradient(op, grad_y) returns (grad_A, grad_B), the vector-Jacobian product:" in lines
+    # A: the partial with its deltas, the contraction, the eliminated form, the einsum.
+    a = lines.index("Gradient of A:")
+    assert lines[a + 1 : a + 8] == [
+        "partial derivatives (δ is the Kronecker delta):",
+        "∂y[b,i,j]/∂A[b',i',k'] = Σ_k B[b,k,j] · δ(b,b')δ(i,i')δ(k,k')",
+        "contracted with the incoming gradient:",
+        "grad_A[b',i',k'] = Σ_b,i,j grad_y[b,i,j] · ∂y[b,i,j]/∂A[b',i',k']",
+        "deltas eliminated:",
+        "grad_A[b,i,k] = Σ_j grad_y[b,i,j]*B[b,k,j]",
+        "TensorFlow:",
+    ]
+    assert einsum_of(lines[a + 8], "grad_A") == GRAD_A
+    b = lines.index("Gradient of B:")
+    assert "∂y[b,i,j]/∂B[b',k',j'] = Σ_k A[b,i,k] · δ(b,b')δ(k,k')δ(j,j')" in lines[b:]
+    assert "grad_B[b,k,j] = Σ_i grad_y[b,i,j]*A[b,i,k]" in lines[b:]
+    assert einsum_of("\n".join(lines[b:]), "grad_B") == GRAD_B
+
+
+def test_op_from_a_spec_explains_the_same(capsys, monkeypatch):
+    spec = GOLDEN / "matmul" / "symgrad.toml"
+    from_formula = explain(capsys, MATMUL)
+    assert explain(capsys, "--op", "BatchMatMul", "--spec", spec) == from_formula
+    assert explain(capsys, "--op", "BatchMatMul", spec) == from_formula  # SPEC positional
+    monkeypatch.chdir(spec.parent)
+    assert explain(capsys, "--op", "BatchMatMul") == from_formula  # ./symgrad.toml
+
+
+def test_the_eliminated_form_is_the_generated_docstring_line(capsys):
+    text = explain(capsys, "--op", "BatchMatMul", GOLDEN / "matmul" / "symgrad.toml")
+    module = (GOLDEN / "matmul" / "expected" / "batch_mat_mul.py").read_text(encoding="utf-8")
+    for line in (
+        "grad_A[b,i,k] = Σ_j grad_y[b,i,j]*B[b,k,j]",
+        "grad_B[b,k,j] = Σ_i grad_y[b,i,j]*A[b,i,k]",
+    ):
+        assert f"    {line}\n" in text and f"    {line}\n" in module
+
+
+def test_matmul_markdown(capsys):
+    text = explain(capsys, MATMUL, "--format", "markdown")
+    assert text.startswith("# Gradient\n")
+    assert "`gradient(op, grad_y) returns (grad_A, grad_B)`" in text
+    assert "## Gradient of A\n" in text and "## Gradient of B\n" in text
+    assert "```text\n∂y[b,i,j]/∂A[b',i',k'] = Σ_k B[b,k,j] · δ(b,b')δ(i,i')δ(k,k')\n```" in text
+    assert "```text\ngrad_A[b,i,k] = Σ_j grad_y[b,i,j]*B[b,k,j]\n```" in text
+    assert "TensorFlow:\n\n```python\ngrad_A = tf.einsum(" in text
+    assert einsum_of(text, "grad_A") == GRAD_A
+    assert text.count("```") % 2 == 0
+
+
+def test_matmul_latex(capsys):
+    text = explain(capsys, MATMUL, "--format", "latex")
+    assert (
+        r"\frac{\partial y_{b,i,j}}{\partial A_{b',i',k'}} &= "
+        r"\sum_{k} B_{b,k,j} \, \delta_{b,b'} \delta_{i,i'} \delta_{k,k'}" in text
+    )
+    assert (
+        r"\bar{A}_{b',i',k'} &= \sum_{b,i,j} \bar{y}_{b,i,j} \, "
+        r"\frac{\partial y_{b,i,j}}{\partial A_{b',i',k'}}" in text
+    )
+    assert r"\bar{A}_{b,i,k} &= \sum_{j} \bar{y}_{b,i,j} B_{b,k,j}" in text
+    assert "\\begin{verbatim}\ngrad_A = tf.einsum(" in text
+    assert einsum_of(text, "grad_A") == GRAD_A
+    assert r"\paragraph{Gradient of $A$}" in text
+
+
+def test_diagonal_gradients_keep_a_delta_and_use_eye(capsys):
+    text = explain(capsys, "--op", "SinDiagOuter", GOLDEN / "diagonal" / "symgrad.toml")
+    assert "∂y[b,i,j]/∂A[b',i',i''] = cos(A[b,i,i])*B[b,j,j] · δ(b,b')δ(i,i')δ(i,i'')" in text
+    assert "grad_A[b,i,i'] = Σ_j δ(i,i')*grad_y[b,i,j]*cos(A[b,i,i])*B[b,j,j]" in text
+    assert "tf.eye(" in text
+
+
+def test_composite_indices_show_the_split_grad(capsys):
+    text = explain(capsys, "--op", "BatchKron", GOLDEN / "kron" / "symgrad.toml")
+    assert "∂y[b,(i,k),(j,l)]/∂A[b',i',j'] = B[b,k,l] · δ(b,b')δ(i,i')δ(j,j')" in text
+    assert "grad_A[b,i,j] = Σ_k,l grad_y[b,i,k,j,l]*B[b,k,l]" in text
+    assert "grad_y[b,i,k,j,l] is grad_y with its composite axes split" in text
+    assert "grad_y = tf.reshape(grad_y, [_n_b, _n_i, _n_k, _n_j, _n_l])" in text
+
+
+def test_several_outputs_and_no_gradient(capsys):
+    text = explain(capsys, "--op", "MatMulAndSquares", GOLDEN / "multi_output" / "symgrad.toml")
+    assert "gradient(op, grad_y, grad_z) returns (grad_A, grad_B)" in text
+    a = text.split("Gradient of A:")[1].split("Gradient of B:")[0]
+    assert "∂y[b,i,j]/∂A[" in a and "∂z[b,i]/∂A[" in a
+    assert "grad_A[b,i,k] = Σ_j grad_y[b,i,j]*B[b,k,j] + grad_z[b,i]*2*A[b,i,k]" in a
+
+    text = explain(capsys, "--op", "Masked", GOLDEN / "no_gradient" / "symgrad.toml")
+    assert "gradient(op, grad_y) returns (grad_A, None)" in text
+    assert "grad_M[b,i,j] = None (no_gradient)" in text
+
+
+def test_intermediates_are_explained_first(capsys):
+    text = explain(capsys, "y[b,i] = exp(sum(A[b,i,k]*B[b,k], k))")
+    assert "_s1[b,i] = Σ_k A[b,i,k]*B[b,k]" in text
+    assert text.index("Gradient of _s1 (intermediate):") < text.index("Gradient of A:")
+    assert "∂y[b,i]/∂_s1[b',i'] = exp(_s1[b,i]) · δ(b,b')δ(i,i')" in text
+    assert "grad_A[b,i,k] = _grad_s1[b,i]*B[b,k]" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "explain needs a FORMULA or --op NAME"),
+        (["--op", "Nope", "--spec", GOLDEN / "matmul" / "symgrad.toml"], "no op 'Nope'"),
+        (["y[i] = x[i] +"], "formula"),
+        ([MATMUL, "--spec", "symgrad.toml"], "--spec goes with --op"),
+        (["--op", "X", "a.toml", "--spec", "b.toml"], "give the spec file once"),
+        (["--op", "X", "--spec", "/no/such/spec.toml"], "spec file not found"),
+    ],
+)
+def test_errors_exit_2(capsys, argv, message):
+    code = main(["explain", *map(str, argv)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------ LaTeX
+
+
+# Beyond the repo's ops: constants, every kind of function, masks, means, broadcasting.
+LATEX_FORMULAS = (
+    "y[b,i] = pi * A[b,i] + e ** A[b,i]",
+    "y[b,i] = max(A[b,i], B[b,i]) + min(A[b,i], 0.25 * B[b,i])",
+    "y[b,i] = abs(A[b,i]) * erf(A[b,i]) + softplus(A[b,i]) / sigmoid(A[b,i])",
+    "y[b,i] = A[b,i] - mean(A[b,k], k)",
+    "y[batch,i] = weights[i,k] * x1[batch,k]",
+)
+
+
+def _latex_samples(capsys) -> dict[str, str]:
+    """LaTeX of every op of the repo's spec and of LATEX_FORMULAS."""
+    ops = re.findall(r"(?m)^\[ops\.(\w+)\]", REPO_SPEC.read_text(encoding="utf-8"))
+    samples = {op: explain(capsys, "--op", op, REPO_SPEC, "--format", "latex") for op in ops}
+    for formula in LATEX_FORMULAS:
+        samples[formula] = explain(capsys, formula, "--format", "latex")
+    return samples
+
+
+def test_latex_is_well_formed(capsys):
+    for op, text in _latex_samples(capsys).items():
+        body = "\n".join(line for line in text.splitlines() if not line.startswith("%"))
+        math = re.findall(r"\\begin\{align\*\}\n(.*?)\n\\end\{align\*\}", body, re.DOTALL)
+        assert math, op
+        outside = re.sub(r"\\begin\{(align\*|verbatim)\}.*?\\end\{\1\}", "", body, flags=re.DOTALL)
+        assert body.isascii(), f"{op}: non-ASCII outside comments"
+        assert body.count(r"\begin{") == body.count(r"\end{"), op
+        for block in math:
+            assert block.count("{") == block.count("}"), f"{op}: unbalanced braces"
+            assert block.count(r"\left") == block.count(r"\right"), op
+            assert not re.search(r"_\{[^{}]*\}_", block), f"{op}: double subscript"
+            assert "*" not in block and "[" not in block.replace(r"\left[", ""), op
+        assert not re.search(r"(?<!\\)[_#&]", outside.replace("$", "")), f"{op}: bare _#&"
+
+
+@pytest.mark.skipif(shutil.which("pdflatex") is None, reason="pdflatex not installed")
+def test_latex_compiles(capsys, tmp_path):
+    fragments = _latex_samples(capsys)
+    document = "\n".join(
+        [
+            r"\documentclass{article}",
+            r"\usepackage{amsmath}",
+            r"\begin{document}",
+            *fragments.values(),
+            r"\end{document}",
+            "",
+        ]
+    )
+    (tmp_path / "explain.tex").write_text(document, encoding="utf-8")
+    result = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "explain.tex"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "Missing character" not in (tmp_path / "explain.log").read_text(errors="replace")

@@ -1,0 +1,607 @@
+"""Living with generated code (issue 4): `symgrad generate` as users run it from a shell, CI
+and pre-commit.
+
+Exit codes and check mode, byte-identical output (runs, hash seeds, op order), writes only
+on change, all-or-nothing generation and atomic files, hand-edited / foreign / orphaned
+files, ruff-clean output, an importable package, `importlib.reload` of a module, and no
+TensorFlow import during generation. Everything runs the real command line
+(`symgrad.cli.main`) on a project folder in tmp_path; only the hash-seed and no-TensorFlow
+tests start fresh `python -m symgrad` processes, and only the reload tests import TF.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from symgrad import emit
+from symgrad.cli import main
+from symgrad.render import HEADER
+from symgrad.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+REPO_SPEC = REPO / "symgrad.toml"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+# Two quick ops; tests change, add and remove ops from this.
+OPS = {
+    "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j]"',
+    "Scale": 'formula = "y[i] = alpha * x[i]"\nattrs = { alpha = "float" }',
+}
+MODULES = {"MatMul": "mat_mul.py", "Scale": "scale.py"}
+OLD_TIME = 1_000_000_000  # 2001: mtimes are set to this to see whether a file was rewritten
+
+
+def write_spec(folder: Path, ops: dict[str, str], out: str = "generated") -> Path:
+    tables = "\n\n".join(f"[ops.{name}]\n{body}" for name, body in ops.items())
+    spec = folder / "symgrad.toml"
+    spec.write_text(f'out = "{out}"\n\n{tables}\n', encoding="utf-8")
+    return spec
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int, int, int]]:
+    """Every entry of a folder (hidden ones too): bytes, mtime, inode, mode."""
+    if not folder.exists():
+        return {}
+    result = {}
+    for path in sorted(folder.iterdir()):
+        info = path.stat()
+        data = b"<folder>" if path.is_dir() else path.read_bytes()
+        result[path.name] = (data, info.st_mtime_ns, info.st_ino, info.st_mode)
+    return result
+
+
+def age(folder: Path) -> None:
+    """Set every file's mtime far in the past, so a rewrite is visible."""
+    for path in folder.iterdir():
+        os.utime(path, (OLD_TIME, OLD_TIME))
+
+
+@pytest.fixture
+def project(tmp_path, capsys):
+    """A spec with two ops, generated once: (spec path, output folder)."""
+    spec = write_spec(tmp_path, OPS)
+    code, _, err = run(capsys, "generate", spec)
+    assert code == 0, err
+    return spec, tmp_path / "generated"
+
+
+# ------------------------------------------------------------------- exit codes, check
+
+
+def test_generate_writes_every_module_then_is_up_to_date(project, capsys):
+    spec, out = project
+    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "mat_mul.py", "scale.py"]
+    for path in out.iterdir():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert lines[0] == HEADER
+        assert lines[1].startswith("# source: symgrad.toml")
+        assert re.fullmatch(r"# hash: sha256:[0-9a-f]{32}", lines[2])
+        assert emit.intact(path.read_text(encoding="utf-8"))
+    assert "# source: symgrad.toml [ops.MatMul]" in (out / "mat_mul.py").read_text()
+
+    code, stdout, _ = run(capsys, "generate", spec)
+    assert code == 0 and "up to date" in stdout
+    code, stdout, _ = run(capsys, "generate", spec, "--check")
+    assert code == 0 and "up to date" in stdout
+
+
+def test_check_names_stale_missing_and_orphaned_modules_and_writes_nothing(project, capsys):
+    spec, out = project
+    write_spec(
+        spec.parent,
+        {
+            "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] + A[b,i,j]"',  # stale
+            "Square": 'formula = "y[i] = x[i] * x[i]"',  # missing
+        },  # Scale removed: orphaned
+    )
+    age(out)
+    before = snapshot(out)
+
+    code, stdout, stderr = run(capsys, "generate", spec, "--check")
+    assert code == 1
+    assert f"{out / 'mat_mul.py'}: stale" in stdout
+    assert f"{out / 'square.py'}: missing" in stdout
+    assert f"{out / 'scale.py'}: orphaned" in stdout
+    assert f"{out / '__init__.py'}: stale" in stdout  # it lists the modules
+    assert "4 file(s) out of date" in stderr and "symgrad generate" in stderr
+    assert "---" not in stdout  # no diff without --diff
+    assert snapshot(out) == before
+
+    code, stdout, _ = run(capsys, "generate", spec, "--diff")
+    assert code == 1
+    assert f"--- a/{out / 'mat_mul.py'}\n+++ b/{out / 'mat_mul.py'}\n@@" in stdout
+    assert "+    y[b,i,j] = A[b,i,k] * B[b,k,j] + A[b,i,j]" in stdout
+    assert f"--- /dev/null\n+++ b/{out / 'square.py'}" in stdout
+    assert f"--- a/{out / 'scale.py'}\n+++ /dev/null" in stdout
+    assert snapshot(out) == before
+
+    code, _, _ = run(capsys, "generate", spec)
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "mat_mul.py", "square.py"]
+    assert run(capsys, "generate", spec, "--check")[0] == 0
+
+
+def test_check_on_a_missing_output_folder_creates_nothing(tmp_path, capsys):
+    spec = write_spec(tmp_path, OPS)
+    code, stdout, _ = run(capsys, "generate", spec, "--check")
+    assert code == 1
+    assert stdout.count(": missing") == 3
+    assert not (tmp_path / "generated").exists()
+
+
+@pytest.mark.parametrize(
+    ("spec_text", "message"),
+    [
+        (None, "spec file not found"),
+        ("out = [", "not valid TOML"),
+        ('[ops.Bad]\nformula = "y[i] = x[i] +"', "[ops.Bad]"),
+        ('[ops.Bad]\nformula = "y[i] = x[i]"\ncolour = 1', "unknown key 'colour'"),
+    ],
+)
+def test_errors_exit_2(tmp_path, capsys, spec_text, message):
+    spec = tmp_path / "symgrad.toml"
+    if spec_text is not None:
+        spec.write_text(spec_text, encoding="utf-8")
+    for flags in ([], ["--check"], ["--diff"]):
+        code, _, stderr = run(capsys, "generate", spec, *flags)
+        assert code == 2
+        assert stderr.startswith("error: ") and message in stderr
+        assert "Traceback" not in stderr
+    assert not (tmp_path / "generated").exists()
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--no-such-flag"])
+    assert exc.value.code == 2
+
+
+def test_out_flag_overrides_the_spec_and_spec_out_is_relative_to_the_spec(
+    tmp_path, capsys, monkeypatch
+):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    spec = write_spec(sub, OPS, out="gen")
+    monkeypatch.chdir(tmp_path)
+    assert run(capsys, "generate", "sub/symgrad.toml")[0] == 0
+    assert (sub / "gen" / "mat_mul.py").is_file()
+    assert run(capsys, "generate", spec, "--out", tmp_path / "elsewhere")[0] == 0
+    assert (tmp_path / "elsewhere" / "mat_mul.py").read_bytes() == (
+        sub / "gen" / "mat_mul.py"
+    ).read_bytes()
+
+
+# ---------------------------------------------------------------------- determinism
+
+
+def _permuted(text: str, order) -> str:
+    """The spec text with its [ops.X] tables in another order."""
+    head, *tables = re.split(r"(?m)^(?=\[ops\.)", text)
+    return head + "".join(tables[i].rstrip("\n") + "\n\n" for i in order)
+
+
+def test_output_is_identical_across_runs_and_the_order_of_ops(tmp_path):
+    text = REPO_SPEC.read_text(encoding="utf-8")
+    count = len(re.findall(r"(?m)^\[ops\.", text))
+    assert count >= 4
+    reference = emit.generate(emit_spec(text, tmp_path, "a"))
+    assert emit.generate(emit_spec(text, tmp_path, "b")) == reference  # a second run
+    for order in (list(reversed(range(count))), [*range(1, count), 0]):
+        permuted = _permuted(text, order)
+        assert permuted != text
+        assert emit.generate(emit_spec(permuted, tmp_path, "c")) == reference
+
+
+def emit_spec(text: str, folder: Path, name: str):
+    path = folder / name / "symgrad.toml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return load_spec(path)
+
+
+def test_output_is_byte_identical_across_hash_seeds(tmp_path):
+    """`python -m symgrad generate` under PYTHONHASHSEED 0, 1 and 12345 (in parallel)."""
+    runs = {}
+    for seed in ("0", "1", "12345"):
+        out = tmp_path / f"seed{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        command = [sys.executable, "-m", "symgrad", "generate", str(REPO_SPEC), "--out", out]
+        runs[seed] = (
+            out,
+            subprocess.Popen(
+                command,
+                env=env,
+                cwd=tmp_path,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            ),
+        )
+    outputs = {}
+    for seed, (out, process) in runs.items():
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+        outputs[seed] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    assert outputs["0"] == outputs["1"] == outputs["12345"]
+    assert len(outputs["0"]) == len(re.findall(r"(?m)^\[ops\.", REPO_SPEC.read_text())) + 1
+
+
+# ------------------------------------------------------------ writing: only, all, atomic
+
+
+def test_only_changed_files_are_rewritten(project, capsys):
+    spec, out = project
+    age(out)
+    before = snapshot(out)
+    assert run(capsys, "generate", spec)[0] == 0
+    assert snapshot(out) == before  # nothing changed: nothing touched
+
+    write_spec(
+        spec.parent,
+        {**OPS, "Scale": 'formula = "y[i] = alpha * x[i] * x[i]"\nattrs = { alpha = "float" }'},
+    )
+    code, stdout, _ = run(capsys, "generate", spec)
+    assert code == 0 and stdout.split() == ["updated", str(out / "scale.py")]
+    after = snapshot(out)
+    assert after["mat_mul.py"] == before["mat_mul.py"]
+    assert after["__init__.py"] == before["__init__.py"]
+    assert after["scale.py"][0] != before["scale.py"][0]
+    assert after["scale.py"][1] != OLD_TIME * 10**9
+
+
+def test_a_failing_op_means_no_file_is_touched(project, capsys):
+    spec, out = project
+    (out / "helper.py").write_text("x = 1\n")  # foreign, to be left alone
+    write_spec(
+        spec.parent,
+        {
+            "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] * 2"',  # would be updated
+            "Added": 'formula = "y[i] = x[i]"',  # would be created
+            "Broken": 'formula = "y[i] = x[i] * unknown_function(x[i])"',
+        },
+    )
+    age(out)
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", spec)
+    assert code == 2 and "[ops.Broken]" in stderr
+    assert snapshot(out) == before
+
+
+def _two_updates(project, capsys):
+    """A project whose regeneration updates mat_mul.py and scale.py (and nothing else)."""
+    spec, out = project
+    old = {p.name: p.read_bytes() for p in out.iterdir()}
+    write_spec(
+        spec.parent,
+        {
+            "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] * 3"',
+            "Scale": 'formula = "y[i] = alpha * x[i] + x[i]"\nattrs = { alpha = "float" }',
+        },
+    )
+    new = {name: text.encode() for name, text in emit.generate(load_spec(spec)).items()}
+    assert {n for n in new if new[n] != old[n]} == {"mat_mul.py", "scale.py"}
+    return spec, out, old, new
+
+
+def test_an_interrupted_write_leaves_every_file_old_or_new(project, capsys, monkeypatch):
+    spec, out, old, new = _two_updates(project, capsys)
+    real_replace = os.replace
+    calls = []
+
+    def replace_then_fail(source, target):
+        calls.append(target)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace_then_fail)
+    code, _, stderr = run(capsys, "generate", spec)
+    monkeypatch.undo()
+
+    assert code == 2 and "No space left on device" in stderr and "Traceback" not in stderr
+    assert len(calls) == 2
+    now = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(now) == set(old)  # no temporary file left behind, nothing extra
+    for name, data in now.items():
+        assert data in (old[name], new[name]), f"{name} is neither old nor new"
+    assert sum(now[n] == new[n] != old[n] for n in now) == 1  # it did stop halfway
+
+    assert run(capsys, "generate", spec)[0] == 0  # and the next run finishes the job
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == new
+
+
+def test_a_failure_while_writing_a_temporary_file_leaves_nothing_behind(
+    project, capsys, monkeypatch
+):
+    spec, out, old, _ = _two_updates(project, capsys)
+
+    def fsync_fails(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync_fails)
+    code, _, stderr = run(capsys, "generate", spec)
+    monkeypatch.undo()
+    assert code == 2 and "Input/output error" in stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == old
+
+
+def test_written_files_get_ordinary_permissions(tmp_path, capsys):
+    umask = os.umask(0o022)
+    try:
+        spec = write_spec(tmp_path, OPS)
+        assert run(capsys, "generate", spec)[0] == 0
+    finally:
+        os.umask(umask)
+    for path in (tmp_path / "generated").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name
+
+
+def test_a_crlf_checkout_counts_as_up_to_date(project, capsys):
+    spec, out = project
+    module = out / "mat_mul.py"
+    module.write_bytes(module.read_bytes().replace(b"\n", b"\r\n"))  # git autocrlf
+    assert run(capsys, "generate", spec, "--check")[0] == 0
+
+
+# ------------------------------------------------------- hand-edited, foreign, orphaned
+
+
+def test_a_hand_edited_module_is_refused_unless_forced(project, capsys):
+    spec, out = project
+    module = out / "mat_mul.py"
+    edited = module.read_text().replace("def vjp(", "# tweaked\ndef vjp(")
+    module.write_text(edited)
+    before = snapshot(out)
+
+    code, _, stderr = run(capsys, "generate", spec)
+    assert code == 2
+    assert str(module) in stderr and "by hand" in stderr and "--force" in stderr
+    assert snapshot(out) == before
+
+    code, stdout, _ = run(capsys, "generate", spec, "--check")
+    assert code == 1 and f"{module}: stale and edited by hand" in stdout
+    assert snapshot(out) == before
+
+    code, stdout, _ = run(capsys, "generate", spec, "--force")
+    assert code == 0 and str(module) in stdout
+    assert emit.intact(module.read_text()) and "# tweaked" not in module.read_text()
+
+
+def test_an_edit_of_the_hash_line_alone_counts_as_a_hand_edit(project, capsys):
+    spec, out = project
+    module = out / "scale.py"
+    module.write_text(re.sub(r"sha256:[0-9a-f]+", "sha256:" + "0" * 32, module.read_text()))
+    assert not emit.intact(module.read_text())
+    assert run(capsys, "generate", spec)[0] == 2
+    assert run(capsys, "generate", spec, "--force")[0] == 0
+
+
+def test_foreign_files_in_the_output_folder_are_never_touched(project, capsys):
+    spec, out = project
+    (out / "helpers.py").write_text("def helper():\n    return 1\n")
+    (out / "notes.txt").write_text("not python\n")
+    (out / "data.py").write_bytes(b"\xff\xfe not utf-8")
+    (out / "sub.py").mkdir()
+    age(out)
+    foreign = {
+        n: v for n, v in snapshot(out).items() if n in ("helpers.py", "notes.txt", "data.py")
+    }
+
+    write_spec(spec.parent, {"MatMul": OPS["MatMul"]})  # Scale removed: scale.py deleted
+    assert run(capsys, "generate", spec)[0] == 0
+    after = snapshot(out)
+    assert "scale.py" not in after
+    assert {n: after[n] for n in foreign} == foreign
+    assert (out / "sub.py").is_dir()
+
+
+@pytest.mark.parametrize("flags", [[], ["--force"], ["--check"]])
+def test_a_foreign_file_with_a_module_name_is_a_clear_error(tmp_path, capsys, flags):
+    spec = write_spec(tmp_path, OPS)
+    out = tmp_path / "generated"
+    out.mkdir()
+    (out / "scale.py").write_text("# my own scale module\n")
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", spec, *flags)
+    assert code == 2
+    assert str(out / "scale.py") in stderr and "not written by symgrad" in stderr
+    assert snapshot(out) == before  # not even the other modules were written
+
+
+def test_the_module_of_a_removed_op_is_deleted(project, capsys):
+    spec, out = project
+    write_spec(spec.parent, {"Scale": OPS["Scale"]})
+    code, stdout, _ = run(capsys, "generate", spec)
+    assert code == 0 and f"deleted {out / 'mat_mul.py'}" in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "scale.py"]
+    assert "mat_mul" not in (out / "__init__.py").read_text()
+
+
+def test_a_hand_edited_orphan_is_refused_unless_forced(project, capsys):
+    spec, out = project
+    module = out / "mat_mul.py"
+    module.write_text(module.read_text() + "\nEXTRA = 1\n")
+    write_spec(spec.parent, {"Scale": OPS["Scale"]})
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", spec)
+    assert code == 2 and str(module) in stderr and "--force" in stderr
+    assert snapshot(out) == before
+    code, stdout, _ = run(capsys, "generate", spec, "--check")
+    assert code == 1 and f"{module}: orphaned" in stdout and "edited by hand" in stdout
+    assert run(capsys, "generate", spec, "--force")[0] == 0
+    assert not module.exists()
+
+
+# ---------------------------------------------------------------- the generated package
+
+
+def _ruff() -> str:
+    return emit._ruff()
+
+
+def _generated_folders() -> list[Path]:
+    folders = [REPO / "generated", *sorted(GOLDEN.glob("*/expected"))]
+    assert len(folders) > 1, "no golden cases found"
+    return folders
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_generated_code_passes_ruff_with_default_settings(command):
+    folders = [str(f) for f in _generated_folders()]
+    result = subprocess.run(
+        [_ruff(), *command, "--isolated", "--no-cache", *folders],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_generated_package_lists_and_finds_its_modules():
+    out = REPO / "generated"
+    init = (out / "__init__.py").read_text(encoding="utf-8")
+    assert init.startswith(HEADER)
+    modules = sorted(p.stem for p in out.glob("*.py") if p.name != "__init__.py")
+    listed = re.search(r"__all__ = \[(.*?)\]", init, re.DOTALL).group(1)
+    assert sorted(re.findall(r'"(\w+)"', listed)) == modules
+    sys.path.insert(0, str(REPO))
+    try:
+        for module in modules:  # found as package members, without running them (no TF)
+            found = importlib.util.find_spec(f"generated.{module}")
+            assert found is not None and Path(found.origin) == out / f"{module}.py"
+    finally:
+        sys.path.remove(str(REPO))
+
+
+def test_repo_generated_folder_is_up_to_date(capsys):
+    """This repo's CI fails when generated/ is stale."""
+    code, stdout, _ = run(capsys, "generate", "--check", REPO_SPEC)
+    assert code == 0, (
+        f"generated/ is stale:\n{stdout}\nrun `.venv/bin/python -m symgrad generate` in the repo "
+        "root and commit the result"
+    )
+
+
+# -------------------------------------------------------------------------- TensorFlow
+
+
+def _import_generated(tmp_path, package: str, op: str, formula: str, capsys):
+    spec = write_spec(tmp_path, {op: f'formula = "{formula}"'}, out=package)
+    assert run(capsys, "generate", spec)[0] == 0
+    return spec
+
+
+@pytest.fixture
+def tf_importable(tmp_path, monkeypatch):
+    """TensorFlow, with tmp_path importable and reloads reading source, not stale .pyc."""
+    tf = pytest.importorskip("tensorflow")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    yield tf
+    for name in [n for n in sys.modules if n.startswith("symgrad_probe_")]:
+        del sys.modules[name]
+
+
+def test_reloading_a_regenerated_module_replaces_its_gradient(tmp_path, capsys, tf_importable):
+    tf = tf_importable
+    from tensorflow.python.framework import ops as tf_ops
+
+    registry = tf_ops._gradient_registry._registry
+    op = "SymgradProbeReload"
+    spec = _import_generated(tmp_path, "symgrad_probe_reload", op, "y[i] = 2 * x[i]", capsys)
+    module = importlib.import_module("symgrad_probe_reload.symgrad_probe_reload")
+    first = module.gradient
+    assert registry[op]["type"] is first
+
+    importlib.reload(module)  # importing again, unchanged: no duplicate-registration KeyError
+    assert registry[op]["type"] is module.gradient
+
+    write_spec(spec.parent, {op: 'formula = "y[i] = 5 * x[i] * x[i]"'}, out="symgrad_probe_reload")
+    assert run(capsys, "generate", spec)[0] == 0
+    importlib.reload(module)
+    assert module.gradient is not first
+    assert registry[op]["type"] is module.gradient
+    (grad_x,) = module.vjp(tf.constant([1.0, 2.0]), tf.constant([1.0, 1.0]))
+    assert grad_x.numpy().tolist() == [10.0, 20.0]  # d/dx 5x² = 10x: the new formula
+
+
+def test_a_gradient_symgrad_did_not_register_is_not_replaced(tmp_path, capsys, tf_importable):
+    tf = tf_importable
+    op = "SymgradProbeForeign"
+    tf.RegisterGradient(op)(lambda op_, grad: grad)
+    _import_generated(tmp_path, "symgrad_probe_foreign", op, "y[i] = x[i]", capsys)
+    with pytest.raises(KeyError, match="symgrad did not generate"):
+        importlib.import_module("symgrad_probe_foreign.symgrad_probe_foreign")
+
+
+NO_TENSORFLOW = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+    class NoTensorFlow(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("tensorflow", "keras", "tf_keras"):
+                raise ImportError(f"symgrad imported {name}")
+
+    sys.meta_path.insert(0, NoTensorFlow())
+    sys.modules["tensorflow"] = None
+
+    from symgrad.cli import main
+
+    spec, out = sys.argv[1:]
+    code = main(["generate", spec, "--out", out])
+    code |= main(["generate", spec, "--out", out, "--check"])
+    code |= main(["explain", "--op", "BatchedMatMul", "--spec", spec])
+    loaded = sorted(m for m, v in sys.modules.items() if m.startswith("tensorflow") and v)
+    print("loaded:", loaded)
+    sys.exit(code or bool(loaded))
+    """
+)
+
+
+def test_generate_never_imports_tensorflow(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", NO_TENSORFLOW, str(REPO_SPEC), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "loaded: []" in result.stdout
+    assert (tmp_path / "out" / "batched_mat_mul.py").is_file()
+
+
+# ------------------------------------------------------------------------- pre-commit
+
+
+def test_the_pre_commit_hook_runs_check_mode_on_spec_changes():
+    text = (REPO / ".pre-commit-hooks.yaml").read_text(encoding="utf-8")
+    assert re.search(r"(?m)^- id: symgrad-check$", text)
+    fields = dict(re.findall(r"(?m)^  (\w+): (.+)$", text))
+    assert fields["entry"] == "symgrad generate --check"
+    assert fields["language"] == "python"
+    assert fields["pass_filenames"] == "false"
+    files = re.compile(fields["files"].strip("'\""))
+    for path in ("symgrad.toml", "ops/symgrad.toml", "specs/layers.toml"):
+        assert files.search(path), path
+    for path in ("README.md", "src/model.py"):
+        assert not files.search(path), path
