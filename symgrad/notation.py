@@ -10,7 +10,7 @@ import sympy as sp
 from sympy.printing.str import StrPrinter
 
 from .derive import Backward, Contribution, grad_name
-from .model import Index, Program, accesses
+from .model import Index, Program, accesses, size_of
 
 
 class IndexPrinter(StrPrinter):
@@ -75,27 +75,44 @@ def rename(c: Contribution, shown: tuple[Index, ...]) -> dict[Index, Index]:
 
 def contribution_text(c: Contribution, shown: tuple[Index, ...]) -> str:
     mapping = rename(c, shown)
+    sizes = {size_of(old): size_of(new) for old, new in mapping.items() if old != new}
     grad = c.grad.xreplace(mapping)
-    body = c.partial.xreplace(mapping)
-    if body == 1:
-        text = show(grad)
-    elif isinstance(body, sp.Add):
-        text = f"{show(grad)}*({show(body)})"
-    else:
-        text = f"{show(grad)}*{show(body)}"
+    body = c.partial.xreplace(mapping).xreplace(sizes)
+    sign = ""
+    if body.could_extract_minus_sign():
+        sign, body = "-", -body
+    numerator, denominator = sp.fraction(body) if isinstance(body, sp.Mul | sp.Pow) else (
+        body, sp.Integer(1))
+    text = show(grad)
+    if numerator != 1:
+        shown_numerator = show(numerator)
+        text += f"*({shown_numerator})" if isinstance(numerator, sp.Add) else (
+            f"*{shown_numerator}")
+    if denominator != 1:
+        shown_denominator = show(denominator)
+        text += f"/({shown_denominator})" if isinstance(denominator, sp.Add | sp.Mul) else (
+            f"/{shown_denominator}")
     if c.diagonal:
         deltas = "*".join(f"δ({mapping[a]},{mapping[b]})" for a, b in c.diagonal)
         text = f"{deltas}*{text}"
     if c.summed:
         summed = ",".join(mapping[s].name for s in c.summed)
         text = f"Σ_{summed} {text}"
-    return text
+    return sign + text
 
 
 def gradient_line(target: str, contributions: list[Contribution], names) -> str:
     shown = display_indices(names[target])
     left = f"{grad_name(target)}[{','.join(s.name for s in shown)}]"
-    right = " + ".join(contribution_text(c, shown) for c in contributions)
+    right = ""
+    for c in contributions:
+        text = contribution_text(c, shown)
+        if not right:
+            right = text
+        elif text.startswith("-"):
+            right += f" - {text[1:]}"
+        else:
+            right += f" + {text}"
     return f"{left} = {right}"
 
 
