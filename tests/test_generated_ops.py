@@ -183,3 +183,23 @@ def test_max_tie_goes_to_first_argument_like_tensorflow(tmp_path):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g.numpy(), w.numpy())
     assert got[0].numpy().tolist() == [2.0, 1.0, 1.0]  # ties: both max and min pick x
+
+
+def test_several_outputs_none_grad_counts_as_zeros():
+    """TF hands a registered gradient None for an output nothing downstream used."""
+    module = importlib.import_module("generated.mat_mul_and_squares")
+    A, B = rand(2, 3, 4), rand(2, 4, 5)
+    y, z = module.forward(A, B)
+    grad_y = rand(2, 3, 5)
+    fake = FakeOp((A, B), (y, z), {})
+    only_y = module.gradient(fake, grad_y, None)
+    with_zeros = module.gradient(fake, grad_y, tf.zeros_like(z))
+    for g, w in zip(only_y, with_zeros, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=0)
+    with tf.GradientTape() as tape:  # the custom-gradient path, only z used downstream
+        tape.watch([A, B])
+        _, z = module.forward(A, B)
+        loss = tf.reduce_sum(z)
+    grad_A, grad_B = tape.gradient(loss, [A, B])
+    np.testing.assert_allclose(grad_A.numpy(), 2 * A.numpy(), rtol=1e-12)
+    assert grad_B is None or not np.any(grad_B.numpy())
