@@ -27,7 +27,7 @@ class sigmoid(sp.Function):  # noqa: N801 - printed name, like sympy.exp
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number:
             return 1 / (1 + sp.exp(-x))
         return None
 
@@ -42,7 +42,7 @@ class softplus(sp.Function):  # noqa: N801
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number:
             return sp.log(1 + sp.exp(x))
         return None
 
@@ -57,8 +57,8 @@ class step_ge(sp.Function):  # noqa: N801
 
     @classmethod
     def eval(cls, x, y):
-        if x.is_Number and y.is_Number:
-            return sp.Integer(1 if x >= y else 0)
+        if x.is_number and y.is_number:
+            return sp.Integer(1 if bool(x >= y) else 0)
         return None
 
 
@@ -72,8 +72,8 @@ class step_le(sp.Function):  # noqa: N801
 
     @classmethod
     def eval(cls, x, y):
-        if x.is_Number and y.is_Number:
-            return sp.Integer(1 if x <= y else 0)
+        if x.is_number and y.is_number:
+            return sp.Integer(1 if bool(x <= y) else 0)
         return None
 
 
@@ -88,7 +88,7 @@ class maximum(sp.Function):  # noqa: N801
 
     @classmethod
     def eval(cls, x, y):
-        if x.is_Number and y.is_Number:
+        if x.is_number and y.is_number:
             return sp.Max(x, y)
         return None
 
@@ -104,7 +104,7 @@ class minimum(sp.Function):  # noqa: N801
 
     @classmethod
     def eval(cls, x, y):
-        if x.is_Number and y.is_Number:
+        if x.is_number and y.is_number:
             return sp.Min(x, y)
         return None
 
