@@ -116,6 +116,8 @@ CORPUS = {
     "intermediate_twice": Case("y[b,i] = sin(sum(A[b,i,k], k)) * cos(sum(A[b,i,l], l))",
                                {"A": (B, I, K)}),
     "batch_only_weight": Case("y[b,i] = s[b] * x[b,i]", {"s": (B,), "x": (B, I)}),
+    "composite_output_reused": Case("y[b,(i,j)] = exp(A[b,i,j] * x[b,i])",
+                                    {"A": (B, I, J), "x": (B, I)}),
     "bool_attr_mask": Case("y[b,i] = A[b,i] * (1 - flag) + flag * A[b,i] ** 2", {"A": (B, I)},
                            attrs={"flag": False}),
 }
