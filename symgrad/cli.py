@@ -6,6 +6,7 @@ Exit codes: 0 written or up to date; 1 stale under --check/--diff; 2 on any erro
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -123,11 +124,26 @@ def _explain(args) -> int:
     elif args.formula:
         if args.spec_file:
             raise SymgradError("--spec goes with --op NAME, not with a FORMULA")
-        op = OpSpec("Formula", (args.formula,), None, (), (), "formula")
+        program = _formula_program(args.formula)
+        sys.stdout.write(explain(program, args.format))
+        return EXIT_OK
     else:
         raise SymgradError("explain needs a FORMULA or --op NAME")
     sys.stdout.write(explain(build(op), args.format))
     return EXIT_OK
+
+
+def _formula_program(formula: str):
+    """A bare formula to explain; scalar names in it (`alpha`) are taken as float attrs."""
+    attrs: list[tuple[str, str]] = []
+    while True:
+        try:
+            return build(OpSpec("Formula", (formula,), None, tuple(attrs), (), "formula"))
+        except SymgradError as exc:
+            match = re.match(r"unknown name '([A-Za-z][A-Za-z0-9_]*)'", exc.message)
+            if not match or len(attrs) >= 16:
+                raise
+            attrs.append((match.group(1), "float"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,3 +229,12 @@ def test_latex_compiles(capsys, tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "Missing character" not in (tmp_path / "explain.log").read_text(errors="replace")
+
+
+def test_explain_formula_takes_bare_names_as_float_attrs(capsys):
+    from symgrad.cli import main
+
+    assert main(["explain", "y[b,i] = alpha * A[b,i] ** 2"]) == 0
+    out = capsys.readouterr().out
+    assert "∂y[b,i]/∂A[b',i'] = 2*alpha*A[b,i] · δ(b,b')δ(i,i')" in out
+    assert main(["explain", "y[b,i] = A[b,i] + nope(A[b,i])"]) == 2
