@@ -313,6 +313,8 @@ class Lowerer:
             einsum_operands.append((ir.Var(eye), (left, right)))
         value = self.einsum(body, einsum_operands, result_axes)
         if coefficient != 1:
+            if not _is_simple(value):  # bound, so the same sum elsewhere is shared
+                value = ir.Var(body.bind(value))
             value = ir.Binary("*", self.expr(body, coefficient, ()), value)
         return value, result_axes
 
@@ -321,23 +323,73 @@ class Lowerer:
         out: tuple[Index, ...],
     ) -> ir.Expr:
         """Contract operands to `out`, pairwise in an optimal order."""
+        labels = [lab for _, lab in operands]
+        if any(len(set(lab)) != len(lab) for lab in labels):
+            return self._einsum_call(operands, out)  # diagonals: leave to einsum
+        summed = {i for lab in labels for i in lab} - set(out)
+        # (R3) Operands without a summed index multiply the contraction of the others.
+        if summed and len(operands) > 1:
+            carrying = [op for op in operands if set(op[1]) & summed]
+            free = [op for op in operands if not set(op[1]) & summed]
+            if free:
+                kept = {i for _, lab in carrying for i in lab} & set(out)
+                axes = tuple(i for i in out if i in kept)
+                inner = self.einsum(body, carrying, axes)
+                if not _is_simple(inner):
+                    inner = ir.Var(body.bind(inner))
+                return self.einsum(body, [*free, (inner, axes)], out)
         while len(operands) > 2:
             operands = self.contract_pair(body, operands, out)
-        labels = [labels for _, labels in operands]
-        flat = all(len(set(lab)) == len(lab) for lab in labels)
-        if flat and {i for lab in labels for i in lab} == set(out):
-            # Nothing is summed: a broadcasting product reads better and skips einsum.
-            product = None
-            for operand, lab in operands:
-                aligned = align(operand, lab, out)
-                product = aligned if product is None else ir.Binary("*", product, aligned)
-            return product
-        letters = _letters([*labels, out], self.preferred)
-        inputs = ",".join(_word(lab, letters) for lab in labels)
-        subscripts = f"{inputs}->{_word(out, letters)}"
+        if len(operands) == 1:
+            return self._reduce(body, *operands[0], out)
+        (x, lx), (y, ly) = operands
+        # (R2) Sum an index only one operand has before anything else.
+        x, lx = self._pre_reduce(body, x, lx, set(ly) | set(out))
+        y, ly = self._pre_reduce(body, y, ly, set(lx) | set(out))
+        shared_summed = (set(lx) & set(ly)) - set(out)
+        if not shared_summed or set(lx) == set(ly):
+            # A broadcasting product, summed over what both have: 'bij,bij->bi' would be
+            # a BatchMatMul of 1x1 results, far slower than multiply + reduce_sum.
+            union = tuple(dict.fromkeys((*lx, *ly)))
+            order = tuple(i for i in out if i in union) + tuple(
+                i for i in union if i not in out)
+            product = ir.Binary("*", align(x, lx, order), align(y, ly, order))
+            return self._reduce(body, product, order, out)
+        # (R1) TF's einsum runs BatchMatMul, whose result is [batch, free of the first
+        # operand, free of the second]; list operands so that is `out`, or einsum adds
+        # a transpose of the result.
+        first_free = next((i for i in out if (i in lx) != (i in ly)), None)
+        if first_free is not None and first_free in ly:
+            (x, lx), (y, ly) = (y, ly), (x, lx)
+        return self._einsum_call([(x, lx), (y, ly)], out)
+
+    def _einsum_call(self, operands, out):
+        labels = [lab for _, lab in operands]
         if len(operands) == 1 and labels[0] == out:
             return operands[0][0]
-        return ir.Einsum(subscripts, tuple(op for op, _ in operands))
+        letters = _letters([*labels, out], self.preferred)
+        inputs = ",".join(_word(lab, letters) for lab in labels)
+        return ir.Einsum(f"{inputs}->{_word(out, letters)}", tuple(op for op, _ in operands))
+
+    def _pre_reduce(self, body, operand, labels, keep):
+        if not any(i not in keep for i in labels):
+            return operand, labels
+        rest = tuple(i for i in labels if i in keep)
+        return ir.Var(body.bind(self._reduce(body, operand, labels, rest))), rest
+
+    def _reduce(self, body, operand, labels, out):
+        """`operand` (axes `labels`) summed over the labels not in `out`, permuted to out."""
+        axes = [n for n, i in enumerate(labels) if i not in out]
+        if axes:
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            operand = ir.Call("tf.reduce_sum", (operand,), (("axis", ir.Lit(repr(axes))),))
+            labels = tuple(i for i in labels if i in out)
+        if labels == out:
+            return operand
+        if not _is_simple(operand):
+            operand = ir.Var(body.bind(operand))
+        return align(operand, labels, out)
 
     def contract_pair(self, body, operands, out):
         letters = _letters([*[lab for _, lab in operands], out], self.preferred)
