@@ -154,8 +154,22 @@ def reuse_outputs(expr: sp.Expr, patterns, indices: set[Index]) -> sp.Expr:
             renamed = pattern.xreplace(mapping)
             if renamed.atoms(sp.Indexed) - expr.atoms(sp.Indexed):
                 continue
-            expr = expr.subs(renamed, output.xreplace(mapping))
+            replacement = output.xreplace(mapping)
+            expr = expr.subs(renamed, replacement)
+            if isinstance(renamed, sp.Mul):
+                expr = sp.Add(*[_divide_out(t, renamed, replacement)
+                                for t in sp.Add.make_args(expr)])
     return expr
+
+
+def _divide_out(term: sp.Expr, pattern: sp.Expr, output: sp.Expr) -> sp.Expr:
+    """`term` as (term / pattern) * output when that removes accesses, e.g. layer norm's
+    `(x - mu) / sigma**3` -> `y / sigma**2`: `subs` does not see through such powers."""
+    quotient = sp.powsimp(term / pattern)
+    before, after = term.atoms(sp.Indexed), quotient.atoms(sp.Indexed)
+    if after < before:
+        return quotient * output
+    return term
 
 
 def derive(program: Program) -> Backward:

@@ -87,8 +87,7 @@ class _Body:
             return self.memo[value]
         target = name or self.fresh()
         self.steps.append(ir.Assign(target, value, comment))
-        if name is None:
-            self.memo[value] = target
+        self.memo.setdefault(value, target)
         return target
 
 
@@ -121,7 +120,7 @@ class Lowerer:
             if known == source:
                 return var
         name = index.name if not index.name.startswith("_") else self.preferred.get(index, "")
-        var = f"_n_{_plain(name)}" if name else ""
+        var = f"_n_{_plain(name.rstrip(chr(39)))}" if name else ""
         if not name or var in body.sizes:
             var = f"_n_{source[0]}_{source[1]}"
         body.sizes[var] = source
@@ -155,8 +154,9 @@ class Lowerer:
                 body.uses_dtype = True
                 return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
             return ir.Var(e.name)  # an attr
-        if isinstance(e, sp.Add):
-            terms = sorted(e.args, key=_print_order)
+        if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
+            terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(),
+                                                  _print_order(t)))
             result = self.expr(body, terms[0], target)
             for term in terms[1:]:
                 coeff, rest = term.as_coeff_Mul()
@@ -228,7 +228,7 @@ class Lowerer:
     ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
         """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
         factors = sp.Mul.make_args(e)
-        operand_sets = [set(f.indices) for f in factors if isinstance(f, sp.Indexed)]
+        operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
         for factor in factors:
             if isinstance(factor, sp.Indexed) or not factor.atoms(sp.Indexed):
                 continue
@@ -315,7 +315,10 @@ class Lowerer:
         if coefficient != 1:
             if not _is_simple(value):  # bound, so the same sum elsewhere is shared
                 value = ir.Var(body.bind(value))
-            value = ir.Binary("*", self.expr(body, coefficient, ()), value)
+            if coefficient.could_extract_minus_sign():
+                value = ir.Negate(ir.Binary("*", self.expr(body, -coefficient, ()), value))
+            else:
+                value = ir.Binary("*", self.expr(body, coefficient, ()), value)
         return value, result_axes
 
     def einsum(

@@ -9,9 +9,11 @@ checked before `ast.parse` sees the text, so hostile input fails fast.
 from __future__ import annotations
 
 import ast
+import difflib
 import keyword
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -53,17 +55,9 @@ RESERVED = frozenset(
 )
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 MAX_NUMBER_BITS = 1024  # numerator and denominator of any exact constant
-MAX_EXP_ARGUMENT = 700
+MAX_TERMS = 64  # summed terms after multiplying out; derivation time grows fast beyond
 MAX_DIGITS = 400  # digits of a decimal literal, and the size of its exponent
 DECIMAL = re.compile(r"(\d*)\.?(\d*)(?:[eE]([+-]?\d+))?\Z")
-# Elementwise functions whose value at some real constants is not a finite real.
-DOMAINS = {
-    "log": lambda value: value > 0,
-    "sqrt": lambda value: value >= 0,
-    "exp": lambda value: value <= MAX_EXP_ARGUMENT,  # beyond: inf in float64
-    "sinh": lambda value: abs(value) <= MAX_EXP_ARGUMENT,
-    "cosh": lambda value: abs(value) <= MAX_EXP_ARGUMENT,
-}
 
 # Characters no formula needs that Python's parser would not show us as nodes: a comment
 # would vanish from the AST but stay in the text, which generated docstrings quote.
@@ -156,11 +150,18 @@ class Equation:
     rhs: Node
     text: str
     output_col: int
+    index_cols: tuple[int, ...] = ()  # the column of each of `output_indices`
 
     @property
     def output_indices(self) -> tuple[str, ...]:
         """The plain indices of the output, composite groups flattened."""
         return tuple(index for group in self.groups for index in group)
+
+    def index_col(self, index: str, occurrence: int = 0) -> int:
+        """Where output index `index` is written (its `occurrence`-th time), for carets."""
+        cols = [c for i, c in zip(self.output_indices, self.index_cols, strict=False)
+                if i == index]
+        return cols[occurrence] if occurrence < len(cols) else self.output_col
 
 
 # ----------------------------------------------------------------------------- checks
@@ -240,16 +241,26 @@ class _Walker:
         if problem:
             self.fail(problem, target)
         groups: list[tuple[str, ...]] = []
+        cols: list[int] = []
         for element in _slice_elements(target.slice):
             if isinstance(element, ast.Tuple):
                 if len(element.elts) < 2:
                     self.fail("a composite output index needs two or more indices", element)
                 groups.append(tuple(self.index_name(e) for e in element.elts))
+                cols.extend(e.col_offset for e in element.elts)
             else:
                 groups.append((self.index_name(element),))
+                cols.append(element.col_offset)
         self.output_indices = frozenset(index for group in groups for index in group)
         rhs = self.expr(assign.value, 0)
-        return Equation(output, tuple(groups), rhs, self.text, target.col_offset)
+        terms = _term_count(rhs)
+        if terms > MAX_TERMS:
+            self.fail(
+                f"the formula multiplies out to {_shorten(str(terms))} summed terms (the limit "
+                f"is {MAX_TERMS}): a product of sums expands; split it into several ops",
+                assign.value,
+            )
+        return Equation(output, tuple(groups), rhs, self.text, target.col_offset, tuple(cols))
 
     def index_name(self, node: ast.AST) -> str:
         if not isinstance(node, ast.Name):
@@ -284,6 +295,7 @@ class _Walker:
                 _constant_value(result)  # constant sub-formulas must stay of sane size
             except SymgradError as exc:
                 self.fail(exc.message, col=exc.column)
+            self.check_real(result, node)
             return result
         if isinstance(node, ast.UnaryOp):
             if isinstance(node.op, ast.USub):
@@ -350,20 +362,16 @@ class _Walker:
             return Reduce(name, body, indices, col)
         arity = FUNCTIONS.get(name)
         if arity is None:
-            known = ", ".join(sorted(FUNCTIONS) + list(REDUCTIONS))
-            self.fail(f"unknown function {name!r} (known: {known})", node)
+            known = sorted(FUNCTIONS) + list(REDUCTIONS)
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            self.fail(f"unknown function {name!r} (known: {', '.join(known)}){hint}", node)
         if len(node.args) != arity:
             self.fail(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
                       f"got {len(node.args)}", node)
-        args = tuple(self.expr(a, depth + 1) for a in node.args)
-        if name in DOMAINS:
-            try:
-                value = _constant_value(args[0])
-            except SymgradError as exc:
-                self.fail(exc.message, col=exc.column)
-            if value is not None and not DOMAINS[name](value):
-                self.fail(f"{name}({_show_number(value)}) is not a finite real number", node)
-        return Call(name, args, col)
+        result = Call(name, tuple(self.expr(a, depth + 1) for a in node.args), col)
+        self.check_real(result, node)
+        return result
 
     def number(self, node: ast.Constant) -> Num:
         value = node.value
@@ -398,14 +406,26 @@ class _Walker:
             power = _constant_value(exponent)
         except SymgradError as exc:
             self.fail(exc.message, col=exc.column)
-        if value is None:
-            return
-        if power is None and value <= 0:
-            self.fail(f"the base of a power with a variable exponent must be positive, "
-                      f"not {_show_number(value)}", node)
-        if power is not None and value < 0 and power.denominator != 1:
+        if value is not None and power is not None and value < 0 and power.denominator != 1:
             self.fail(f"a negative number to the power {_show_number(power)} is not real",
                       node)
+        if _float_value(exponent) is None:  # both sides were checked by check_real
+            approximate = _float_value(base)
+            if approximate is not None and approximate <= 0:
+                self.fail("the base of a power with a variable exponent must be positive, "
+                          f"not {self.source(node)}", node)
+
+    def check_real(self, value: Node, node: ast.AST) -> None:
+        """A constant sub-formula must have a finite real value in float64."""
+        try:
+            _float_value(value)
+        except ZeroDivisionError:
+            self.fail("division by zero", node)
+        except (ArithmeticError, ValueError):
+            self.fail(f"{self.source(node)} is not a finite real number", node)
+
+    def source(self, node: ast.AST) -> str:
+        return _shorten(ast.get_source_segment(self.text, node) or "the constant")
 
     def check_exponent(self, exponent: Node, node: ast.AST) -> None:
         try:
@@ -456,6 +476,96 @@ def _constant_value(node: Node) -> Fraction | None:
     return value
 
 
+def _sigmoid(x: float) -> float:
+    if x >= 0:
+        return 1 / (1 + math.exp(-x))
+    return math.exp(x) / (1 + math.exp(x))
+
+
+def _softplus(x: float) -> float:
+    return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
+
+
+FLOAT_FUNCTIONS = {
+    "exp": math.exp, "log": math.log, "sin": math.sin, "cos": math.cos, "tan": math.tan,
+    "tanh": math.tanh, "sinh": math.sinh, "cosh": math.cosh, "sqrt": math.sqrt,
+    "abs": math.fabs, "sigmoid": _sigmoid, "softplus": _softplus, "erf": math.erf,
+    "max": max, "min": min,
+}
+
+
+def _float_value(node: Node) -> float | None:
+    """The float64 value of a constant sub-formula (numbers, pi, e, functions), or None.
+
+    Raises ArithmeticError or ValueError when it has no finite real value (log(-1),
+    exp(exp(10)), (-pi) ** 0.5): generated code would compute nan or inf there.
+    """
+    if isinstance(node, Num):
+        value = float(node.value)
+    elif isinstance(node, Constant):
+        value = math.pi if node.name == "pi" else math.e
+    elif isinstance(node, Neg):
+        inner = _float_value(node.operand)
+        return None if inner is None else -inner
+    elif isinstance(node, BinOp):
+        left, right = _float_value(node.left), _float_value(node.right)
+        if left is None or right is None:
+            return None
+        if node.op == "+":
+            value = left + right
+        elif node.op == "-":
+            value = left - right
+        elif node.op == "*":
+            value = left * right
+        elif node.op == "/":
+            value = left / right
+        else:
+            value = math.pow(left, right)
+    elif isinstance(node, Call) and node.function in FLOAT_FUNCTIONS:
+        args = [_float_value(arg) for arg in node.args]
+        if any(arg is None for arg in args):
+            return None
+        value = FLOAT_FUNCTIONS[node.function](*args)
+    else:
+        return None  # tensors, attrs and sums are not constants
+    if not math.isfinite(value):
+        raise OverflowError("not finite")
+    return value
+
+
+def _term_count(node: Node) -> int:
+    """How many summed terms the formula becomes once products of sums are multiplied out.
+
+    Mirrors the canonical form (see `model`): parts without an explicit sum() merge into one
+    pointwise term; sums inside functions, powers and denominators become one intermediate.
+    """
+    if not _has_reduce(node):
+        return 1
+    if isinstance(node, Reduce):
+        return _term_count(node.body)
+    if isinstance(node, Neg):
+        return _term_count(node.operand)
+    if isinstance(node, BinOp) and node.op in "+-":
+        return _term_count(node.left) + _term_count(node.right)
+    if isinstance(node, BinOp) and node.op == "*":
+        return _term_count(node.left) * _term_count(node.right)
+    if isinstance(node, BinOp) and node.op == "/":
+        return _term_count(node.left)
+    return 1
+
+
+def _has_reduce(node: Node) -> bool:
+    if isinstance(node, Reduce):
+        return True
+    if isinstance(node, Neg):
+        return _has_reduce(node.operand)
+    if isinstance(node, BinOp):
+        return _has_reduce(node.left) or _has_reduce(node.right)
+    if isinstance(node, Call):
+        return any(_has_reduce(arg) for arg in node.args)
+    return False
+
+
 def _too_big(value: Fraction) -> bool:
     return max(value.numerator.bit_length(), value.denominator.bit_length()) > MAX_NUMBER_BITS
 
@@ -502,7 +612,10 @@ def parse_equation(text: str, attrs: frozenset[str] = frozenset()) -> Equation:
     if not text:
         raise SymgradError("formula is empty")
     try:
-        tree = ast.parse(text, mode="exec")
+        with warnings.catch_warnings():
+            # "invalid decimal literal" (`1if`) and the like: errors, not stderr noise.
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(text, mode="exec")
     except SyntaxError as exc:
         column = max((exc.offset or 1) - 1, 0)
         message = (exc.msg or "invalid syntax").split(" (")[0]

@@ -6,6 +6,7 @@ file and the op. Nothing here looks at formulas beyond their type; `model` does 
 
 from __future__ import annotations
 
+import difflib
 import keyword
 import re
 import tomllib
@@ -59,6 +60,11 @@ def _show(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[:limit - 4]}...{text[-1]}"
 
 
+def _hint(key: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _string_list(value: object, what: str, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise SymgradError(f"`{what}` must be an array of strings, not {_type_name(value)}",
@@ -92,7 +98,8 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
     for key in table:
         if key not in OP_KEYS:
             raise SymgradError(
-                f"unknown key {_show(key)} (known: {', '.join(OP_KEYS)})", where=where
+                f"unknown key {_show(key)} (known: {', '.join(OP_KEYS)}){_hint(key, OP_KEYS)}",
+                where=where,
             )
     if "formula" not in table:
         raise SymgradError("missing `formula`", where=where)
@@ -156,7 +163,8 @@ def parse_spec(text: str, path: str) -> Spec:
     for key in data:
         if key not in TOP_KEYS:
             raise SymgradError(
-                f"unknown top-level key {_show(key)} (known: {', '.join(TOP_KEYS)})",
+                f"unknown top-level key {_show(key)} (known: {', '.join(TOP_KEYS)})"
+                f"{_hint(key, TOP_KEYS)}",
                 where=path,
             )
     out = data.get("out")
