@@ -109,6 +109,17 @@ class Lowerer:
         for output in program.outputs:
             self.levels[output.level.name] = output.level
         self.preferred = _preferred_letters(program, self.backward)
+        # Logsumexp levels, by their name and by the name of an output equal to one.
+        self.logsumexp_of: dict[str, Level] = {
+            lv.name: lv for lv in program.intermediates if lv.kind == "logsumexp"
+        }
+        for output in program.outputs:
+            terms = output.level.terms
+            if len(terms) == 1 and not terms[0].summed and isinstance(terms[0].expr,
+                                                                       sp.Indexed):
+                source = self.logsumexp_of.get(terms[0].expr.base.label.name)
+                if source is not None and tuple(terms[0].expr.indices) == output.level.indices:
+                    self.logsumexp_of[output.level.name] = source
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -195,6 +206,10 @@ class Lowerer:
             if exponent == -sp.Rational(1, 2):
                 return ir.Call("tf.math.rsqrt", (inner,))
             return ir.Binary("**", inner, self.expr(body, exponent, target))
+        if isinstance(e, sp.exp):
+            softmax = self.softmax(body, e, target)
+            if softmax is not None:
+                return softmax
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
@@ -206,6 +221,38 @@ class Lowerer:
                 body.uses_dtype = True
                 return ir.Call("tf.cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
         raise AssertionError(f"cannot lower {e!r}")
+
+    def softmax(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr | None:
+        """`exp(u - L)` with `L = log Σ_m exp(u)`: one fused `tf.nn.softmax(u)` over m.
+
+        L may appear as the logsumexp intermediate or as an output equal to it.
+        """
+        argument = e.args[0]
+        for term in sp.Add.make_args(argument):
+            coefficient, access = term.as_coeff_Mul()
+            if coefficient != -1 or not isinstance(access, sp.Indexed):
+                continue
+            level = self.logsumexp_of.get(access.base.label.name)
+            if level is None or len(level.terms[0].summed) != 1:
+                continue
+            if len(set(access.indices)) != len(access.indices):
+                continue
+            logits = argument - term
+            (m,) = level.terms[0].summed
+            mapping = dict(zip(level.indices, access.indices, strict=True))
+            for candidate in sorted(_index_set(logits) - set(access.indices), key=str):
+                mapping[m] = candidate
+                if level.terms[0].expr.xreplace(mapping) != logits:
+                    continue
+                order = (*access.indices, candidate)
+                operand = self.expr(body, logits, order)
+                if not _is_simple(operand):
+                    operand = ir.Var(body.bind(operand))
+                weights = body.bind(
+                    ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),))
+                )
+                return align(ir.Var(weights), order, target)
+        return None
 
     def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
         """`X[i, j]` aligned to `target` axes (diagonals read with a one-operand einsum)."""
@@ -315,7 +362,9 @@ class Lowerer:
         if coefficient != 1:
             if not _is_simple(value):  # bound, so the same sum elsewhere is shared
                 value = ir.Var(body.bind(value))
-            if coefficient.could_extract_minus_sign():
+            if coefficient == -1:
+                value = ir.Negate(value)
+            elif coefficient.could_extract_minus_sign():
                 value = ir.Negate(ir.Binary("*", self.expr(body, -coefficient, ()), value))
             else:
                 value = ir.Binary("*", self.expr(body, coefficient, ()), value)
@@ -471,6 +520,13 @@ class Lowerer:
         indices = contributions[0].indices
         self.register_axes(target, indices)
         pieces = []
+        # Pointwise contributions add up into one expression with common factors pulled
+        # out: softmax's `grad*y + s*y` becomes `(grad + s) * y`, two passes, not four.
+        pointwise = [c for c in contributions if not c.summed and not c.diagonal]
+        if len(pointwise) > 1:
+            merged = sp.factor_terms(sp.Add(*[c.grad * c.partial for c in pointwise]))
+            pieces += self.term(body, merged, (), indices)
+            contributions = [c for c in contributions if c not in pointwise]
         for c in contributions:
             expr = c.grad * c.partial
             pieces += self.term(body, expr, c.summed, indices, c.diagonal)
@@ -643,6 +699,13 @@ def lower(program: Program) -> ir.Module:
     backward_block = _borrow(backward_block, fwd.memo)
     read = _names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs))
+    keep = set(outputs) | {
+        name for name in read if name not in program.inputs
+    }
+    forward_block = _prune(forward_block, tuple(sorted(keep & {s.target for s in
+                                                              forward_block.steps})),
+                           set(program.inputs))
+    forward_block = ir.Block(forward_block.steps, tuple(outputs))
     saved = tuple(
         step.target for step in forward_block.steps
         if step.target in read and step.target not in outputs
