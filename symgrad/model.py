@@ -25,6 +25,7 @@ from .parse import MAX_INDICES, parse_equation
 from .spec import OpSpec
 
 Index = sp.Symbol
+DEFAULT_SIZE = 64  # an index's typical size when the spec gives none
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class _Builder:
         self.intermediates: list[Level] = []
         self.by_key: dict[str, tuple[Level, tuple[Index, ...]]] = {}
         self.equation: Equation | None = None
+        self.sizes = dict(op.sizes)
 
     # -- errors -----------------------------------------------------------------------
 
@@ -305,7 +307,7 @@ class _Builder:
                 ):
                     break
                 index_sets = [_indices_of(f) for f in factors]
-                pair = _first_pair(index_sets, free)
+                pair = _first_pair(index_sets, free, self.sizes)
                 if pair is None:
                     break
                 first, second = pair
@@ -454,8 +456,8 @@ def _ordered_indices(expr: sp.Expr) -> list[Index]:
     return indices_in_order(expr)
 
 
-def _first_pair(index_sets, free) -> tuple[int, int] | None:
-    """The first pairwise contraction of opt_einsum's optimal order."""
+def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | None:
+    """The first pairwise contraction of opt_einsum's optimal order for typical sizes."""
     import opt_einsum
 
     symbols = sorted(set().union(*index_sets, free), key=sp.default_sort_key)
@@ -465,7 +467,11 @@ def _first_pair(index_sets, free) -> tuple[int, int] | None:
     inputs = ",".join("".join(letter[i] for i in sorted(s, key=sp.default_sort_key))
                       for s in index_sets)
     output = "".join(letter[i] for i in free if i in letter)
-    shapes = [(64,) * len(s) for s in index_sets]
+    shapes = [
+        tuple(sizes.get(i.name.rstrip("'"), DEFAULT_SIZE)
+              for i in sorted(s, key=sp.default_sort_key))
+        for s in index_sets
+    ]
     path, _ = opt_einsum.contract_path(f"{inputs}->{output}", *shapes, shapes=True,
                                        optimize="optimal")
     first, second = sorted(path[0])
@@ -582,6 +588,10 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     for name in op.no_gradient:
         if name not in inputs:
             raise fail(f"`no_gradient` names {name!r}, which is not an input")
+    index_names = {symbol.name.rstrip("'") for symbol in builder.dims}
+    for index, _ in op.sizes:
+        if index not in index_names:
+            raise fail(f"`sizes` names index {index!r}, which no formula uses")
     unused = [a for a in builder.attrs if not any(
         builder.attrs[a] in t.expr.free_symbols
         for level in (*[o.level for o in outputs], *builder.intermediates)

@@ -19,7 +19,8 @@ from .parse import check_name
 OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 ATTR_TYPES = ("float", "int", "bool")
 TOP_KEYS = ("out", "ops")
-OP_KEYS = ("formula", "inputs", "attrs", "no_gradient")
+OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes")
+MAX_SIZE = 2**31
 MAX_OPS = 500
 MAX_FORMULAS = 16
 MAX_OP_NAME = 100  # the module file name must stay well below the usual 255-byte limit
@@ -38,6 +39,9 @@ class OpSpec:
     attrs: tuple[tuple[str, str], ...]  # (attr name, "float" | "int" | "bool"), spec order
     no_gradient: tuple[str, ...]  # inputs whose gradient is None
     source: str  # where it came from, for messages and headers: "symgrad.toml [ops.Name]"
+    # Typical sizes of indices (index name -> size), used only to choose the order of
+    # contractions; unnamed indices count as 64. Generated code works for any size.
+    sizes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,22 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
         problem = check_name(tensor, "tensor")
         if problem:
             raise SymgradError(problem, where=where)
-    return OpSpec(name, formulas, inputs, tuple(attrs), no_gradient, where)
+    sizes_table = table.get("sizes", {})
+    if not isinstance(sizes_table, dict):
+        raise SymgradError(f"`sizes` must be a table, not {_type_name(sizes_table)}",
+                           where=where)
+    sizes = []
+    for index, size in sizes_table.items():
+        problem = check_name(index, "index")
+        if problem:
+            raise SymgradError(problem, where=where)
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_SIZE:
+            raise SymgradError(
+                f"size of index {index!r} must be a whole number from 1 to {MAX_SIZE}",
+                where=where,
+            )
+        sizes.append((index, size))
+    return OpSpec(name, formulas, inputs, tuple(attrs), no_gradient, where, tuple(sizes))
 
 
 def parse_spec(text: str, path: str) -> Spec:
