@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +63,7 @@ print(json.dumps({"import_s": t_import, "per_op_s": times,
 
 def _wall(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     return time.perf_counter() - t, proc
 
 
@@ -76,8 +77,9 @@ def generation() -> dict:
         sys.exit(f"generation timer failed:\n{proc.stderr}")
     timed = json.loads(proc.stdout.strip().splitlines()[-1])
     with tempfile.TemporaryDirectory() as tmp:
-        repo_wall, proc = _wall([py, "-m", "symgrad", "generate", str(ROOT / "symgrad.toml"),
-                                 "--out", tmp])
+        repo_wall, proc = _wall(
+            [py, "-m", "symgrad", "generate", str(ROOT / "symgrad.toml"), "--out", tmp]
+        )
         repo_ok = proc.returncode == 0
         repo_ops = len(list(Path(tmp).glob("*.py"))) - 1
     per_op = timed["per_op_s"]
@@ -94,6 +96,7 @@ def generation() -> dict:
 
 
 # ----------------------------------------------------------------------------- op table
+
 
 def cases(tf):
     """Per op: input shapes and scales, and TF references (first = the primary one)."""
@@ -135,49 +138,86 @@ def cases(tf):
     e = tf.einsum
     mm = tf.linalg.matmul
     return {
-        "BenchMatMul": dict(
-            module="bench_mat_mul", inputs=[((32, 256, 256), 1), ((32, 256, 256), 1)],
-            refs={"einsum": lambda A, B: e("bik,bkj->bij", A, B),
-                  "tf.linalg.matmul": lambda A, B: mm(A, B)}),
-        "BenchKron": dict(
-            module="bench_kron", inputs=[((32, 32, 32), 1), ((32, 16, 16), 1)],
-            refs={"einsum": kron_einsum, "broadcast*": kron_broadcast}),
-        "BenchExpMatMul": dict(
-            module="bench_exp_mat_mul", inputs=[((32, 256, 64), 0.125), ((32, 64, 256), 0.125)],
-            refs={"einsum": lambda A, B: tf.exp(e("bik,bkj->bij", A, B))}),
-        "BenchAttention": dict(
-            module="bench_attention", inputs=[((32, 256, 64), 0.125), ((32, 256, 64), 1)],
-            refs={"tf.nn.softmax": lambda Q, K: tf.nn.softmax(e("bid,bjd->bij", Q, K)),
-                  "exp/sum literal": attention_literal}),
-        "BenchLogSumExp": dict(
-            module="bench_log_sum_exp", inputs=[((32, 256, 1024), 1)],
-            refs={"tf.reduce_logsumexp": lambda A: tf.reduce_logsumexp(A, axis=2),
-                  "log(sum(exp)) literal":
-                      lambda A: tf.math.log(tf.reduce_sum(tf.exp(A), axis=2))}),
-        "BenchGram": dict(
-            module="bench_gram", inputs=[((32, 256, 128), 1)],
-            refs={"einsum": lambda A: e("bik,bjk->bij", A, A),
-                  "tf.linalg.matmul": lambda A: mm(A, A, transpose_b=True)}),
-        "BenchTanhMatMul": dict(
-            module="bench_tanh_mat_mul", inputs=[((32, 256, 256), 1), ((32, 256, 128), 1)],
-            refs={"einsum": lambda A, B: e("bik,bkj->bij", tf.tanh(A), B)}),
-        "BenchChain3": dict(
-            module="bench_chain3",
-            inputs=[((32, 128, 64), 1), ((32, 64, 256), 1), ((32, 256, 32), 1)],
-            refs={"einsum": lambda A, B, C: e("bij,bjk,bkl->bil", A, B, C),
-                  "tf.linalg.matmul": lambda A, B, C: mm(mm(A, B), C)}),
-        "BenchPairDist": dict(
-            module="bench_pair_dist", inputs=[((32, 256, 32), 1)],
-            refs={"expanded": pair_expanded, "broadcast literal": pair_broadcast}),
-        "BenchLayerNorm": dict(
-            module="bench_layer_norm", inputs=[((4096, 1024), 1)],
-            refs={"reduce_mean": layer_norm, "tf.nn.moments": layer_norm_moments}),
+        "BenchMatMul": {
+            "module": "bench_mat_mul",
+            "inputs": [((32, 256, 256), 1), ((32, 256, 256), 1)],
+            "refs": {
+                "einsum": lambda A, B: e("bik,bkj->bij", A, B),
+                "tf.linalg.matmul": lambda A, B: mm(A, B),
+            },
+        },
+        "BenchKron": {
+            "module": "bench_kron",
+            "inputs": [((32, 32, 32), 1), ((32, 16, 16), 1)],
+            "refs": {"einsum": kron_einsum, "broadcast multiply": kron_broadcast},
+        },
+        "BenchExpMatMul": {
+            "module": "bench_exp_mat_mul",
+            "inputs": [((32, 256, 64), 0.125), ((32, 64, 256), 0.125)],
+            "refs": {"einsum": lambda A, B: tf.exp(e("bik,bkj->bij", A, B))},
+        },
+        "BenchAttention": {
+            "module": "bench_attention",
+            "inputs": [((32, 256, 64), 0.125), ((32, 256, 64), 1)],
+            "refs": {
+                "tf.nn.softmax": lambda Q, K: tf.nn.softmax(e("bid,bjd->bij", Q, K)),
+                "exp/sum literal": attention_literal,
+            },
+        },
+        "BenchLogSumExp": {
+            "recomputes": "exp(A - y)",
+            "module": "bench_log_sum_exp",
+            "inputs": [((32, 256, 1024), 1)],
+            "refs": {
+                "tf.reduce_logsumexp": lambda A: tf.reduce_logsumexp(A, axis=2),
+                "log(sum(exp)) literal": lambda A: tf.math.log(tf.reduce_sum(tf.exp(A), axis=2)),
+            },
+        },
+        "BenchGram": {
+            "module": "bench_gram",
+            "inputs": [((32, 256, 128), 1)],
+            "refs": {
+                "einsum": lambda A: e("bik,bjk->bij", A, A),
+                "tf.linalg.matmul": lambda A: mm(A, A, transpose_b=True),
+            },
+        },
+        "BenchTanhMatMul": {
+            "recomputes": "tanh(A)",
+            "module": "bench_tanh_mat_mul",
+            "inputs": [((32, 256, 256), 1), ((32, 256, 128), 1)],
+            "refs": {"einsum": lambda A, B: e("bik,bkj->bij", tf.tanh(A), B)},
+        },
+        "BenchChain3": {
+            "recomputes": "a product of two inputs",
+            "module": "bench_chain3",
+            "inputs": [((32, 128, 64), 1), ((32, 64, 256), 1), ((32, 256, 32), 1)],
+            "refs": {
+                "einsum": lambda A, B, C: e("bij,bjk,bkl->bil", A, B, C),
+                "tf.linalg.matmul": lambda A, B, C: mm(mm(A, B), C),
+            },
+        },
+        "BenchPairDist": {
+            "module": "bench_pair_dist",
+            "inputs": [((32, 256, 32), 1)],
+            "refs": {"expanded": pair_expanded, "broadcast literal": pair_broadcast},
+        },
+        "BenchLayerNorm": {
+            "recomputes": "the row mean and variance",
+            "module": "bench_layer_norm",
+            "inputs": [((4096, 1024), 1)],
+            "refs": {"reduce_mean": layer_norm, "tf.nn.moments": layer_norm_moments},
+        },
     }, rn
 
 
-def load_module(name: str):
-    path = OUT / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"symgrad_bench.{name}", path)
+MODULES = OUT  # where the modules under test are loaded from (--modules)
+
+
+def load_module(name: str, folder: Path | None = None):
+    folder = folder or MODULES
+    path = folder / f"{name}.py"
+    tag = f"{abs(hash(str(folder))):x}"
+    spec = importlib.util.spec_from_file_location(f"symgrad_bench_{tag}.{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -197,6 +237,7 @@ class FakeOp:
 
 
 # ----------------------------------------------------------------------------- timing
+
 
 def median(xs):
     xs = sorted(xs)
@@ -229,7 +270,11 @@ def interleaved(fns: dict, args: dict, budget_s: float, min_reps=15, max_reps=40
             t = time.perf_counter()
             f(*a)
             times[name].append(time.perf_counter() - t)
-    return {name: median(ts) for name, ts in times.items()}, reps
+    return (
+        {name: median(ts) for name, ts in times.items()},
+        {name: min(ts) for name, ts in times.items()},
+        reps,
+    )
 
 
 def peak_bytes(tf, f, args, repeats=3):
@@ -253,15 +298,19 @@ def max_rel_err(tf, got, want):
     return worst
 
 
-def bench_op(tf, name, case, rn, budget_s, jit, tol):
-    module = load_module(case["module"])
-    assert module.OP_TYPE == name, (module.OP_TYPE, name)
-    tf.random.set_seed(hash(name) % 2**31)
+def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
+    """Time one op: every module set in `compare` too, all in the same interleaved rounds."""
+    sets = {"gen": load_module(case["module"])}
+    for label, folder in compare:
+        sets[label] = load_module(case["module"], folder)
+    assert sets["gen"].OP_TYPE == name, (sets["gen"].OP_TYPE, name)
+    tf.random.set_seed(zlib.crc32(name.encode()))
     xs = [rn(shape, scale) for shape, scale in case["inputs"]]
     n = len(xs)
     refs = case["refs"]
     primary = next(iter(refs))
-    y0 = refs[primary](*xs)
+    ref0 = refs[primary]
+    y0 = ref0(*xs)
     G = rn(y0.shape)
 
     def tape_step(fwd):
@@ -271,232 +320,428 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol):
                 tape.watch(inputs)
                 y = fwd(*inputs)
             return y, tape.gradient(y, inputs, output_gradients=g)
+
         return step
 
-    def registered(ref):
+    def registered(mod):  # the op's forward (the TF reference), then gradient(op)
         def run(*args):
             inputs, g = args[:n], args[n]
-            y = ref(*inputs)
-            return y, module.gradient(FakeOp(name, inputs, [y]), g)
+            y = ref0(*inputs)
+            return y, mod.gradient(FakeOp(name, inputs, [y]), g)
+
         return run
 
-    def grad_only(*args):
-        inputs, y, g = args[:n], args[n], args[n + 1]
-        return module.gradient(FakeOp(name, inputs, [y]), g)
+    def grad_alone(mod):
+        def run(*args):
+            inputs, y, g = args[:n], args[n], args[n + 1]
+            return mod.gradient(FakeOp(name, inputs, [y]), g)
 
-    fn = lambda f, **kw: tf.function(f, autograph=False, **kw)  # noqa: E731
-    fns = {"gen_grad": fn(grad_only), "gen_fwd": fn(module.forward),
-           "gen_step": fn(tape_step(module.forward))}
-    args = {"gen_grad": (*xs, y0, G), "gen_fwd": xs, "gen_step": (*xs, G)}
+        return run
+
+    fn = lambda f, **kw: tf.function(f, autograph=False, **kw)
+    fns, args = {}, {}
     for r, ref in refs.items():
-        fns[f"tf_fwd:{r}"] = fn(ref)
-        fns[f"tf_step:{r}"] = fn(tape_step(ref))
-        fns[f"reg_step:{r}"] = fn(registered(ref))
-        args[f"tf_fwd:{r}"], args[f"tf_step:{r}"], args[f"reg_step:{r}"] = xs, (*xs, G), (*xs, G)
+        fns[f"tf_fwd:{r}"], args[f"tf_fwd:{r}"] = fn(ref), xs
+        fns[f"tf_step:{r}"], args[f"tf_step:{r}"] = fn(tape_step(ref)), (*xs, G)
+    for label, mod in sets.items():
+        fns[f"reg@{label}"], args[f"reg@{label}"] = fn(registered(mod)), (*xs, G)
+        fns[f"grad@{label}"], args[f"grad@{label}"] = fn(grad_alone(mod)), (*xs, y0, G)
+        fns[f"step@{label}"], args[f"step@{label}"] = fn(tape_step(mod.forward)), (*xs, G)
+    fns["fwd@gen"], args["fwd@gen"] = fn(sets["gen"].forward), xs
     if jit:
-        fns["gen_step_xla"] = fn(tape_step(module.forward), jit_compile=True)
-        fns["tf_step_xla"] = fn(tape_step(refs[primary]), jit_compile=True)
-        args["gen_step_xla"] = args["tf_step_xla"] = (*xs, G)
+        fns["xla_step@gen"] = fn(tape_step(sets["gen"].forward), jit_compile=True)
+        fns["xla_step:tf"] = fn(tape_step(ref0), jit_compile=True)
+        args["xla_step@gen"] = args["xla_step:tf"] = (*xs, G)
 
     # Correctness guard: never time wrong code.
     y_ref, g_ref = fns[f"tf_step:{primary}"](*xs, G)
-    errors = {
-        "forward": max_rel_err(tf, [fns["gen_fwd"](*xs)], [y_ref]),
-        "gradient(op)": max_rel_err(tf, fns["gen_grad"](*xs, y_ref, G), g_ref),
-        "forward+tape": max_rel_err(tf, fns["gen_step"](*xs, G)[1], g_ref),
-    }
+    errors = {"forward@gen": max_rel_err(tf, [fns["fwd@gen"](*xs)], [y_ref])}
+    for label in sets:
+        errors[f"gradient(op)@{label}"] = max_rel_err(tf, fns[f"reg@{label}"](*xs, G)[1], g_ref)
+        errors[f"forward+tape@{label}"] = max_rel_err(tf, fns[f"step@{label}"](*xs, G)[1], g_ref)
     for r in list(refs)[1:]:
-        errors[f"ref {r}"] = max_rel_err(tf, fns[f"tf_step:{r}"](*xs, G)[1], g_ref)
+        errors[f"reference {r}"] = max_rel_err(tf, fns[f"tf_step:{r}"](*xs, G)[1], g_ref)
     bad = {k: v for k, v in errors.items() if not v <= tol}
     if bad:
-        return {"op": name, "error": f"gradients disagree with TF (max rel err {bad})",
-                "max_rel_err": errors}
+        return {
+            "op": name,
+            "error": f"gradients disagree with TF (max rel err {bad})",
+            "max_rel_err": errors,
+        }
 
-    med, reps = interleaved(fns, args, budget_s)
+    med, mins, reps = interleaved(fns, args, budget_s)
     ms = {k: v * 1e3 for k, v in med.items()}
-    memory = {k: peak_bytes(tf, fns[k], args[k]) / 2**20
-              for k in ["gen_step", f"tf_step:{primary}", "gen_grad"]}
-    per_ref = {}
-    for r in refs:
-        tf_bwd = ms[f"tf_step:{r}"] - ms[f"tf_fwd:{r}"]
-        per_ref[r] = {
-            "tf_fwd_ms": ms[f"tf_fwd:{r}"],
-            "tf_step_ms": ms[f"tf_step:{r}"],
-            "tf_bwd_ms": tf_bwd,
-            "grad_ratio": ms["gen_grad"] / tf_bwd if tf_bwd > 0 else float("inf"),
-            "reg_step_ms": ms[f"reg_step:{r}"],
-            "reg_step_ratio": ms[f"reg_step:{r}"] / ms[f"tf_step:{r}"],
-            "step_ratio": ms["gen_step"] / ms[f"tf_step:{r}"],
+    mem_keys = [
+        f"tf_step:{primary}",
+        *(f"step@{lab}" for lab in sets),
+        *(f"reg@{lab}" for lab in sets),
+    ]
+    mib = {k: peak_bytes(tf, fns[k], args[k]) / 2**20 for k in mem_keys}
+    tf_fwd0 = ms[f"tf_fwd:{primary}"]
+    tf_bwd = {r: ms[f"tf_step:{r}"] - ms[f"tf_fwd:{r}"] for r in refs}
+    variants = {}
+    for label in sets:
+        bwd = ms[f"reg@{label}"] - tf_fwd0
+        variants[label] = {
+            "bwd_ms": bwd,  # TF forward + gradient(op), minus the TF forward
+            "gradient_alone_ms": ms[f"grad@{label}"],
+            "step_ms": ms[f"step@{label}"],
+            "grad_ratio": {r: _ratio(bwd, tf_bwd[r]) for r in refs},
+            "step_ratio": {r: _ratio(ms[f"step@{label}"], ms[f"tf_step:{r}"]) for r in refs},
+            "peak_step_mib": mib[f"step@{label}"],
+            "peak_registered_mib": mib[f"reg@{label}"],
         }
     result = {
-        "op": name, "primary_ref": primary, "reps": reps, "max_rel_err": errors,
-        "shapes": [list(s) for s, _ in case["inputs"]], "output_shape": list(y0.shape),
-        "gen_grad_ms": ms["gen_grad"], "gen_fwd_ms": ms["gen_fwd"],
-        "gen_step_ms": ms["gen_step"], "refs": per_ref,
-        "peak_mib": {"gen_step": memory["gen_step"], "tf_step": memory[f"tf_step:{primary}"],
-                     "gen_grad": memory["gen_grad"]},
+        "op": name,
+        "primary_ref": primary,
+        "reps": reps,
+        "max_rel_err": errors,
+        "shapes": [list(s) for s, _ in case["inputs"]],
+        "output_shape": list(y0.shape),
+        "recomputes": case.get("recomputes", ""),
+        "tf": {
+            r: {"fwd_ms": ms[f"tf_fwd:{r}"], "step_ms": ms[f"tf_step:{r}"], "bwd_ms": tf_bwd[r]}
+            for r in refs
+        },
+        "tf_peak_step_mib": mib[f"tf_step:{primary}"],
+        "gen_fwd_ms": ms["fwd@gen"],
+        "variants": variants,
+        "median_ms": ms,
+        "min_ms": {k: v * 1e3 for k, v in mins.items()},
     }
     if jit:
-        result["xla"] = {"gen_step_ms": ms["gen_step_xla"], "tf_step_ms": ms["tf_step_xla"],
-                         "step_ratio": ms["gen_step_xla"] / ms["tf_step_xla"]}
+        result["xla"] = {
+            "gen_step_ms": ms["xla_step@gen"],
+            "tf_step_ms": ms["xla_step:tf"],
+            "step_ratio": ms["xla_step@gen"] / ms["xla_step:tf"],
+        }
     return result
+
+
+def _ratio(a, b):
+    return a / b if b > 0 else float("inf")
 
 
 # ----------------------------------------------------------------------------- report
 
-def table(results, gen) -> str:
-    head = (f"{'op':<16} {'grad gen':>9} {'TF bwd':>8} {'ratio':>6} {'reg f+b':>6} "
-            f"{'step gen':>9} {'TF step':>8} {'ratio':>6} {'peak gen':>9} {'peak TF':>8} "
-            f"{'gen s':>6}  TF reference")
+
+def table(results, gen, label="gen") -> str:
+    head = (
+        f"{'op':<15} {'bwd gen':>8} {'bwd TF':>8} {'ratio':>6} {'step gen':>9} "
+        f"{'step TF':>8} {'ratio':>6} {'peak gen':>9} {'peak TF':>8} {'gen ms':>7}  notes"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
-        g = gen["per_op_s"].get(r["op"], float("nan"))
         if "error" in r:
-            lines.append(f"{r['op']:<16} FAILED: {r['error']}")
+            lines.append(f"{r['op']:<15} FAILED: {r['error']}")
             continue
-        p = r["refs"][r["primary_ref"]]
+        v, p = r["variants"][label], r["primary_ref"]
+        t = r["tf"][p]
+        g = gen.get("per_op_s", {}).get(r["op"], float("nan")) * 1e3
+        notes = f"vs {p}" + (
+            f"; gradient(op) recomputes {r['recomputes']}" if r["recomputes"] else ""
+        )
         lines.append(
-            f"{r['op']:<16} {r['gen_grad_ms']:>9.2f} {p['tf_bwd_ms']:>8.2f} "
-            f"{p['grad_ratio']:>6.2f} {p['reg_step_ratio']:>6.2f} {r['gen_step_ms']:>9.2f} "
-            f"{p['tf_step_ms']:>8.2f} {p['step_ratio']:>6.2f} "
-            f"{r['peak_mib']['gen_step']:>8.1f}M {r['peak_mib']['tf_step']:>7.1f}M "
-            f"{g:>6.3f}  {r['primary_ref']}")
-    lines.append("")
-    lines.append("Other TF references (ratios = generated / this reference):")
-    lines.append(f"  {'op':<16} {'reference':<22} {'TF bwd':>8} {'grad':>6} {'reg f+b':>7} "
-                 f"{'TF step':>8} {'step':>6}")
-    for r in results:
-        if "error" in r:
-            continue
-        for name, p in r["refs"].items():
-            if name == r["primary_ref"]:
-                continue
-            lines.append(f"  {r['op']:<16} {name:<22} {p['tf_bwd_ms']:>8.2f} "
-                         f"{p['grad_ratio']:>6.2f} {p['reg_step_ratio']:>7.2f} "
-                         f"{p['tf_step_ms']:>8.2f} {p['step_ratio']:>6.2f}")
-    if any("xla" in r for r in results):
-        lines.append("")
-        lines.append("XLA (jit_compile=True) training step vs primary reference:")
-        for r in results:
-            if "xla" in r:
-                x = r["xla"]
-                lines.append(f"  {r['op']:<16} gen {x['gen_step_ms']:8.2f} ms  "
-                             f"TF {x['tf_step_ms']:8.2f} ms  ratio {x['step_ratio']:.2f}")
+            f"{r['op']:<15} {v['bwd_ms']:>8.2f} {t['bwd_ms']:>8.2f} {v['grad_ratio'][p]:>6.2f} "
+            f"{v['step_ms']:>9.2f} {t['step_ms']:>8.2f} {v['step_ratio'][p]:>6.2f} "
+            f"{v['peak_step_mib']:>8.1f}M {r['tf_peak_step_mib']:>7.1f}M {g:>7.0f}  {notes}"
+        )
     return "\n".join(lines)
 
 
-def summary(results, gen) -> dict:
-    ok = [r for r in results if "error" not in r]
-    prim = [r["refs"][r["primary_ref"]] for r in ok]
-    best_grad = [r["gen_grad_ms"] / max(min(p["tf_bwd_ms"] for p in r["refs"].values()), 1e-9)
-                 for r in ok]
-    best_step = [r["gen_step_ms"] / min(p["tf_step_ms"] for p in r["refs"].values())
-                 for r in ok]
+def other_refs_table(results, label="gen") -> str:
+    lines = [
+        "Other TF formulations of the same op (ratios = generated / this one):",
+        (
+            f"  {'op':<15} {'TF reference':<22} {'bwd TF':>8} {'ratio':>6} {'step TF':>8} "
+            f"{'ratio':>6}"
+        ),
+    ]
+    for r in results:
+        if "error" in r:
+            continue
+        v = r["variants"][label]
+        for name, t in r["tf"].items():
+            if name != r["primary_ref"]:
+                lines.append(
+                    f"  {r['op']:<15} {name:<22} {t['bwd_ms']:>8.2f} "
+                    f"{v['grad_ratio'][name]:>6.2f} {t['step_ms']:>8.2f} "
+                    f"{v['step_ratio'][name]:>6.2f}"
+                )
+    return "\n".join(lines)
+
+
+def compare_table(results, label) -> str:
+    lines = [
+        f"Modules from {label}, timed in the same rounds (vs the primary TF reference):",
+        (
+            f"  {'op':<15} {'bwd ms':>8} {'ratio':>6} {'(gen)':>6} {'step ms':>8} "
+            f"{'ratio':>6} {'(gen)':>6} {'peak':>8}"
+        ),
+    ]
+    for r in results:
+        if "error" in r or label not in r["variants"]:
+            continue
+        v, g, p = r["variants"][label], r["variants"]["gen"], r["primary_ref"]
+        lines.append(
+            f"  {r['op']:<15} {v['bwd_ms']:>8.2f} {v['grad_ratio'][p]:>6.2f} "
+            f"{g['grad_ratio'][p]:>6.2f} {v['step_ms']:>8.2f} "
+            f"{v['step_ratio'][p]:>6.2f} {g['step_ratio'][p]:>6.2f} "
+            f"{v['peak_step_mib']:>7.1f}M"
+        )
+    s = summary(results, label)
+    lines.append(
+        f"  geomean: backward {s['geomean_grad_ratio']:.3f} (max "
+        f"{s['max_grad_ratio']:.2f}), step {s['geomean_step_ratio']:.3f} (max "
+        f"{s['max_step_ratio']:.2f}); from fastest rounds: backward "
+        f"{s['geomean_grad_ratio_from_minima']:.3f}, step "
+        f"{s['geomean_step_ratio_from_minima']:.3f}"
+    )
+    return "\n".join(lines)
+
+
+def summary(results, label="gen") -> dict:
+    ok = [r for r in results if "error" not in r and label in r["variants"]]
+    grad = [r["variants"][label]["grad_ratio"][r["primary_ref"]] for r in ok]
+    step = [r["variants"][label]["step_ratio"][r["primary_ref"]] for r in ok]
     s = {
-        "geomean_grad_ratio": geomean([p["grad_ratio"] for p in prim]),
-        "max_grad_ratio": max((p["grad_ratio"] for p in prim), default=float("nan")),
-        "geomean_reg_step_ratio": geomean([p["reg_step_ratio"] for p in prim]),
-        "geomean_step_ratio": geomean([p["step_ratio"] for p in prim]),
-        "max_step_ratio": max((p["step_ratio"] for p in prim), default=float("nan")),
-        "geomean_grad_ratio_vs_fastest_tf": geomean(best_grad),
-        "geomean_step_ratio_vs_fastest_tf": geomean(best_step),
-        "ops_with_peak_memory_above_tf": [r["op"] for r in ok
-                                          if r["peak_mib"]["gen_step"]
-                                          > r["peak_mib"]["tf_step"] * 1.001],
+        "geomean_grad_ratio": geomean(grad),
+        "max_grad_ratio": max(grad, default=float("nan")),
+        "geomean_step_ratio": geomean(step),
+        "max_step_ratio": max(step, default=float("nan")),
+        "geomean_grad_ratio_vs_fastest_tf": geomean(
+            [max(r["variants"][label]["grad_ratio"].values()) for r in ok]
+        ),
+        "geomean_step_ratio_vs_fastest_tf": geomean(
+            [max(r["variants"][label]["step_ratio"].values()) for r in ok]
+        ),
+        "ops_with_step_peak_above_tf": [
+            r["op"]
+            for r in ok
+            if r["variants"][label]["peak_step_mib"] > r["tf_peak_step_mib"] * 1.001
+        ],
+        "ops_with_registered_peak_above_tf": [
+            r["op"]
+            for r in ok
+            if r["variants"][label]["peak_registered_mib"] > r["tf_peak_step_mib"] * 1.001
+        ],
         "failed": [r["op"] for r in results if "error" in r],
     }
-    if any("xla" in r for r in ok):
-        s["geomean_xla_step_ratio"] = geomean([r["xla"]["step_ratio"] for r in ok if "xla" in r])
+    # The same ratios from each callable's fastest round: less sensitive to other load.
+    mins = [(r["min_ms"], r["primary_ref"]) for r in ok]
+    s["geomean_grad_ratio_from_minima"] = geomean(
+        [
+            _ratio(m[f"reg@{label}"] - m[f"tf_fwd:{p}"], m[f"tf_step:{p}"] - m[f"tf_fwd:{p}"])
+            for m, p in mins
+        ]
+    )
+    s["geomean_step_ratio_from_minima"] = geomean(
+        [_ratio(m[f"step@{label}"], m[f"tf_step:{p}"]) for m, p in mins]
+    )
+    xla = [r["xla"]["step_ratio"] for r in ok if "xla" in r]
+    if xla:
+        s["geomean_xla_step_ratio"] = geomean(xla)
     return s
 
 
 def summary_text(s, gen) -> str:
-    return "\n".join([
-        f"geomean ratio, registered gradient vs TF backward: {s['geomean_grad_ratio']:.3f}"
-        f" (max {s['max_grad_ratio']:.2f}); vs fastest TF reference per op: "
-        f"{s['geomean_grad_ratio_vs_fastest_tf']:.3f}",
-        f"geomean ratio, TF fwd + registered gradient vs TF fwd + tape (no subtraction): "
-        f"{s['geomean_reg_step_ratio']:.3f}",
-        f"geomean ratio, training step (forward+backward): {s['geomean_step_ratio']:.3f}"
-        f" (max {s['max_step_ratio']:.2f}); vs fastest TF reference per op: "
-        f"{s['geomean_step_ratio_vs_fastest_tf']:.3f}",
-        *([f"geomean ratio, XLA training step: {s['geomean_xla_step_ratio']:.3f}"]
-          if "geomean_xla_step_ratio" in s else []),
-        f"peak memory above TF: {', '.join(s['ops_with_peak_memory_above_tf']) or 'none'}",
-        f"generation: mean {gen['mean_per_op_s'] * 1e3:.0f} ms/op in-process (symgrad import "
-        f"{gen['import_s']:.2f} s, TensorFlow imported: {gen['tensorflow_imported']}); CLI wall "
-        f"{gen['bench_spec_cli_wall_s']:.2f} s for bench.toml ({len(gen['per_op_s'])} ops), "
-        f"{gen['repo_spec_cli_wall_s']:.2f} s for the repo's symgrad.toml "
-        f"({gen['repo_spec_ops']} ops{'' if gen['repo_spec_ok'] else ', FAILED'})",
-        *([f"FAILED correctness guard: {', '.join(s['failed'])}"] if s["failed"] else []),
-    ])
+    lines = [
+        (
+            f"geomean ratio, registered gradient (backward only): {s['geomean_grad_ratio']:.3f} "
+            f"(max {s['max_grad_ratio']:.2f}); vs the fastest TF formulation per op: "
+            f"{s['geomean_grad_ratio_vs_fastest_tf']:.3f}"
+        ),
+        (
+            f"geomean ratio, training step through forward (forward+backward): "
+            f"{s['geomean_step_ratio']:.3f} (max {s['max_step_ratio']:.2f}); vs the fastest TF "
+            f"formulation per op: {s['geomean_step_ratio_vs_fastest_tf']:.3f}"
+        ),
+    ]
+    lines.append(
+        f"(the same geomeans from each callable's fastest round instead of medians: "
+        f"backward {s['geomean_grad_ratio_from_minima']:.3f}, step "
+        f"{s['geomean_step_ratio_from_minima']:.3f})"
+    )
+    if "geomean_xla_step_ratio" in s:
+        lines.append(f"geomean ratio, XLA training step: {s['geomean_xla_step_ratio']:.3f}")
+    lines.append(
+        "peak memory above TF: training step: "
+        f"{', '.join(s['ops_with_step_peak_above_tf']) or 'none'}; TF forward + "
+        f"gradient(op): {', '.join(s['ops_with_registered_peak_above_tf']) or 'none'}"
+    )
+    if gen.get("per_op_s"):
+        lines.append(
+            f"generation: mean {gen['mean_per_op_s'] * 1e3:.0f} ms/op (max "
+            f"{max(gen['per_op_s'].values()) * 1e3:.0f}) in-process after a {gen['import_s']:.2f}"
+            f" s symgrad import; TensorFlow imported: {gen['tensorflow_imported']}. CLI wall: "
+            f"{gen['bench_spec_cli_wall_s']:.2f} s for bench.toml ({len(gen['per_op_s'])} ops), "
+            f"{gen['repo_spec_cli_wall_s']:.2f} s for the repo's symgrad.toml "
+            f"({gen['repo_spec_ops']} ops{'' if gen['repo_spec_ok'] else ', FAILED'})"
+        )
+    if s["failed"]:
+        lines.append(f"FAILED the correctness guard (not timed): {', '.join(s['failed'])}")
+    return "\n".join(lines)
 
 
-def chart(results, path: Path):
+METHOD = """\
+Method: float32, CPU, one process, same inputs; every callable is a tf.function (autograph
+off), called in shuffled order each round (interleaved), medians over the rounds.
+- bwd gen: median(TF reference forward + gradient(fake_op, G)) - median(TF reference forward),
+  fake_op.inputs/outputs being the reference's inputs and output (what a registered gradient
+  sees); bwd TF: median(TF reference forward + tape.gradient) - median(TF reference forward).
+  The same subtraction on both sides, so the bias of running a backward alone cancels.
+- step: tape.gradient through the generated forward (tf.custom_gradient) vs through the TF
+  reference, forward + backward, output_gradients=G (loss = sum(y * G)).
+- peak: TensorFlow's CPU allocator, tf.config.experimental.get_memory_info('CPU:0')['peak']
+  after reset_memory_stats, minus the bytes in use before the call, for one training step
+  (min of 3). Counts TF tensor buffers; oneDNN scratch outside TF's allocator is not counted.
+- gen ms: one op's module (build, lower, render, ruff format, compile) in a fresh interpreter
+  that has not imported TensorFlow."""
+
+
+def chart(results, path: Path, label="gen"):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = [r for r in results if "error" not in r]
     names = [r["op"].removeprefix("Bench") for r in ok]
     series = {
-        "registered gradient / TF backward": [r["refs"][r["primary_ref"]]["grad_ratio"]
-                                              for r in ok],
-        "training step / TF step": [r["refs"][r["primary_ref"]]["step_ratio"] for r in ok],
-        "peak memory / TF": [r["peak_mib"]["gen_step"] / max(r["peak_mib"]["tf_step"], 1e-9)
-                             for r in ok],
+        "registered gradient: backward / TF backward": [
+            r["variants"][label]["grad_ratio"][r["primary_ref"]] for r in ok
+        ],
+        "training step / TF training step": [
+            r["variants"][label]["step_ratio"][r["primary_ref"]] for r in ok
+        ],
+        "training-step peak memory / TF": [
+            r["variants"][label]["peak_step_mib"] / max(r["tf_peak_step_mib"], 1e-9) for r in ok
+        ],
     }
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.8 / len(series)
-    for n, (label, values) in enumerate(series.items()):
+    for n, (name, values) in enumerate(series.items()):
         xs = [i + (n - (len(series) - 1) / 2) * width for i in range(len(ok))]
-        ax.bar(xs, values, width, label=label)
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=6, rotation=90, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
+    plain = matplotlib.ticker.FormatStrFormatter("%.2g")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xticks(range(len(ok)), names, rotation=20)
     ax.set_ylabel("generated / TensorFlow (lower is better)")
-    ax.set_title("symgrad generated gradients vs TensorFlow (float32, CPU, medians)")
+    ax.set_title("symgrad vs TensorFlow: float32, CPU, medians of interleaved runs")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=12.0,
-                        help="seconds of timed runs per op (default 12)")
+    parser.add_argument(
+        "--budget", type=float, default=12.0, help="seconds of timed rounds per op (default 12)"
+    )
     parser.add_argument("--ops", help="comma-separated op names (default: all)")
     parser.add_argument("--jit", action="store_true", help="also time XLA training steps")
-    parser.add_argument("--tol", type=float, default=2e-4,
-                        help="max |gen - TF| / max|TF| per gradient (default 2e-4)")
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=2e-4,
+        help="max |gen - TF| / max|TF| per gradient (default 2e-4)",
+    )
     parser.add_argument("--out", default=str(HERE), help="folder for results.json/png")
+    parser.add_argument(
+        "--modules",
+        help="load the op modules from this folder instead of "
+        "benchmarks/generated (e.g. a prototype lowering's output)",
+    )
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also time the modules in DIR in the same rounds (repeatable)",
+    )
+    parser.add_argument(
+        "--skip-generation", action="store_true", help="neither regenerate nor time the generator"
+    )
     args = parser.parse_args()
 
-    gen = generation()  # before TensorFlow is imported here
+    global MODULES
+    if args.modules:
+        MODULES = Path(args.modules).resolve()
+    if args.skip_generation:
+        gen = {}
+    else:
+        gen = generation()  # before TensorFlow is imported in this process
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
+    tf.get_logger().setLevel("ERROR")  # retracing notes: each tf.function here traces once
     table_cases, rn = cases(tf)
     wanted = args.ops.split(",") if args.ops else list(table_cases)
+    unknown = [w for w in wanted if w not in table_cases]
+    if unknown:
+        sys.exit(f"unknown ops {unknown}; known: {', '.join(table_cases)}")
+    compare = [(str(Path(d)), Path(d).resolve()) for d in args.compare]
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
     results = []
     for name in wanted:
         print(f"... {name}", file=sys.stderr, flush=True)
-        results.append(bench_op(tf, name, table_cases[name], rn, args.budget, args.jit,
-                                args.tol))
-    s = summary(results, gen)
-    text = table(results, gen) + "\n\n" + summary_text(s, gen)
-    method = ("times: medians of interleaved tf.function calls; TF backward = median(tape fwd+bwd)"
-              " - median(fwd) of the TF reference; 'reg f+b' = (TF fwd + gradient(op)) / (TF "
-              "fwd + tape bwd) in one tf.function each; peak = TF CPU allocator peak above "
-              "baseline during one training step (get_memory_info('CPU:0')), MiB")
+        results.append(
+            bench_op(tf, name, table_cases[name], rn, args.budget, args.jit, args.tol, compare)
+        )
+    load_after = os.getloadavg()
+    s = summary(results)
+    parts = [table(results, gen), other_refs_table(results)]
+    parts += [compare_table(results, label) for label, _ in compare]
+    if any("xla" in r for r in results):
+        parts.append(
+            "XLA (jit_compile=True) training step vs the primary TF reference:\n"
+            + "\n".join(
+                f"  {r['op']:<15} gen {r['xla']['gen_step_ms']:8.2f} ms  TF "
+                f"{r['xla']['tf_step_ms']:8.2f} ms  ratio "
+                f"{r['xla']['step_ratio']:.2f}"
+                for r in results
+                if "xla" in r
+            )
+        )
+    parts.append(summary_text(s, gen))
+    busy = max(load_before[0], load_after[0]) > (os.cpu_count() or 1)
+    parts.append(
+        f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on "
+        f"{os.cpu_count()} CPUs"
+        + (
+            "  (machine busy: absolute times are noisy; ratios come from interleaved rounds)"
+            if busy
+            else ""
+        )
+    )
+    text = "\n\n".join(parts)
     print(text)
-    print(method)
+    print()
+    print(METHOD)
     out = Path(args.out)
     payload = {
-        "machine": {"python": platform.python_version(), "tensorflow": tf.__version__,
-                    "cpus": os.cpu_count(), "platform": platform.platform()},
-        "method": method, "generation": gen, "summary": s, "results": results,
+        "machine": {
+            "python": platform.python_version(),
+            "tensorflow": tf.__version__,
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+        },
+        "benchmark_s": time.perf_counter() - t0,
+        "method": METHOD,
+        "generation": gen,
+        "summary": s,
+        "results": results,
+        "compare_summaries": {label: summary(results, label) for label, _ in compare},
         "table": text,
     }
     (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sympy as sp
 
 
-class sigmoid(sp.Function):  # noqa: N801 - printed name, like sympy.exp
+class sigmoid(sp.Function):
     """1 / (1 + exp(-x))."""
 
     is_real = True
@@ -32,7 +32,7 @@ class sigmoid(sp.Function):  # noqa: N801 - printed name, like sympy.exp
         return None
 
 
-class softplus(sp.Function):  # noqa: N801
+class softplus(sp.Function):
     """log(1 + exp(x))."""
 
     is_real = True
@@ -47,7 +47,7 @@ class softplus(sp.Function):  # noqa: N801
         return None
 
 
-class step_ge(sp.Function):  # noqa: N801
+class step_ge(sp.Function):
     """1 where x >= y, else 0 (the gradient mask of max); its derivative is 0."""
 
     is_real = True
@@ -62,7 +62,7 @@ class step_ge(sp.Function):  # noqa: N801
         return None
 
 
-class step_le(sp.Function):  # noqa: N801
+class step_le(sp.Function):
     """1 where x <= y, else 0 (the gradient mask of min); its derivative is 0."""
 
     is_real = True
@@ -77,7 +77,7 @@ class step_le(sp.Function):  # noqa: N801
         return None
 
 
-class maximum(sp.Function):  # noqa: N801
+class maximum(sp.Function):
     """max(x, y) with TensorFlow's tie rule (see module docstring)."""
 
     is_real = True
@@ -93,7 +93,7 @@ class maximum(sp.Function):  # noqa: N801
         return None
 
 
-class minimum(sp.Function):  # noqa: N801
+class minimum(sp.Function):
     """min(x, y) with TensorFlow's tie rule (see module docstring)."""
 
     is_real = True

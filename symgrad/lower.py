@@ -170,14 +170,14 @@ class Lowerer:
                                                   _print_order(t)))
             result = self.expr(body, terms[0], target)
             for term in terms[1:]:
-                coeff, rest = term.as_coeff_Mul()
+                coeff, _ = term.as_coeff_Mul()
                 if coeff.is_negative:
                     result = ir.Binary("-", result, self.expr(body, -term, target))
                 else:
                     result = ir.Binary("+", result, self.expr(body, term, target))
             return result
         if isinstance(e, sp.Mul):
-            coeff, rest = e.as_coeff_Mul()
+            coeff, _ = e.as_coeff_Mul()
             if coeff.is_negative:
                 return ir.Negate(self.expr(body, -e, target))
             numerator, denominator = [], []
@@ -836,4 +836,4 @@ def _prune(block: ir.Block, wanted: tuple[str, ...], available: set[str]) -> ir.
     return ir.Block(tuple(kept), wanted)
 
 
-__all__ = ["lower", "align", "Backward", "tensor"]
+__all__ = ["Backward", "align", "lower", "tensor"]

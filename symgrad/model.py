@@ -20,8 +20,20 @@ import sympy as sp
 
 from . import functions as fn
 from .errors import SymgradError
-from .parse import Access, AttrRef, BinOp, Call, Constant, Equation, Neg, Node, Num, Reduce
-from .parse import MAX_INDICES, parse_equation
+from .parse import (
+    MAX_INDICES,
+    Access,
+    AttrRef,
+    BinOp,
+    Call,
+    Constant,
+    Equation,
+    Neg,
+    Node,
+    Num,
+    Reduce,
+    parse_equation,
+)
 from .spec import OpSpec
 
 Index = sp.Symbol

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
-
 from reference import evaluate
+
 from symgrad.emit import module_text
 from symgrad.model import build
 from symgrad.spec import OpSpec

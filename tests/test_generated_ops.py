@@ -15,7 +15,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from harness import FakeOp  # noqa: E402
+from harness import FakeOp
 
 RNG = np.random.default_rng(7)
 

@@ -7,7 +7,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from harness import Case, check, generate  # noqa: E402
+from harness import Case, check, generate
 
 B, I, J, K = 2, 3, 4, 5
 

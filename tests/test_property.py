@@ -9,12 +9,12 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from harness import Case, check, generate, op_spec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from harness import Case, check, generate, op_spec  # noqa: E402
-from symgrad.errors import SymgradError  # noqa: E402
-from symgrad.model import build  # noqa: E402
+from symgrad.errors import SymgradError
+from symgrad.model import build
 
 # Tensor name -> rank. Every non-batch axis has size 3 so any index fits any axis.
 TENSORS = {"A": 3, "B": 3, "x": 2, "w": 1}

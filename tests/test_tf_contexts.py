@@ -14,7 +14,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from harness import Case, FakeOp, generate  # noqa: E402
+from harness import Case, FakeOp, generate
 
 ROOT = Path(__file__).resolve().parent.parent
 RNG = np.random.default_rng(3)
@@ -127,7 +127,7 @@ def test_mirrored_strategy_over_two_logical_cpus():
         print("ok", strategy.num_replicas_in_sync)
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, check=False,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok 2" in result.stdout
