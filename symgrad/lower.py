@@ -74,6 +74,8 @@ class _Body:
     sizes: dict[str, tuple[str, int]] = field(default_factory=dict)  # var -> (tensor, axis)
     uses_dtype: bool = False
     stem: str = "_t"  # temporaries: _f1.. in the forward, _t1.. in the backward
+    # A cheaper way to compute a value from the inputs alone, for `gradient(op)`.
+    recompute: dict[str, ir.Expr] = field(default_factory=dict)
 
     def fresh(self) -> str:
         self.counter += 1
@@ -109,6 +111,7 @@ class Lowerer:
         for output in program.outputs:
             self.levels[output.level.name] = output.level
         self.preferred = _preferred_letters(program, self.backward)
+        self.is_output: set[str] = {o.level.name for o in program.outputs}
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
             lv.name: lv for lv in program.intermediates if lv.kind == "logsumexp"
@@ -120,6 +123,7 @@ class Lowerer:
                 source = self.logsumexp_of.get(terms[0].expr.base.label.name)
                 if source is not None and tuple(terms[0].expr.indices) == output.level.indices:
                     self.logsumexp_of[output.level.name] = source
+                    self.is_output.add(source.name)
 
     # -- sizes ------------------------------------------------------------------------
 
@@ -221,6 +225,21 @@ class Lowerer:
                 body.uses_dtype = True
                 return ir.Call("tf.cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
         raise AssertionError(f"cannot lower {e!r}")
+
+    def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr) -> ir.Expr:
+        """log Σ exp over the last axis, step by step, keeping exp(u - max) / Σ as the
+        softmax the gradient needs (as TF's tape keeps it); `gradient(op)` recomputes
+        that softmax with one fused `tf.nn.softmax` instead."""
+        last = (("axis", ir.Lit("-1")), ("keepdims", ir.Lit("True")))
+        peak = body.bind(ir.Call("tf.reduce_max", (operand,), last))
+        shifted = body.bind(ir.Call("tf.exp", (ir.Binary("-", operand, ir.Var(peak)),)))
+        total = body.bind(ir.Call("tf.reduce_sum", (ir.Var(shifted),), last))
+        softmax = body.bind(ir.Binary("/", ir.Var(shifted), ir.Var(total)))
+        fused = ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),))
+        body.memo[fused] = softmax
+        body.recompute[softmax] = fused
+        value = ir.Binary("+", ir.Call("tf.math.log", (ir.Var(total),)), ir.Var(peak))
+        return ir.Call("tf.squeeze", (value,), (("axis", ir.Lit("-1")),))
 
     def softmax(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr | None:
         """`exp(u - L)` with `L = log Σ_m exp(u)`: one fused `tf.nn.softmax(u)` over m.
@@ -503,6 +522,8 @@ class Lowerer:
             operand = self.expr(body, term.expr, order)
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
+            if len(term.summed) == 1 and body.stem == "_f" and level.name in self.is_output:
+                return self.logsumexp_keeping_softmax(body, operand)
             axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
             return ir.Call("tf.reduce_logsumexp", (operand,), (("axis", axes),))
         pieces = []
@@ -712,7 +733,8 @@ def lower(program: Program) -> ir.Module:
         and step.target not in program.inputs and step.target not in _PRELUDE_NAMES
         and not step.target.startswith("_n_")
     )
-    recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs))
+    recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs),
+                       fwd.recompute)
     return ir.Module(
         op=program.op,
         source=program.source,
@@ -824,12 +846,19 @@ def _names_read(block: ir.Block) -> set[str]:
     return names
 
 
-def _prune(block: ir.Block, wanted: tuple[str, ...], available: set[str]) -> ir.Block:
-    """The steps of `block` needed to compute `wanted` from `available` names."""
+def _prune(
+    block: ir.Block, wanted: tuple[str, ...], available: set[str],
+    shortcuts: dict[str, ir.Expr] | None = None,
+) -> ir.Block:
+    """The steps of `block` needed to compute `wanted` from `available` names, taking a
+    shortcut definition (from the inputs alone) where one is known."""
+    shortcuts = shortcuts or {}
     needed = set(wanted)
     kept: list[ir.Assign] = []
     for step in reversed(block.steps):
         if step.target in needed and step.target not in available - set(wanted):
+            if step.target in shortcuts:
+                step = ir.Assign(step.target, shortcuts[step.target], step.comment)
             kept.append(step)
             needed |= _names_read(ir.Block((step,), ()))
     kept.reverse()

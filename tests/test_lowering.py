@@ -59,13 +59,24 @@ def test_softmax_lowers_to_one_fused_op_and_its_gradient_reads_the_output():
     assert "* y" in backward
 
 
-def test_logsumexp_gradient_is_softmax_times_grad():
+def test_logsumexp_keeps_its_softmax_for_the_gradient():
     module = lower(build(op("y[b,i] = log(sum(exp(A[b,i,k]), k))")))
-    assert steps(module.forward)[0] == "_lse1 = tf.reduce_logsumexp(A, axis=[2])"
-    assert steps(module.backward) == [
-        "_t1 = tf.nn.softmax(A, axis=-1)",
-        "grad_A = _t1 * grad_y[:, :, tf.newaxis]",
+    assert steps(module.forward) == [
+        "_f1 = tf.reduce_max(A, axis=-1, keepdims=True)",
+        "_f2 = tf.exp(A - _f1)",
+        "_f3 = tf.reduce_sum(_f2, axis=-1, keepdims=True)",
+        "_f4 = _f2 / _f3",
+        "_lse1 = tf.squeeze(tf.math.log(_f3) + _f1, axis=-1)",
+        "y = _lse1",
     ]
+    assert module.saved == ("_f4",)
+    assert steps(module.recompute) == ["_f4 = tf.nn.softmax(A, axis=-1)"]
+    assert steps(module.backward) == ["grad_A = _f4 * grad_y[:, :, tf.newaxis]"]
+
+
+def test_a_logsumexp_inside_the_formula_stays_one_fused_op():
+    module = lower(build(op("y[b,i] = 2 * log(sum(exp(A[b,i,k]), k))")))
+    assert steps(module.forward)[0] == "_lse1 = tf.reduce_logsumexp(A, axis=[2])"
 
 
 def test_nothing_contracted_is_a_multiply_not_an_einsum():
