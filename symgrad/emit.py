@@ -9,6 +9,7 @@ and each file is replaced atomically (temporary file in the same folder + `os.re
 
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 import re
@@ -82,7 +83,30 @@ def module_text(op, source_name: str) -> str:
         compile(formatted, name, "exec")
     except SyntaxError as exc:  # pragma: no cover - would be a symgrad bug
         raise SymgradError(f"generated code for {op.name} does not compile: {exc}") from None
+    _check_structure(formatted, op.name)
     return stamp(formatted)
+
+
+def _check_structure(source: str, op_name: str) -> None:
+    """A second line of defence behind the parser: the module is a docstring, imports,
+    assignments and definitions, and one `_register()` call -- nothing else runs."""
+    body = ast.parse(source).body
+    allowed = (ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef)
+    docstring = body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
+                                                                       ast.Constant)
+    for statement in body[1 if docstring else 0:]:
+        is_register = (
+            isinstance(statement, ast.Expr)
+            and isinstance(statement.value, ast.Call)
+            and isinstance(statement.value.func, ast.Name)
+            and statement.value.func.id == "_register"
+            and not statement.value.args
+        )
+        if not isinstance(statement, allowed) and not is_register:
+            raise SymgradError(  # pragma: no cover - would be a symgrad bug
+                f"generated code for {op_name} has an unexpected top-level statement "
+                f"(line {statement.lineno}); refusing to write it"
+            )
 
 
 def _source_line(op, source_name: str) -> str:

@@ -327,8 +327,8 @@ class _Builder:
                                            if n not in pair))
                 joined = index_sets[first] | index_sets[second]
                 inner = tuple(i for i in summed if i in joined and i not in others)
-                if not inner:
-                    break
+                if not inner or joined <= set(inner):
+                    break  # nothing to sum, or a scalar pair: leave it to one einsum
                 product = factors[first] * factors[second]
                 written = [i for i in _ordered_indices(product) if i not in inner]
                 access = self.lift([Term(product, inner)], written)
@@ -355,7 +355,8 @@ class _Builder:
             self.input_order.append(name)
         elif known != rank:
             raise self.fail(
-                f"tensor {name!r} is used with {rank} indices here but {known} elsewhere",
+                f"tensor {name!r} is used with {_count(rank, 'index')} here but "
+                f"{_count(known, 'index')} elsewhere",
                 node.col,
             )
         symbols = []
@@ -417,7 +418,7 @@ class _Builder:
             if index in seen:
                 raise self.fail(
                     f"output index {index!r} is repeated; each output index must be distinct",
-                    equation.output_col,
+                    equation.index_col(index, 1),
                 )
             seen.add(index)
         if len(indices) > MAX_INDICES:
@@ -431,7 +432,7 @@ class _Builder:
             if not self.dims.get(scope[index]):
                 raise self.fail(
                     f"output index {index!r} is not used by any input, so its size is unknown",
-                    equation.output_col,
+                    equation.index_col(index),
                 )
         for term in terms:
             if term.expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
@@ -450,6 +451,10 @@ def _simplify(expr: sp.Expr) -> sp.Expr:
     """Cheap canonical form: log of a positive product split (log(exp(L)/n) -> L - log n),
     exp products combined (exp(a)*exp(-b) -> exp(a-b))."""
     return sp.powsimp(sp.expand_log(expr), combine="exp")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {'indices' if noun == 'index' else noun + 's'}"
 
 
 def _mixed_sum(terms: list[Term]) -> bool:
@@ -484,8 +489,10 @@ def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | No
               for i in sorted(s, key=sp.default_sort_key))
         for s in index_sets
     ]
+    # The optimal search is exponential in the number of factors: greedy beyond six.
+    strategy = "optimal" if len(index_sets) <= 6 else "greedy"
     path, _ = opt_einsum.contract_path(f"{inputs}->{output}", *shapes, shapes=True,
-                                       optimize="optimal")
+                                       optimize=strategy)
     first, second = sorted(path[0])
     return first, second
 

@@ -91,6 +91,13 @@ def code(e: ir.Expr) -> str:
     raise TypeError(f"not an IR expression: {e!r}")
 
 
+def _docstring_text(text: str) -> str:
+    """Text for inside the module docstring; it cannot end the docstring or escape."""
+    if '"""' in text or "\\" in text or not text.isprintable():
+        raise ValueError(f"text not allowed in a docstring: {text!r}")
+    return text
+
+
 def _pytuple(values) -> str:
     return repr(tuple(values))
 
@@ -109,7 +116,8 @@ def environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # Python source, not HTML; strings go through `pyrepr`
     )
-    env.filters.update(code=code, pyrepr=repr, pytuple=_pytuple, reads=_reads)
+    env.filters.update(code=code, pyrepr=repr, pytuple=_pytuple, reads=_reads,
+                       doc=_docstring_text)
     return env
 
 
