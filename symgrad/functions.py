@@ -47,10 +47,15 @@ class softplus(sp.Function):
         return None
 
 
-class step_ge(sp.Function):
-    """1 where x >= y, else 0 (the gradient mask of max); its derivative is 0."""
+class _Step(sp.Function):
+    """1 where `holds(x, y)`, else 0 (the gradient mask of max/min); its
+    derivative is 0."""
 
     is_real = True
+
+    @staticmethod
+    def holds(x, y) -> bool:
+        raise NotImplementedError
 
     def fdiff(self, argindex=1):
         return sp.Integer(0)
@@ -58,55 +63,56 @@ class step_ge(sp.Function):
     @classmethod
     def eval(cls, x, y):
         if x.is_number and y.is_number:
-            return sp.Integer(1 if bool(x >= y) else 0)
+            return sp.Integer(1 if cls.holds(x, y) else 0)
         return None
 
 
-class step_le(sp.Function):
-    """1 where x <= y, else 0 (the gradient mask of min); its derivative is 0."""
+class step_ge(_Step):
+    """1 where x >= y, else 0."""
+
+    @staticmethod
+    def holds(x, y) -> bool:
+        return bool(x >= y)
+
+
+class step_le(_Step):
+    """1 where x <= y, else 0."""
+
+    @staticmethod
+    def holds(x, y) -> bool:
+        return bool(x <= y)
+
+
+class _Extremum(sp.Function):
+    """max or min with TensorFlow's tie rule: the gradient goes to x where `mask` is 1."""
 
     is_real = True
-
-    def fdiff(self, argindex=1):
-        return sp.Integer(0)
-
-    @classmethod
-    def eval(cls, x, y):
-        if x.is_number and y.is_number:
-            return sp.Integer(1 if bool(x <= y) else 0)
-        return None
-
-
-class maximum(sp.Function):
-    """max(x, y) with TensorFlow's tie rule (see module docstring)."""
-
-    is_real = True
-
-    def fdiff(self, argindex=1):
-        x, y = self.args
-        return step_ge(x, y) if argindex == 1 else 1 - step_ge(x, y)
-
-    @classmethod
-    def eval(cls, x, y):
-        if x.is_number and y.is_number:
-            return sp.Max(x, y)
-        return None
-
-
-class minimum(sp.Function):
-    """min(x, y) with TensorFlow's tie rule (see module docstring)."""
-
-    is_real = True
+    mask: type[_Step] = step_ge
+    fold = sp.Max  # the value for numbers
 
     def fdiff(self, argindex=1):
         x, y = self.args
-        return step_le(x, y) if argindex == 1 else 1 - step_le(x, y)
+        return self.mask(x, y) if argindex == 1 else 1 - self.mask(x, y)
 
     @classmethod
     def eval(cls, x, y):
         if x.is_number and y.is_number:
-            return sp.Min(x, y)
+            return cls.fold(x, y)
         return None
+
+
+class maximum(_Extremum):
+    """max(x, y): ties send the gradient to x (see module docstring)."""
+
+    mask = step_ge
+    fold = sp.Max
+
+
+class minimum(_Extremum):
+    """min(x, y): ties send the gradient to x (see module docstring)."""
+
+    mask = step_le
+    fold = sp.Min
 
 
 _UNARY = {
