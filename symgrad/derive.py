@@ -84,9 +84,7 @@ def _differentiable(program: Program) -> set[str]:
 
 def partial_derivative(level: Level, expr: sp.Expr, access: sp.Indexed) -> sp.Expr:
     """∂expr/∂access, treating every distinct access as an independent scalar."""
-    placeholders = {
-        a: sp.Symbol(f"_x{n}", real=True) for n, a in enumerate(accesses(expr))
-    }
+    placeholders = {a: sp.Symbol(f"_x{n}", real=True) for n, a in enumerate(accesses(expr))}
     plain = expr.xreplace(placeholders)
     derivative = sp.diff(plain, placeholders[access])
     if level.kind == "logsumexp":
@@ -157,8 +155,9 @@ def reuse_outputs(expr: sp.Expr, patterns, indices: set[Index]) -> sp.Expr:
             replacement = output.xreplace(mapping)
             expr = expr.subs(renamed, replacement)
             if isinstance(renamed, sp.Mul):
-                expr = sp.Add(*[_divide_out(t, renamed, replacement)
-                                for t in sp.Add.make_args(expr)])
+                expr = sp.Add(
+                    *[_divide_out(t, renamed, replacement) for t in sp.Add.make_args(expr)]
+                )
     return expr
 
 
@@ -197,8 +196,9 @@ def derive(program: Program) -> Backward:
                     continue
                 indices = fresh_indices(target, len(access.indices))
                 deltas = list(zip(access.indices, indices, strict=True))
-                partials.append(Partial(target, level.name, partial, access, tuple(deltas),
-                                        term.summed))
+                partials.append(
+                    Partial(target, level.name, partial, access, tuple(deltas), term.summed)
+                )
                 summed = [*level.indices, *term.summed]
                 substitution, residual, remaining = eliminate(deltas, summed)
                 new_grad = grad.xreplace(substitution)

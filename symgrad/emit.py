@@ -92,9 +92,8 @@ def _check_structure(source: str, op_name: str) -> None:
     assignments and definitions, and one `_register()` call -- nothing else runs."""
     body = ast.parse(source).body
     allowed = (ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef)
-    docstring = body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
-                                                                       ast.Constant)
-    for statement in body[1 if docstring else 0:]:
+    docstring = body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    for statement in body[1 if docstring else 0 :]:
         is_register = (
             isinstance(statement, ast.Expr)
             and isinstance(statement.value, ast.Call)

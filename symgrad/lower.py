@@ -118,8 +118,7 @@ class Lowerer:
         }
         for output in program.outputs:
             terms = output.level.terms
-            if len(terms) == 1 and not terms[0].summed and isinstance(terms[0].expr,
-                                                                       sp.Indexed):
+            if len(terms) == 1 and not terms[0].summed and isinstance(terms[0].expr, sp.Indexed):
                 source = self.logsumexp_of.get(terms[0].expr.base.label.name)
                 if source is not None and tuple(terms[0].expr.indices) == output.level.indices:
                     self.logsumexp_of[output.level.name] = source
@@ -170,8 +169,7 @@ class Lowerer:
                 return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
             return ir.Var(e.name)  # an attr
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
-            terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(),
-                                                  _print_order(t)))
+            terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
             result = self.expr(body, terms[0], target)
             for term in terms[1:]:
                 coeff, _ = term.as_coeff_Mul()
@@ -267,9 +265,7 @@ class Lowerer:
                 operand = self.expr(body, logits, order)
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
-                weights = body.bind(
-                    ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),))
-                )
+                weights = body.bind(ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),)))
                 return align(ir.Var(weights), order, target)
         return None
 
@@ -289,7 +285,11 @@ class Lowerer:
     # -- terms: products summed over indices ------------------------------------------
 
     def term(
-        self, body: _Body, e: sp.Expr, summed: tuple[Index, ...], out: tuple[Index, ...],
+        self,
+        body: _Body,
+        e: sp.Expr,
+        summed: tuple[Index, ...],
+        out: tuple[Index, ...],
         eyes: tuple[tuple[Index, Index], ...] = (),
     ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
         """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
@@ -312,7 +312,11 @@ class Lowerer:
         return [self.contract(body, e, summed, out, eyes)]
 
     def contract(
-        self, body: _Body, e: sp.Expr, summed: tuple[Index, ...], out: tuple[Index, ...],
+        self,
+        body: _Body,
+        e: sp.Expr,
+        summed: tuple[Index, ...],
+        out: tuple[Index, ...],
         eyes: tuple[tuple[Index, Index], ...],
     ) -> tuple[ir.Expr, tuple[Index, ...]]:
         """One product, summed: an elementwise expression or an einsum."""
@@ -338,8 +342,9 @@ class Lowerer:
         # (and accesses fold in, one operand less) only into a factor covering them, so
         # `tanh(A[b,i,k]) * tanh(A[b,j,k])` stays two (b,_,k) operands, never (b,i,j,k).
         groups: list[tuple[set[Index], sp.Expr]] = []
-        for factor in sorted(pointwise, key=lambda f: (-len(_index_set(f)),
-                                                       sp.default_sort_key(f))):
+        for factor in sorted(
+            pointwise, key=lambda f: (-len(_index_set(f)), sp.default_sort_key(f))
+        ):
             need = _index_set(factor)
             for n, (cover, merged) in enumerate(groups):
                 if need <= cover:
@@ -356,8 +361,7 @@ class Lowerer:
             else:
                 keep.append((access, labels))
         operands = keep + [
-            (("pointwise", merged), _axes_of(merged, result_axes, summed))
-            for _, merged in groups
+            (("pointwise", merged), _axes_of(merged, result_axes, summed)) for _, merged in groups
         ]
         # The incoming gradient first: `grad_y[b,i,j] * B[b,k,j]` as in the docstring.
         operands.sort(key=lambda item: not _is_gradient(item[0]))
@@ -372,8 +376,9 @@ class Lowerer:
                 einsum_operands.append((ir.Var(value.name), labels))
         for left, right in eyes:
             eye = body.bind(
-                ir.Call("tf.eye", (ir.Var(self.index_size(body, left)),),
-                        (("dtype", ir.Var("dtype")),))
+                ir.Call(
+                    "tf.eye", (ir.Var(self.index_size(body, left)),), (("dtype", ir.Var("dtype")),)
+                )
             )
             body.uses_dtype = True
             einsum_operands.append((ir.Var(eye), (left, right)))
@@ -390,7 +395,9 @@ class Lowerer:
         return value, result_axes
 
     def einsum(
-        self, body: _Body, operands: list[tuple[ir.Expr, tuple[Index, ...]]],
+        self,
+        body: _Body,
+        operands: list[tuple[ir.Expr, tuple[Index, ...]]],
         out: tuple[Index, ...],
     ) -> ir.Expr:
         """Contract operands to `out`, pairwise in an optimal order."""
@@ -422,8 +429,7 @@ class Lowerer:
             # A broadcasting product, summed over what both have: 'bij,bij->bi' would be
             # a BatchMatMul of 1x1 results, far slower than multiply + reduce_sum.
             union = tuple(dict.fromkeys((*lx, *ly)))
-            order = tuple(i for i in out if i in union) + tuple(
-                i for i in union if i not in out)
+            order = tuple(i for i in out if i in union) + tuple(i for i in union if i not in out)
             product = ir.Binary("*", align(x, lx, order), align(y, ly, order))
             return self._reduce(body, product, order, out)
         # (R1) TF's einsum runs BatchMatMul, whose result is [batch, free of the first
@@ -482,7 +488,9 @@ class Lowerer:
         return [*rest, (ir.Var(name), axes)]
 
     def sum_terms(
-        self, body: _Body, pieces: list[tuple[ir.Expr, tuple[Index, ...]]],
+        self,
+        body: _Body,
+        pieces: list[tuple[ir.Expr, tuple[Index, ...]]],
         out: tuple[Index, ...],
     ) -> tuple[ir.Expr, tuple[Index, ...]]:
         """Add pieces over subsets of `out`; the result's axes are their union, in order."""
@@ -503,7 +511,11 @@ class Lowerer:
         return result, axes
 
     def full(
-        self, body: _Body, value: ir.Expr, axes: tuple[Index, ...], out: tuple[Index, ...],
+        self,
+        body: _Body,
+        value: ir.Expr,
+        axes: tuple[Index, ...],
+        out: tuple[Index, ...],
     ) -> ir.Expr:
         """Broadcast a value over `axes` ⊆ `out` to the full shape of `out`."""
         if axes == out:
@@ -612,8 +624,9 @@ def _index_set(e: sp.Expr) -> set[Index]:
 def _axes_of(e: sp.Expr, out: tuple[Index, ...], summed: tuple[Index, ...]):
     """Axes for materializing a pointwise factor: its widest access's own order, so that
     `tanh(A[b,j,k])` is `tf.tanh(A)` (shared with the forward pass), not a transpose."""
-    widest = sorted(e.atoms(sp.Indexed), key=lambda a: (-len(set(a.indices)),
-                                                        sp.default_sort_key(a)))
+    widest = sorted(
+        e.atoms(sp.Indexed), key=lambda a: (-len(set(a.indices)), sp.default_sort_key(a))
+    )
     order = [i for a in widest for i in a.indices]
     order += [i for i in (*out, *summed) if i in order]
     return tuple(dict.fromkeys(order))
@@ -666,8 +679,9 @@ def lower(program: Program) -> ir.Module:
         value = lowerer.level(fwd, level)
         if any(len(group) > 1 for group in output.groups):
             value = ir.Var(fwd.bind(value))
-            shape = ir.Shape(tuple(tuple(lowerer.index_size(fwd, i) for i in group)
-                                   for group in output.groups))
+            shape = ir.Shape(
+                tuple(tuple(lowerer.index_size(fwd, i) for i in group) for group in output.groups)
+            )
             value = ir.Call("tf.reshape", (value, shape))
         fwd.bind(value, name=level.name)
         fwd.tensors[level.name] = Value(level.name, level.indices)
@@ -686,8 +700,11 @@ def lower(program: Program) -> ir.Module:
         grads.append(name)
         if any(len(group) > 1 for group in output.groups):
             shape = ir.Shape(tuple((lowerer.index_size(bwd, i),) for i in level.indices))
-            bwd.bind(ir.Call("tf.reshape", (ir.Var(name), shape)), name=name,
-                     comment="split the composite axes")
+            bwd.bind(
+                ir.Call("tf.reshape", (ir.Var(name), shape)),
+                name=name,
+                comment="split the composite axes",
+            )
         bwd.tensors[name] = Value(name, level.indices)
     by_target: dict[str, list[Contribution]] = {}
     for c in backward.contributions:
@@ -720,21 +737,23 @@ def lower(program: Program) -> ir.Module:
     backward_block = _borrow(backward_block, fwd.memo)
     read = _names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs))
-    keep = set(outputs) | {
-        name for name in read if name not in program.inputs
-    }
-    forward_block = _prune(forward_block, tuple(sorted(keep & {s.target for s in
-                                                              forward_block.steps})),
-                           set(program.inputs))
+    keep = set(outputs) | {name for name in read if name not in program.inputs}
+    forward_block = _prune(
+        forward_block,
+        tuple(sorted(keep & {s.target for s in forward_block.steps})),
+        set(program.inputs),
+    )
     forward_block = ir.Block(forward_block.steps, tuple(outputs))
     saved = tuple(
-        step.target for step in forward_block.steps
-        if step.target in read and step.target not in outputs
-        and step.target not in program.inputs and step.target not in _PRELUDE_NAMES
+        step.target
+        for step in forward_block.steps
+        if step.target in read
+        and step.target not in outputs
+        and step.target not in program.inputs
+        and step.target not in _PRELUDE_NAMES
         and not step.target.startswith("_n_")
     )
-    recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs),
-                       fwd.recompute)
+    recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
     return ir.Module(
         op=program.op,
         source=program.source,
@@ -781,9 +800,9 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
     The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
     """
     usable = {
-        expr: name for expr, name in forward.items()
-        if not any(n.startswith("_n_") for n in _names_read(ir.Block((ir.Assign("", expr),),
-                                                                      ())))
+        expr: name
+        for expr, name in forward.items()
+        if not any(n.startswith("_n_") for n in _names_read(ir.Block((ir.Assign("", expr),), ())))
     }
 
     def walk(e: ir.Expr) -> ir.Expr:
@@ -792,8 +811,11 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
         if isinstance(e, ir.View):
             return ir.View(walk(e.operand), e.perm, e.slots)
         if isinstance(e, ir.Call):
-            return ir.Call(e.function, tuple(walk(a) for a in e.args),
-                           tuple((k, walk(v)) for k, v in e.keywords))
+            return ir.Call(
+                e.function,
+                tuple(walk(a) for a in e.args),
+                tuple((k, walk(v)) for k, v in e.keywords),
+            )
         if isinstance(e, ir.Einsum):
             return ir.Einsum(e.subscripts, tuple(walk(a) for a in e.operands))
         if isinstance(e, ir.Binary):
@@ -847,7 +869,9 @@ def _names_read(block: ir.Block) -> set[str]:
 
 
 def _prune(
-    block: ir.Block, wanted: tuple[str, ...], available: set[str],
+    block: ir.Block,
+    wanted: tuple[str, ...],
+    available: set[str],
     shortcuts: dict[str, ir.Expr] | None = None,
 ) -> ir.Block:
     """The steps of `block` needed to compute `wanted` from `available` names, taking a

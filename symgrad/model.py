@@ -246,8 +246,7 @@ class _Builder:
                 right = self.factor(node.right, scope)
                 return _merge_pointwise(left + [Term(sign * t.expr, t.summed) for t in right])
             if node.op == "*":
-                return self.product(self.factor(node.left, scope),
-                                    self.factor(node.right, scope))
+                return self.product(self.factor(node.left, scope), self.factor(node.right, scope))
             if node.op == "/":
                 numerator = self.factor(node.left, scope)  # first: inputs in written order
                 denominator = self.pointwise(node.right, scope)
@@ -315,7 +314,8 @@ class _Builder:
                 factors = [f for f in sp.Mul.make_args(expr) if f.atoms(sp.Indexed)]
                 if len(factors) < 3 or any(
                     len(set(a.indices)) != len(a.indices)
-                    for f in factors for a in f.atoms(sp.Indexed)
+                    for f in factors
+                    for a in f.atoms(sp.Indexed)
                 ):
                     break
                 index_sets = [_indices_of(f) for f in factors]
@@ -323,8 +323,7 @@ class _Builder:
                 if pair is None:
                     break
                 first, second = pair
-                others = set(free).union(*(s for n, s in enumerate(index_sets)
-                                           if n not in pair))
+                others = set(free).union(*(s for n, s in enumerate(index_sets) if n not in pair))
                 joined = index_sets[first] | index_sets[second]
                 inner = tuple(i for i in summed if i in joined and i not in others)
                 if not inner or joined <= set(inner):
@@ -332,8 +331,16 @@ class _Builder:
                 product = factors[first] * factors[second]
                 written = [i for i in _ordered_indices(product) if i not in inner]
                 access = self.lift([Term(product, inner)], written)
-                expr = sp.Mul(*[f for n, f in enumerate(sp.Mul.make_args(expr))
-                                if f not in (factors[first], factors[second])]) * access
+                expr = (
+                    sp.Mul(
+                        *[
+                            f
+                            for n, f in enumerate(sp.Mul.make_args(expr))
+                            if f not in (factors[first], factors[second])
+                        ]
+                    )
+                    * access
+                )
                 summed = tuple(i for i in summed if i not in inner)
             out.append(Term(expr, summed))
         return out
@@ -341,8 +348,7 @@ class _Builder:
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Indexed:
         name = node.tensor
         if name in self.attrs:
-            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices",
-                            node.col)
+            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices", node.col)
         if self.equation and name == self.equation.output:
             raise self.fail(f"output {name!r} cannot be used on the right side", node.col)
         rank = len(node.indices)
@@ -402,8 +408,10 @@ class _Builder:
             self.by_key[key] = (level, tuple(canonical_free))
             indices = tuple(free)
         if not indices:
-            raise self.fail("a sum inside a function must keep at least one free index "
-                            "(a sum over every index is not supported inside functions)")
+            raise self.fail(
+                "a sum inside a function must keep at least one free index "
+                "(a sum over every index is not supported inside functions)"
+            )
         value = tensor(level.name)[indices]
         return sp.exp(value) if exp_sum else value
 
@@ -481,18 +489,21 @@ def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | No
     if len(symbols) > 52:
         return None
     letter = {s: opt_einsum.get_symbol(n) for n, s in enumerate(symbols)}
-    inputs = ",".join("".join(letter[i] for i in sorted(s, key=sp.default_sort_key))
-                      for s in index_sets)
+    inputs = ",".join(
+        "".join(letter[i] for i in sorted(s, key=sp.default_sort_key)) for s in index_sets
+    )
     output = "".join(letter[i] for i in free if i in letter)
     shapes = [
-        tuple(sizes.get(i.name.rstrip("'"), DEFAULT_SIZE)
-              for i in sorted(s, key=sp.default_sort_key))
+        tuple(
+            sizes.get(i.name.rstrip("'"), DEFAULT_SIZE) for i in sorted(s, key=sp.default_sort_key)
+        )
         for s in index_sets
     ]
     # The optimal search is exponential in the number of factors: greedy beyond six.
     strategy = "optimal" if len(index_sets) <= 6 else "greedy"
-    path, _ = opt_einsum.contract_path(f"{inputs}->{output}", *shapes, shapes=True,
-                                       optimize=strategy)
+    path, _ = opt_einsum.contract_path(
+        f"{inputs}->{output}", *shapes, shapes=True, optimize=strategy
+    )
     first, second = sorted(path[0])
     return first, second
 
@@ -540,9 +551,9 @@ def _canonical_key(kind: str, terms: list[Term], free: list[Index]):
     canonical_free = [sp.Symbol(f"_f{n}") for n in range(len(free))]
     bound = list(dict.fromkeys(s for t in terms for s in t.summed))
     best = None
-    for order in itertools.permutations(range(len(bound))) if len(bound) <= 4 else [
-        tuple(range(len(bound)))
-    ]:
+    for order in (
+        itertools.permutations(range(len(bound))) if len(bound) <= 4 else [tuple(range(len(bound)))]
+    ):
         mapping = dict(zip(free, canonical_free, strict=True))
         mapping.update({bound[n]: sp.Symbol(f"_b{k}") for n, k in enumerate(order)})
         text = repr(
@@ -594,11 +605,11 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         missing = [n for n in op.inputs if n not in inputs_used]
         extra = [n for n in inputs_used if n not in op.inputs]
         if missing:
-            raise fail(f"`inputs` lists {', '.join(map(repr, missing))}, "
-                       "which no formula uses")
+            raise fail(f"`inputs` lists {', '.join(map(repr, missing))}, which no formula uses")
         if extra:
-            raise fail(f"`inputs` does not list {', '.join(map(repr, extra))}, "
-                       "which the formula uses")
+            raise fail(
+                f"`inputs` does not list {', '.join(map(repr, extra))}, which the formula uses"
+            )
         inputs = op.inputs
     else:
         inputs = tuple(inputs_used)
@@ -611,13 +622,20 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     for index, _ in op.sizes:
         if index not in index_names:
             raise fail(f"`sizes` names index {index!r}, which no formula uses")
-    unused = [a for a in builder.attrs if not any(
-        builder.attrs[a] in t.expr.free_symbols
-        for level in (*[o.level for o in outputs], *builder.intermediates)
-        for t in level.terms)]
+    unused = [
+        a
+        for a in builder.attrs
+        if not any(
+            builder.attrs[a] in t.expr.free_symbols
+            for level in (*[o.level for o in outputs], *builder.intermediates)
+            for t in level.terms
+        )
+    ]
     if unused:
         raise fail(f"attr {unused[0]!r} is declared but no formula uses it")
-    ranks = tuple((n, builder.ranks[n]) for n in (*inputs, *(l.name for l in builder.intermediates)))
+    ranks = tuple(
+        (n, builder.ranks[n]) for n in (*inputs, *(l.name for l in builder.intermediates))
+    )
     dims = tuple(
         (index, tuple((t, a) for t, a in sources if not t.startswith("_")))
         for index, sources in builder.dims.items()

@@ -81,17 +81,22 @@ def contribution_text(c: Contribution, shown: tuple[Index, ...]) -> str:
     sign = ""
     if body.could_extract_minus_sign():
         sign, body = "-", -body
-    numerator, denominator = sp.fraction(body) if isinstance(body, sp.Mul | sp.Pow) else (
-        body, sp.Integer(1))
+    numerator, denominator = (
+        sp.fraction(body) if isinstance(body, sp.Mul | sp.Pow) else (body, sp.Integer(1))
+    )
     text = show(grad)
     if numerator != 1:
         shown_numerator = show(numerator)
-        text += f"*({shown_numerator})" if isinstance(numerator, sp.Add) else (
-            f"*{shown_numerator}")
+        text += (
+            f"*({shown_numerator})" if isinstance(numerator, sp.Add) else (f"*{shown_numerator}")
+        )
     if denominator != 1:
         shown_denominator = show(denominator)
-        text += f"/({shown_denominator})" if isinstance(denominator, sp.Add | sp.Mul) else (
-            f"/{shown_denominator}")
+        text += (
+            f"/({shown_denominator})"
+            if isinstance(denominator, sp.Add | sp.Mul)
+            else (f"/{shown_denominator}")
+        )
     if c.diagonal:
         deltas = "*".join(f"δ({mapping[a]},{mapping[b]})" for a, b in c.diagonal)
         text = f"{deltas}*{text}"

@@ -47,11 +47,47 @@ CONSTANTS = ("pi", "e")
 
 # Names the generated module uses itself, or that would read confusingly as tensors.
 RESERVED = frozenset(
-    {*FUNCTIONS, *REDUCTIONS, *CONSTANTS, "tf", "op", "grad", "grads", "dtype", "forward",
-     "vjp", "gradient", "OP_TYPE", "INPUTS", "OUTPUTS", "ATTRS", "None", "True", "False",
-     "math", "np", "self", "cls", "print", "len", "float", "int", "bool", "range", "tuple",
-     "list", "dict", "str", "type", "object", "super", "isinstance", "ValueError",
-     "TypeError", "KeyError"}
+    {
+        *FUNCTIONS,
+        *REDUCTIONS,
+        *CONSTANTS,
+        "tf",
+        "op",
+        "grad",
+        "grads",
+        "dtype",
+        "forward",
+        "vjp",
+        "gradient",
+        "OP_TYPE",
+        "INPUTS",
+        "OUTPUTS",
+        "ATTRS",
+        "None",
+        "True",
+        "False",
+        "math",
+        "np",
+        "self",
+        "cls",
+        "print",
+        "len",
+        "float",
+        "int",
+        "bool",
+        "range",
+        "tuple",
+        "list",
+        "dict",
+        "str",
+        "type",
+        "object",
+        "super",
+        "isinstance",
+        "ValueError",
+        "TypeError",
+        "KeyError",
+    }
 )
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
 MAX_NUMBER_BITS = 1024  # numerator and denominator of any exact constant
@@ -159,8 +195,7 @@ class Equation:
 
     def index_col(self, index: str, occurrence: int = 0) -> int:
         """Where output index `index` is written (its `occurrence`-th time), for carets."""
-        cols = [c for i, c in zip(self.output_indices, self.index_cols, strict=False)
-                if i == index]
+        cols = [c for i, c in zip(self.output_indices, self.index_cols, strict=False) if i == index]
         return cols[occurrence] if occurrence < len(cols) else self.output_col
 
 
@@ -270,8 +305,10 @@ class _Walker:
             self.fail(problem, node)
         self.indices.add(node.id)
         if len(self.indices) > MAX_INDICES:
-            self.fail(f"more than {MAX_INDICES} different indices in one formula "
-                      "(einsum has 52 letters)", node)
+            self.fail(
+                f"more than {MAX_INDICES} different indices in one formula (einsum has 52 letters)",
+                node,
+            )
         return node.id
 
     def expr(self, node: ast.AST, depth: int) -> Node:
@@ -343,8 +380,7 @@ class _Walker:
                 self.fail("starred arguments are not allowed", arg)
         if name in REDUCTIONS:
             if len(node.args) < 2:
-                self.fail(f"{name}(expr, k, ...) needs an expression and at least one index",
-                          node)
+                self.fail(f"{name}(expr, k, ...) needs an expression and at least one index", node)
             indices = tuple(self.index_name(a) for a in node.args[1:])
             if len(set(indices)) != len(indices):
                 self.fail(f"{name}() names an index twice", node.args[1])
@@ -352,13 +388,14 @@ class _Walker:
                 if index in self.output_indices:
                     self.fail(f"{name}() over {index!r}, which is an output index", arg)
                 if index in self.summing:
-                    self.fail(f"{name}() over {index!r}, which an enclosing sum already "
-                              "sums over", arg)
+                    self.fail(
+                        f"{name}() over {index!r}, which an enclosing sum already sums over", arg
+                    )
             self.summing.extend(indices)
             try:
                 body = self.expr(node.args[0], depth + 1)
             finally:
-                del self.summing[len(self.summing) - len(indices):]
+                del self.summing[len(self.summing) - len(indices) :]
             return Reduce(name, body, indices, col)
         arity = FUNCTIONS.get(name)
         if arity is None:
@@ -367,8 +404,10 @@ class _Walker:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             self.fail(f"unknown function {name!r} (known: {', '.join(known)}){hint}", node)
         if len(node.args) != arity:
-            self.fail(f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, "
-                      f"got {len(node.args)}", node)
+            self.fail(
+                f"{name}() takes {arity} argument{'s' if arity > 1 else ''}, got {len(node.args)}",
+                node,
+            )
         result = Call(name, tuple(self.expr(a, depth + 1) for a in node.args), col)
         self.check_real(result, node)
         return result
@@ -407,13 +446,15 @@ class _Walker:
         except SymgradError as exc:
             self.fail(exc.message, col=exc.column)
         if value is not None and power is not None and value < 0 and power.denominator != 1:
-            self.fail(f"a negative number to the power {_show_number(power)} is not real",
-                      node)
+            self.fail(f"a negative number to the power {_show_number(power)} is not real", node)
         if _float_value(exponent) is None:  # both sides were checked by check_real
             approximate = _float_value(base)
             if approximate is not None and approximate <= 0:
-                self.fail("the base of a power with a variable exponent must be positive, "
-                          f"not {self.source(node)}", node)
+                self.fail(
+                    "the base of a power with a variable exponent must be positive, "
+                    f"not {self.source(node)}",
+                    node,
+                )
 
     def check_real(self, value: Node, node: ast.AST) -> None:
         """A constant sub-formula must have a finite real value in float64."""
@@ -487,10 +528,21 @@ def _softplus(x: float) -> float:
 
 
 FLOAT_FUNCTIONS = {
-    "exp": math.exp, "log": math.log, "sin": math.sin, "cos": math.cos, "tan": math.tan,
-    "tanh": math.tanh, "sinh": math.sinh, "cosh": math.cosh, "sqrt": math.sqrt,
-    "abs": math.fabs, "sigmoid": _sigmoid, "softplus": _softplus, "erf": math.erf,
-    "max": max, "min": min,
+    "exp": math.exp,
+    "log": math.log,
+    "sin": math.sin,
+    "cos": math.cos,
+    "tan": math.tan,
+    "tanh": math.tanh,
+    "sinh": math.sinh,
+    "cosh": math.cosh,
+    "sqrt": math.sqrt,
+    "abs": math.fabs,
+    "sigmoid": _sigmoid,
+    "softplus": _softplus,
+    "erf": math.erf,
+    "max": max,
+    "min": min,
 }
 
 
@@ -575,7 +627,7 @@ def _show_number(value: Fraction) -> str:
 
 
 def _shorten(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _slice_elements(node: ast.AST) -> list[ast.AST]:
@@ -584,21 +636,41 @@ def _slice_elements(node: ast.AST) -> list[ast.AST]:
 
 def _op_symbol(op: ast.AST) -> str:
     symbols = {
-        ast.FloorDiv: "//", ast.Mod: "%", ast.MatMult: "@", ast.BitAnd: "&", ast.BitOr: "|",
-        ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>", ast.Not: "not", ast.Invert: "~",
+        ast.FloorDiv: "//",
+        ast.Mod: "%",
+        ast.MatMult: "@",
+        ast.BitAnd: "&",
+        ast.BitOr: "|",
+        ast.BitXor: "^",
+        ast.LShift: "<<",
+        ast.RShift: ">>",
+        ast.Not: "not",
+        ast.Invert: "~",
     }
     return repr(symbols.get(type(op), type(op).__name__))
 
 
 def _describe(node: ast.AST) -> str:
     names = {
-        ast.Attribute: "attribute access", ast.Lambda: "a lambda", ast.ListComp: "a comprehension",
-        ast.GeneratorExp: "a comprehension", ast.SetComp: "a comprehension",
-        ast.DictComp: "a comprehension", ast.Compare: "a comparison", ast.BoolOp: "and/or",
-        ast.IfExp: "a conditional expression", ast.List: "a list", ast.Tuple: "a tuple",
-        ast.Dict: "a dict", ast.Set: "a set", ast.Starred: "a starred expression",
-        ast.NamedExpr: "an assignment expression", ast.JoinedStr: "a string",
-        ast.Await: "await", ast.Yield: "yield", ast.Slice: "a slice",
+        ast.Attribute: "attribute access",
+        ast.Lambda: "a lambda",
+        ast.ListComp: "a comprehension",
+        ast.GeneratorExp: "a comprehension",
+        ast.SetComp: "a comprehension",
+        ast.DictComp: "a comprehension",
+        ast.Compare: "a comparison",
+        ast.BoolOp: "and/or",
+        ast.IfExp: "a conditional expression",
+        ast.List: "a list",
+        ast.Tuple: "a tuple",
+        ast.Dict: "a dict",
+        ast.Set: "a set",
+        ast.Starred: "a starred expression",
+        ast.NamedExpr: "an assignment expression",
+        ast.JoinedStr: "a string",
+        ast.Await: "await",
+        ast.Yield: "yield",
+        ast.Slice: "a slice",
     }
     if isinstance(node, ast.Constant):
         return f"the literal {node.value!r}"

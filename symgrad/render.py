@@ -116,8 +116,7 @@ def environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # Python source, not HTML; strings go through `pyrepr`
     )
-    env.filters.update(code=code, pyrepr=repr, pytuple=_pytuple, reads=_reads,
-                       doc=_docstring_text)
+    env.filters.update(code=code, pyrepr=repr, pytuple=_pytuple, reads=_reads, doc=_docstring_text)
     return env
 
 
@@ -137,6 +136,8 @@ def content_hash(body: str) -> str:
 def render(module: ir.Module) -> str:
     """The module's Python source, before formatting; its hash line is a placeholder."""
     shared = tuple((c.index, c.axes) for c in module.dim_checks)
-    return environment().get_template("module.py.j2").render(
-        m=module, content_hash="{content_hash}", shared_axes=repr(shared)
+    return (
+        environment()
+        .get_template("module.py.j2")
+        .render(m=module, content_hash="{content_hash}", shared_axes=repr(shared))
     )

@@ -54,14 +54,20 @@ class Spec:
 
 
 def _type_name(value: object) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+    return {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+        list: "an array",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
 
 
 def _show(value: object, limit: int = 40) -> str:
     """`repr(value)`, shortened: user text in messages stays one readable line."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 4]}...{text[-1]}"
+    return text if len(text) <= limit else f"{text[: limit - 4]}...{text[-1]}"
 
 
 def _hint(key: str, known: tuple[str, ...]) -> str:
@@ -71,8 +77,9 @@ def _hint(key: str, known: tuple[str, ...]) -> str:
 
 def _string_list(value: object, what: str, where: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise SymgradError(f"`{what}` must be an array of strings, not {_type_name(value)}",
-                           where=where)
+        raise SymgradError(
+            f"`{what}` must be an array of strings, not {_type_name(value)}", where=where
+        )
     if len(set(value)) != len(value):
         raise SymgradError(f"`{what}` names the same tensor twice", where=where)
     return tuple(value)
@@ -122,14 +129,11 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
         raise SymgradError(f"more than {MAX_FORMULAS} formulas", where=where)
     inputs = _string_list(table["inputs"], "inputs", where) if "inputs" in table else None
     no_gradient = (
-        _string_list(table["no_gradient"], "no_gradient", where)
-        if "no_gradient" in table
-        else ()
+        _string_list(table["no_gradient"], "no_gradient", where) if "no_gradient" in table else ()
     )
     attrs_table = table.get("attrs", {})
     if not isinstance(attrs_table, dict):
-        raise SymgradError(f"`attrs` must be a table, not {_type_name(attrs_table)}",
-                           where=where)
+        raise SymgradError(f"`attrs` must be a table, not {_type_name(attrs_table)}", where=where)
     attrs = []
     for attr, kind in attrs_table.items():
         problem = check_name(attr, "attr")
@@ -153,8 +157,7 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
             raise SymgradError(problem, where=where)
     sizes_table = table.get("sizes", {})
     if not isinstance(sizes_table, dict):
-        raise SymgradError(f"`sizes` must be a table, not {_type_name(sizes_table)}",
-                           where=where)
+        raise SymgradError(f"`sizes` must be a table, not {_type_name(sizes_table)}", where=where)
     sizes = []
     for index, size in sizes_table.items():
         problem = check_name(index, "index")

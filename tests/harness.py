@@ -49,11 +49,17 @@ def op_spec(case: Case, name: str) -> OpSpec:
     attr_types = dict(case.attr_types)
     for attr, value in case.attrs.items():
         attr_types.setdefault(
-            attr, "bool" if isinstance(value, bool) else "int" if isinstance(value, int)
-            else "float"
+            attr,
+            "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "float",
         )
-    return OpSpec(name, case.equations, case.inputs, tuple(attr_types.items()),
-                  case.no_gradient, f"test [ops.{name}]")
+    return OpSpec(
+        name,
+        case.equations,
+        case.inputs,
+        tuple(attr_types.items()),
+        case.no_gradient,
+        f"test [ops.{name}]",
+    )
 
 
 def load_module(text: str, folder: Path, stem: str):
@@ -127,7 +133,10 @@ def check(case: Case, module, seed: int = 0) -> None:
                 continue
             w = np.zeros(tensors[program.inputs.index(name)].shape) if w is None else w
             np.testing.assert_allclose(
-                np.asarray(g), np.asarray(w), rtol=case.rtol, atol=1e-9,
+                np.asarray(g),
+                np.asarray(w),
+                rtol=case.rtol,
+                atol=1e-9,
                 err_msg=f"{how}: gradient of {name}",
             )
 
@@ -142,8 +151,9 @@ def check(case: Case, module, seed: int = 0) -> None:
         outs = outs if isinstance(outs, tuple) else (outs,)
         loss = tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
     taped = tape.gradient(loss, tensors)
-    taped = [None if n in case.no_gradient else t for n, t in zip(program.inputs, taped,
-                                                                  strict=True)]
+    taped = [
+        None if n in case.no_gradient else t for n, t in zip(program.inputs, taped, strict=True)
+    ]
     compare(taped, "tape over forward")
 
     # Finite differences of the scalar <forward, grads>, one input at a time.
@@ -159,5 +169,10 @@ def check(case: Case, module, seed: int = 0) -> None:
             return tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
 
         theoretical, numerical = tf.test.compute_gradient(scalar, [tensors[index]])
-        np.testing.assert_allclose(theoretical[0], numerical[0], rtol=case.fd_tol,
-                                   atol=case.fd_tol, err_msg=f"finite differences: {name}")
+        np.testing.assert_allclose(
+            theoretical[0],
+            numerical[0],
+            rtol=case.fd_tol,
+            atol=case.fd_tol,
+            err_msg=f"finite differences: {name}",
+        )

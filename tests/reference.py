@@ -119,8 +119,9 @@ class Evaluator:
             if node.op in "+-":
                 return self.scope(node, free)
             ops = {"*": tf.multiply, "/": tf.divide, "**": tf.pow}
-            return self.combine(self.value(node.left, free), self.value(node.right, free),
-                                ops[node.op])
+            return self.combine(
+                self.value(node.left, free), self.value(node.right, free), ops[node.op]
+            )
         if isinstance(node, Call):
             args = [self.value(a, free) for a in node.args]
             if len(args) == 1:

@@ -39,31 +39,45 @@ OPS = {
     "batched_mat_mul": ((rand(2, 3, 4), rand(2, 4, 5)), {}, lambda A, B: (tf.linalg.matmul(A, B),)),
     "batch_kron": ((rand(2, 2, 2), rand(2, 3, 3)), {}, lambda A, B: (kron(A, B),)),
     "sin_diag_outer": (
-        (rand(2, 3, 3), rand(2, 4, 4)), {},
-        lambda A, B: (tf.sin(tf.linalg.diag_part(A))[:, :, None]
-                      * tf.linalg.diag_part(B)[:, None, :],),
+        (rand(2, 3, 3), rand(2, 4, 4)),
+        {},
+        lambda A, B: (
+            tf.sin(tf.linalg.diag_part(A))[:, :, None] * tf.linalg.diag_part(B)[:, None, :],
+        ),
     ),
-    "scaled_add": ((rand(2, 3, 4), rand(2, 3, 4)), {"alpha": 2.5},
-                   lambda A, B, alpha: (alpha * A + B,)),
+    "scaled_add": (
+        (rand(2, 3, 4), rand(2, 3, 4)),
+        {"alpha": 2.5},
+        lambda A, B, alpha: (alpha * A + B,),
+    ),
     "mat_mul_and_squares": (
-        (rand(2, 3, 4), rand(2, 4, 5)), {},
+        (rand(2, 3, 4), rand(2, 4, 5)),
+        {},
         lambda A, B: (tf.linalg.matmul(A, B), tf.reduce_sum(tf.square(A), axis=-1)),
     ),
     "masked": ((rand(2, 3, 4), rand(2, 3, 4)), {}, lambda A, M: (A * M,)),
-    "exp_mat_mul": ((rand(2, 3, 4), rand(2, 4, 5)), {},
-                    lambda A, B: (tf.exp(tf.linalg.matmul(A, B)),)),
+    "exp_mat_mul": (
+        (rand(2, 3, 4), rand(2, 4, 5)),
+        {},
+        lambda A, B: (tf.exp(tf.linalg.matmul(A, B)),),
+    ),
     "attention_softmax": (
-        (rand(2, 3, 4), rand(2, 5, 4)), {},
+        (rand(2, 3, 4), rand(2, 5, 4)),
+        {},
         lambda Q, K: (tf.nn.softmax(tf.linalg.matmul(Q, K, transpose_b=True), axis=-1),),
     ),
     "log_sum_exp": ((rand(2, 3, 6),), {}, lambda A: (tf.reduce_logsumexp(A, axis=-1),)),
     "layer_norm": ((rand(3, 6),), {"eps": 1e-3}, lambda x, eps: (layer_norm(x, eps),)),
     "pairwise_sq_dist": (
-        (rand(2, 4, 3),), {},
+        (rand(2, 4, 3),),
+        {},
         lambda x: (tf.reduce_sum(tf.math.squared_difference(x[:, :, None], x[:, None]), -1),),
     ),
-    "gram_tanh": ((rand(2, 3, 4),), {},
-                  lambda A: (tf.linalg.matmul(tf.tanh(A), tf.tanh(A), transpose_b=True),)),
+    "gram_tanh": (
+        (rand(2, 3, 4),),
+        {},
+        lambda A: (tf.linalg.matmul(tf.tanh(A), tf.tanh(A), transpose_b=True),),
+    ),
 }
 
 
@@ -87,14 +101,17 @@ def test_generated_module_matches_tensorflow(name):
         outs = reference(*inputs, **attrs)
     want = tape.gradient(outs, list(inputs), output_gradients=grads)
     fake = FakeOp(inputs, got_out, attrs)
-    for how, got in (("vjp", module.vjp(*inputs, *grads, **attrs)),
-                     ("registered gradient", module.gradient(fake, *grads))):
+    for how, got in (
+        ("vjp", module.vjp(*inputs, *grads, **attrs)),
+        ("registered gradient", module.gradient(fake, *grads)),
+    ):
         for input_name, g, w in zip(module.INPUTS, got, want, strict=True):
             if input_name in no_gradient:
                 assert g is None, f"{how}: {input_name} is no_gradient"
                 continue
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12,
-                                       err_msg=f"{how}: grad of {input_name}")
+            np.testing.assert_allclose(
+                g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{how}: grad of {input_name}"
+            )
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
@@ -133,17 +150,22 @@ def test_worked_example_from_the_design():
 
 BUILTINS = {
     "MatMul": ("y[i,j] = A[i,k] * B[k,j]", (rand(3, 4), rand(4, 5)), tf.linalg.matmul),
-    "BatchMatMulV2": ("y[b,i,j] = A[b,i,k] * B[b,k,j]", (rand(2, 3, 4), rand(2, 4, 5)),
-                      lambda A, B: tf.raw_ops.BatchMatMulV2(x=A, y=B)),
+    "BatchMatMulV2": (
+        "y[b,i,j] = A[b,i,k] * B[b,k,j]",
+        (rand(2, 3, 4), rand(2, 4, 5)),
+        lambda A, B: tf.raw_ops.BatchMatMulV2(x=A, y=B),
+    ),
     "Sigmoid": ("y[b,i] = sigmoid(x[b,i])", (rand(2, 5),), tf.sigmoid),
     "Softplus": ("y[b,i] = softplus(x[b,i])", (rand(2, 5),), tf.nn.softplus),
-    "SquaredDifference": ("y[b,i] = (x[b,i] - z[b,i])**2", (rand(2, 5), rand(2, 5)),
-                          tf.math.squared_difference),
+    "SquaredDifference": (
+        "y[b,i] = (x[b,i] - z[b,i])**2",
+        (rand(2, 5), rand(2, 5)),
+        tf.math.squared_difference,
+    ),
     "MatrixDiagPart": ("y[b,i] = A[b,i,i]", (rand(2, 4, 4),), tf.linalg.diag_part),
     "Trace": ("y[b] = A[b,i,i]", (rand(2, 4, 4),), tf.linalg.trace),
     "Softmax": ("y[b,i] = exp(x[b,i]) / sum(exp(x[b,k]), k)", (rand(2, 5),), tf.nn.softmax),
-    "LogSoftmax": ("y[b,i] = x[b,i] - log(sum(exp(x[b,k]), k))", (rand(2, 5),),
-                   tf.nn.log_softmax),
+    "LogSoftmax": ("y[b,i] = x[b,i] - log(sum(exp(x[b,k]), k))", (rand(2, 5),), tf.nn.log_softmax),
     "Tanh": ("y[b,i] = tanh(x[b,i])", (rand(2, 5),), tf.tanh),
     "Maximum": ("y[b,i] = max(x[b,i], z[b,i])", (rand(2, 5), rand(2, 5)), tf.maximum),
     "Abs": ("y[b,i] = abs(x[b,i])", (rand(2, 5),), tf.abs),

@@ -57,174 +57,360 @@ INDICES_53 = ",".join(f"i{n}" for n in range(53))
 
 CASES = [
     # -- code in formulas: nothing is evaluated; each refused with its position ----------
-    Case("attribute", op("y[b,i] = A[b,i].real"), "attribute access is not allowed",
-         at="A[b,i].real"),
-    Case("import-system", op(f"y[b,i] = A[b,i] * {INJECT}"), "cannot be called",
-         at="__import__"),
-    Case("dunder-subclasses", op("y[b,i] = A[b,i].__class__.__mro__[1].__subclasses__()"),
-         "attribute access cannot be called", at="A[b,i].__class__"),
-    Case("dunder-name", op("y[b,i] = __builtins__[b,i]"), "must be a plain ASCII identifier",
-         at="__builtins__"),
-    Case("open-call", op("y[b,i] = A[b,i] * open('CANARY', 'w')"), "unknown function 'open'",
-         at="open("),
-    Case("eval-call", op(f"y[b,i] = eval(\"{INJECT}\") * A[b,i]"), "unknown function 'eval'",
-         at="eval("),
-    Case("lambda", op("y[b,i] = (lambda: A[b,i])()"), "a lambda cannot be called",
-         at="(lambda"),
-    Case("string", op("y[b,i] = 'touch CANARY' * A[b,i]"), "the literal 'touch CANARY'",
-         at="'touch"),
-    Case("f-string", op("y[b,i] = f'{open(\"CANARY\", \"w\")}' * A[b,i]"),
-         "a string is not allowed", at="f'"),
-    Case("comprehension", op("y[b,i] = sum([A[b,i] for k in B[b,i]], k)"),
-         "a comprehension is not allowed", at="[A[b,i] for"),
-    Case("keyword-arg", op("y[b,i] = exp(x=A[b,i])"), "exp() takes no keyword arguments",
-         at="A[b,i])"),
-    Case("double-star-kwargs", op("y[b,i] = exp(**{'x': A[b,i]})"),
-         "exp() takes no keyword arguments", at="{'x'"),
-    Case("starred-arg", op("y[b,i] = max(*A[b,i])"), "starred arguments are not allowed",
-         at="*A"),
-    Case("walrus", op("y[b,i] = (z := A[b,i]) * z"), "an assignment expression is not allowed",
-         at="z :="),
-    Case("conditional", op("y[b,i] = A[b,i] if A[b,i] > 0 else 0"),
-         "a conditional expression is not allowed", at="A[b,i] if"),
-    Case("unknown-function", op("y[b,i] = relu(A[b,i])"), "unknown function 'relu'",
-         at="relu("),
-    Case("matmul-operator", op("y[b,i] = A[b,i] @ B[b,i]"), "operator '@' is not supported",
-         at="A[b,i] @"),
+    Case(
+        "attribute", op("y[b,i] = A[b,i].real"), "attribute access is not allowed", at="A[b,i].real"
+    ),
+    Case("import-system", op(f"y[b,i] = A[b,i] * {INJECT}"), "cannot be called", at="__import__"),
+    Case(
+        "dunder-subclasses",
+        op("y[b,i] = A[b,i].__class__.__mro__[1].__subclasses__()"),
+        "attribute access cannot be called",
+        at="A[b,i].__class__",
+    ),
+    Case(
+        "dunder-name",
+        op("y[b,i] = __builtins__[b,i]"),
+        "must be a plain ASCII identifier",
+        at="__builtins__",
+    ),
+    Case(
+        "open-call",
+        op("y[b,i] = A[b,i] * open('CANARY', 'w')"),
+        "unknown function 'open'",
+        at="open(",
+    ),
+    Case(
+        "eval-call",
+        op(f'y[b,i] = eval("{INJECT}") * A[b,i]'),
+        "unknown function 'eval'",
+        at="eval(",
+    ),
+    Case("lambda", op("y[b,i] = (lambda: A[b,i])()"), "a lambda cannot be called", at="(lambda"),
+    Case(
+        "string", op("y[b,i] = 'touch CANARY' * A[b,i]"), "the literal 'touch CANARY'", at="'touch"
+    ),
+    Case(
+        "f-string",
+        op('y[b,i] = f\'{open("CANARY", "w")}\' * A[b,i]'),
+        "a string is not allowed",
+        at="f'",
+    ),
+    Case(
+        "comprehension",
+        op("y[b,i] = sum([A[b,i] for k in B[b,i]], k)"),
+        "a comprehension is not allowed",
+        at="[A[b,i] for",
+    ),
+    Case(
+        "keyword-arg",
+        op("y[b,i] = exp(x=A[b,i])"),
+        "exp() takes no keyword arguments",
+        at="A[b,i])",
+    ),
+    Case(
+        "double-star-kwargs",
+        op("y[b,i] = exp(**{'x': A[b,i]})"),
+        "exp() takes no keyword arguments",
+        at="{'x'",
+    ),
+    Case("starred-arg", op("y[b,i] = max(*A[b,i])"), "starred arguments are not allowed", at="*A"),
+    Case(
+        "walrus",
+        op("y[b,i] = (z := A[b,i]) * z"),
+        "an assignment expression is not allowed",
+        at="z :=",
+    ),
+    Case(
+        "conditional",
+        op("y[b,i] = A[b,i] if A[b,i] > 0 else 0"),
+        "a conditional expression is not allowed",
+        at="A[b,i] if",
+    ),
+    Case("unknown-function", op("y[b,i] = relu(A[b,i])"), "unknown function 'relu'", at="relu("),
+    Case(
+        "matmul-operator",
+        op("y[b,i] = A[b,i] @ B[b,i]"),
+        "operator '@' is not supported",
+        at="A[b,i] @",
+    ),
     Case("second-statement", op("y[b,i] = A[b,i]; import os"), "one equation", at="y[b,i]"),
     # A comment vanishes from Python's AST but not from the text that generated docstrings
     # quote: this one would close the docstring and run `touch CANARY` on import.
-    Case("comment-docstring-breakout",
-         op(f'y[b,i] = A[b,i] # """ + {INJECT} + """'),
-         "comments ('#') are not allowed", at='# """'),
-    Case("newline", op("y[b,i] = A[b,i]\nimport os"), "character U+000A is not allowed",
-         at="?import"),
+    Case(
+        "comment-docstring-breakout",
+        op(f'y[b,i] = A[b,i] # """ + {INJECT} + """'),
+        "comments ('#') are not allowed",
+        at='# """',
+    ),
+    Case(
+        "newline", op("y[b,i] = A[b,i]\nimport os"), "character U+000A is not allowed", at="?import"
+    ),
     # -- limits: checked before any work ---------------------------------------------------
-    Case("very-long", op("y[b,i] = " + chain(400, "A[b,i]", " + ")),
-         "characters long; the limit is 2000"),
-    Case("500-parens", op("y[b,i] = " + "(" * 500 + "A[b,i]" + ")" * 500),
-         "brackets nest deeper than 40 levels", at="(", max_seconds=2),
-    Case("5000-unary-minus", op("y[b,i] = " + "-" * 5000 + "A[b,i]"),
-         "5015 characters long", max_seconds=2),
-    Case("1900-unary-minus", op("y[b,i] = " + "-" * 1900 + "A[b,i]"),
-         "nests deeper than 40 levels", at="-", max_seconds=2),
-    Case("53-indices", op(f"y[{INDICES_53}] = A[{INDICES_53}]"),
-         "more than 52 different indices", at="i52]"),
-    Case("huge-integer", op("y[b,i] = A[b,i] * 123456789012345678901234567890"),
-         "integer constant is larger than", at="1234"),
-    Case("power-tower", op("y[b,i] = A[b,i] ** (9**9**9**9)"),
-         "exponent 387420489 is larger than 64", at="9**9)", max_seconds=2),
-    Case("huge-exponent-literal", op("y[b,i] = A[b,i] * 1e-99999999999"), "is out of range",
-         at="1e-", max_seconds=2),
-    Case("product-of-sums", op("y[b] = " + chain(7, "(sum(A[b,k], k) + sum(B[b,j], j))", " * ")),
-         "multiplies out to 128 summed terms (the limit is 64)", at="(sum", max_seconds=2),
-    Case("huge-folded-constant", op("y[b,i] = A[b,i] * (2**64)**64"), "constant is too large",
-         at="(2**64)"),
+    Case(
+        "very-long",
+        op("y[b,i] = " + chain(400, "A[b,i]", " + ")),
+        "characters long; the limit is 2000",
+    ),
+    Case(
+        "500-parens",
+        op("y[b,i] = " + "(" * 500 + "A[b,i]" + ")" * 500),
+        "brackets nest deeper than 40 levels",
+        at="(",
+        max_seconds=2,
+    ),
+    Case(
+        "5000-unary-minus",
+        op("y[b,i] = " + "-" * 5000 + "A[b,i]"),
+        "5015 characters long",
+        max_seconds=2,
+    ),
+    Case(
+        "1900-unary-minus",
+        op("y[b,i] = " + "-" * 1900 + "A[b,i]"),
+        "nests deeper than 40 levels",
+        at="-",
+        max_seconds=2,
+    ),
+    Case(
+        "53-indices",
+        op(f"y[{INDICES_53}] = A[{INDICES_53}]"),
+        "more than 52 different indices",
+        at="i52]",
+    ),
+    Case(
+        "huge-integer",
+        op("y[b,i] = A[b,i] * 123456789012345678901234567890"),
+        "integer constant is larger than",
+        at="1234",
+    ),
+    Case(
+        "power-tower",
+        op("y[b,i] = A[b,i] ** (9**9**9**9)"),
+        "exponent 387420489 is larger than 64",
+        at="9**9)",
+        max_seconds=2,
+    ),
+    Case(
+        "huge-exponent-literal",
+        op("y[b,i] = A[b,i] * 1e-99999999999"),
+        "is out of range",
+        at="1e-",
+        max_seconds=2,
+    ),
+    Case(
+        "product-of-sums",
+        op("y[b] = " + chain(7, "(sum(A[b,k], k) + sum(B[b,j], j))", " * ")),
+        "multiplies out to 128 summed terms (the limit is 64)",
+        at="(sum",
+        max_seconds=2,
+    ),
+    Case(
+        "huge-folded-constant",
+        op("y[b,i] = A[b,i] * (2**64)**64"),
+        "constant is too large",
+        at="(2**64)",
+    ),
     # -- names --------------------------------------------------------------------------------
-    Case("op-lowercase", op("y[b] = A[b]", name="batch_mat_mul"),
-         "'batch_mat_mul' is not a TensorFlow op name", op=None),
-    Case("op-dotted", op("y[b] = A[b]", name='"Evil.Op"'), "'Evil.Op' is not a TensorFlow",
-         op=None),
-    Case("op-bidi", op("y[b] = A[b]", name='"Safe\u202eOp"'), "'Safe\\u202eOp' is not a",
-         op=None),
-    Case("op-zero-width", op("y[b] = A[b]", name='"MatMul\u200b"'), "'MatMul\\u200b' is not",
-         op=None),
-    Case("op-keyword-module", op("y[b] = A[b]", name="Import"), "would write import.py",
-         op="Import"),
+    Case(
+        "op-lowercase",
+        op("y[b] = A[b]", name="batch_mat_mul"),
+        "'batch_mat_mul' is not a TensorFlow op name",
+        op=None,
+    ),
+    Case(
+        "op-dotted", op("y[b] = A[b]", name='"Evil.Op"'), "'Evil.Op' is not a TensorFlow", op=None
+    ),
+    Case("op-bidi", op("y[b] = A[b]", name='"Safe\u202eOp"'), "'Safe\\u202eOp' is not a", op=None),
+    Case(
+        "op-zero-width", op("y[b] = A[b]", name='"MatMul\u200b"'), "'MatMul\\u200b' is not", op=None
+    ),
+    Case(
+        "op-keyword-module", op("y[b] = A[b]", name="Import"), "would write import.py", op="Import"
+    ),
     Case("op-too-long", op("y[b] = A[b]", name="Op" + "x" * 300), "longer than 100", op=None),
-    Case("tensor-bidi", op("y[b,i] = A\u202e[b,i]"), "character U+202E is not allowed",
-         at="?[b,i]"),
-    Case("tensor-zero-width", op("y[b,i] = A[b,i]\u200b * B[b,i]"),
-         "character U+200B is not allowed", at="? * B"),
-    Case("tensor-non-ascii", op("y[b,i] = \u00c4[b,i]"), "character 'Ä' is not allowed",
-         at="?[b,i]"),
-    Case("tensor-builtin", op("y[b,i] = print[b,i]"), "tensor name 'print' is reserved",
-         at="print["),
-    Case("tensor-tf", op("y[b,i] = tf[b,i] * A[b,i]"), "tensor name 'tf' is reserved",
-         at="tf["),
-    Case("tensor-keyword-in-inputs", op("y[b] = A[b]", 'inputs = ["A", "import"]'),
-         "tensor name 'import' is reserved"),
-    Case("tensor-keyword-in-formula", op("y[b,i] = class[b,i]"), "syntax error",
-         at="class"),
-    Case("attr-keyword", op("y[b] = A[b] * lambda", 'attrs = { lambda = "float" }'),
-         "attr name 'lambda' is reserved"),
-    Case("index-reserved", op("y[b,grad] = A[b,grad]"), "index name 'grad' is reserved",
-         at="grad]"),
-    Case("spec-name-newline", op("y[b] = A[b]"), "contains control or invisible characters",
-         op=None),  # the spec file itself is named with a newline, see _spec_path
+    Case(
+        "tensor-bidi", op("y[b,i] = A\u202e[b,i]"), "character U+202E is not allowed", at="?[b,i]"
+    ),
+    Case(
+        "tensor-zero-width",
+        op("y[b,i] = A[b,i]\u200b * B[b,i]"),
+        "character U+200B is not allowed",
+        at="? * B",
+    ),
+    Case(
+        "tensor-non-ascii", op("y[b,i] = \u00c4[b,i]"), "character 'Ä' is not allowed", at="?[b,i]"
+    ),
+    Case(
+        "tensor-builtin", op("y[b,i] = print[b,i]"), "tensor name 'print' is reserved", at="print["
+    ),
+    Case("tensor-tf", op("y[b,i] = tf[b,i] * A[b,i]"), "tensor name 'tf' is reserved", at="tf["),
+    Case(
+        "tensor-keyword-in-inputs",
+        op("y[b] = A[b]", 'inputs = ["A", "import"]'),
+        "tensor name 'import' is reserved",
+    ),
+    Case("tensor-keyword-in-formula", op("y[b,i] = class[b,i]"), "syntax error", at="class"),
+    Case(
+        "attr-keyword",
+        op("y[b] = A[b] * lambda", 'attrs = { lambda = "float" }'),
+        "attr name 'lambda' is reserved",
+    ),
+    Case(
+        "index-reserved", op("y[b,grad] = A[b,grad]"), "index name 'grad' is reserved", at="grad]"
+    ),
+    Case(
+        "spec-name-newline", op("y[b] = A[b]"), "contains control or invisible characters", op=None
+    ),  # the spec file itself is named with a newline, see _spec_path
     # -- schema ---------------------------------------------------------------------------------
-    Case("unknown-top-key", "version = 2\n" + op("y[b] = A[b]"),
-         "unknown top-level key 'version'", op=None),
-    Case("unknown-op-key", op("y[b] = A[b]", 'gradient = "grad * 2"'),
-         "unknown key 'gradient'"),
+    Case(
+        "unknown-top-key",
+        "version = 2\n" + op("y[b] = A[b]"),
+        "unknown top-level key 'version'",
+        op=None,
+    ),
+    Case("unknown-op-key", op("y[b] = A[b]", 'gradient = "grad * 2"'), "unknown key 'gradient'"),
     Case("formula-wrong-type", op(42), "`formula` must be a string or a non-empty array"),
     Case("formula-empty-array", op([]), "`formula` must be a string or a non-empty array"),
-    Case("inputs-wrong-type", op("y[b] = A[b]", 'inputs = "A"'),
-         "`inputs` must be an array of strings, not a string"),
-    Case("inputs-extra", op("y[b] = A[b] * B[b]", 'inputs = ["A", "B", "C"]'),
-         "`inputs` lists 'C', which no formula uses"),
-    Case("inputs-missing", op("y[b] = A[b] * B[b]", 'inputs = ["A"]'),
-         "`inputs` does not list 'B'"),
-    Case("attr-unknown-type", op("y[b] = alpha * A[b]", 'attrs = { alpha = "double" }'),
-         "attr 'alpha' has type 'double'"),
-    Case("attr-wrong-type", op("y[b] = alpha * A[b]", "attrs = { alpha = 1.5 }"),
-         "must be a string (float, int, bool), not a number"),
-    Case("attr-unused", op("y[b] = A[b]", 'attrs = { alpha = "float" }'),
-         "attr 'alpha' is declared but no formula uses it"),
-    Case("no-gradient-unknown", op("y[b] = A[b]", 'no_gradient = ["M"]'),
-         "`no_gradient` names 'M', which is not an input"),
-    Case("output-is-input", op(["y[b] = A[b]", "z[b] = y[b] * A[b]"]),
-         "output 'y' is also used as an input"),
-    Case("output-on-right", op("A[b] = A[b] * 2"), "output 'A' cannot be used on the right",
-         at="A[b] * 2"),
-    Case("repeated-output-index", op("y[b,i,i] = A[b,i,i]"), "output index 'i' is repeated",
-         at="i] = A"),
-    Case("undetermined-output-index", op("y[b,i,j] = A[b,i]"),
-         "output index 'j' is not used by any input", at="j] = A"),
-    Case("two-ranks", op("y[b,i] = A[b,i] * A[b]"), "tensor 'A' is used with 1 index here",
-         at="A[b]"),
-    Case("two-ranks-across-formulas", op(["y[b] = A[b]", "z[b,c] = A[b,c]"]),
-         "tensor 'A' is used with 2 indices", at="A[b,c]"),
+    Case(
+        "inputs-wrong-type",
+        op("y[b] = A[b]", 'inputs = "A"'),
+        "`inputs` must be an array of strings, not a string",
+    ),
+    Case(
+        "inputs-extra",
+        op("y[b] = A[b] * B[b]", 'inputs = ["A", "B", "C"]'),
+        "`inputs` lists 'C', which no formula uses",
+    ),
+    Case(
+        "inputs-missing", op("y[b] = A[b] * B[b]", 'inputs = ["A"]'), "`inputs` does not list 'B'"
+    ),
+    Case(
+        "attr-unknown-type",
+        op("y[b] = alpha * A[b]", 'attrs = { alpha = "double" }'),
+        "attr 'alpha' has type 'double'",
+    ),
+    Case(
+        "attr-wrong-type",
+        op("y[b] = alpha * A[b]", "attrs = { alpha = 1.5 }"),
+        "must be a string (float, int, bool), not a number",
+    ),
+    Case(
+        "attr-unused",
+        op("y[b] = A[b]", 'attrs = { alpha = "float" }'),
+        "attr 'alpha' is declared but no formula uses it",
+    ),
+    Case(
+        "no-gradient-unknown",
+        op("y[b] = A[b]", 'no_gradient = ["M"]'),
+        "`no_gradient` names 'M', which is not an input",
+    ),
+    Case(
+        "output-is-input",
+        op(["y[b] = A[b]", "z[b] = y[b] * A[b]"]),
+        "output 'y' is also used as an input",
+    ),
+    Case(
+        "output-on-right",
+        op("A[b] = A[b] * 2"),
+        "output 'A' cannot be used on the right",
+        at="A[b] * 2",
+    ),
+    Case(
+        "repeated-output-index",
+        op("y[b,i,i] = A[b,i,i]"),
+        "output index 'i' is repeated",
+        at="i] = A",
+    ),
+    Case(
+        "undetermined-output-index",
+        op("y[b,i,j] = A[b,i]"),
+        "output index 'j' is not used by any input",
+        at="j] = A",
+    ),
+    Case(
+        "two-ranks", op("y[b,i] = A[b,i] * A[b]"), "tensor 'A' is used with 1 index here", at="A[b]"
+    ),
+    Case(
+        "two-ranks-across-formulas",
+        op(["y[b] = A[b]", "z[b,c] = A[b,c]"]),
+        "tensor 'A' is used with 2 indices",
+        at="A[b,c]",
+    ),
     Case("divide-by-zero", op("y[b,i] = A[b,i] / 0"), "division by zero", at="0"),
-    Case("divide-by-folded-zero", op("y[b,i] = A[b,i] / (2 - 2)"), "division by zero",
-         at="2 - 2"),
-    Case("zero-to-negative-power", op("y[b,i] = A[b,i] * 0 ** -1"), "division by zero",
-         at="0 ** -1"),
+    Case("divide-by-folded-zero", op("y[b,i] = A[b,i] / (2 - 2)"), "division by zero", at="2 - 2"),
+    Case(
+        "zero-to-negative-power", op("y[b,i] = A[b,i] * 0 ** -1"), "division by zero", at="0 ** -1"
+    ),
     Case("zero-base-power", op("y[b,i] = 0 ** A[b,i]"), "must be positive, not 0", at="0 **"),
-    Case("negative-base-power", op("y[b,i] = (1 - e) ** A[b,i]"), "must be positive, not 1 - e",
-         at="1 - e"),
-    Case("complex-sqrt", op("y[b,i] = sqrt(-1) * A[b,i]"), "sqrt(-1) is not a finite real",
-         at="sqrt"),
-    Case("complex-log", op("y[b,i] = A[b,i] * log(1 - pi)"), "log(1 - pi) is not a finite",
-         at="log"),
-    Case("overflowing-constant", op("y[b,i] = A[b,i] * exp(exp(10))"),
-         "exp(exp(10)) is not a finite real number", at="exp(exp"),
-    Case("number-glued-to-keyword", op("y[b,i] = A[b,i] * 1if"),
-         "syntax error: invalid decimal literal", at="1if"),
-    Case("sum-over-output-index", op("y[b] = sum(A[b], b) * B[b]"),
-         "sum() over 'b', which is an output index", at="b) *"),
+    Case(
+        "negative-base-power",
+        op("y[b,i] = (1 - e) ** A[b,i]"),
+        "must be positive, not 1 - e",
+        at="1 - e",
+    ),
+    Case(
+        "complex-sqrt", op("y[b,i] = sqrt(-1) * A[b,i]"), "sqrt(-1) is not a finite real", at="sqrt"
+    ),
+    Case(
+        "complex-log", op("y[b,i] = A[b,i] * log(1 - pi)"), "log(1 - pi) is not a finite", at="log"
+    ),
+    Case(
+        "overflowing-constant",
+        op("y[b,i] = A[b,i] * exp(exp(10))"),
+        "exp(exp(10)) is not a finite real number",
+        at="exp(exp",
+    ),
+    Case(
+        "number-glued-to-keyword",
+        op("y[b,i] = A[b,i] * 1if"),
+        "syntax error: invalid decimal literal",
+        at="1if",
+    ),
+    Case(
+        "sum-over-output-index",
+        op("y[b] = sum(A[b], b) * B[b]"),
+        "sum() over 'b', which is an output index",
+        at="b) *",
+    ),
     Case("missing-spec", None, "spec file not found", op=None),
     Case("broken-toml", '[ops.X\nformula = "y[b] = A[b]"\n', "not valid TOML", op=None),
-    Case("toml-nesting-bomb", "x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply",
-         op=None),
+    Case(
+        "toml-nesting-bomb", "x = " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply", op=None
+    ),
     Case("not-utf8", b'[ops.X]\nformula = "y[b] = A[b] \xff"\n', "not UTF-8", op=None),
     Case("empty-formula", op(""), "formula is empty"),
-    Case("not-an-equation", op("A[b,i] * B[b,i]"), "a formula is one equation",
-         at="A[b,i] *"),
-    Case("comparison-not-equation", op("y[b,i] == A[b,i]"), "a formula is one equation",
-         at="y[b,i] =="),
-    Case("lhs-not-indexed", op("y = A[b,i]"), "the left side must be an indexed output",
-         at="y ="),
+    Case("not-an-equation", op("A[b,i] * B[b,i]"), "a formula is one equation", at="A[b,i] *"),
+    Case(
+        "comparison-not-equation",
+        op("y[b,i] == A[b,i]"),
+        "a formula is one equation",
+        at="y[b,i] ==",
+    ),
+    Case("lhs-not-indexed", op("y = A[b,i]"), "the left side must be an indexed output", at="y ="),
     # Would delete every generated module if accepted.
     Case("empty-ops", "ops = {}\n", "`ops` is empty: nothing to generate", op=None),
     Case("no-ops", 'out = "out"\n', "nothing to generate", op=None),
-    Case("out-escapes", 'out = "../elsewhere"\n' + op("y[b] = A[b]"),
-         "must be a folder inside the spec's folder", op=None, argv=()),
-    Case("module-collision", op("y[b] = A[b]", name="ABc") + op("y[b] = A[b]", name="A_Bc"),
-         "would both write a_bc.py", op=None),
+    Case(
+        "out-escapes",
+        'out = "../elsewhere"\n' + op("y[b] = A[b]"),
+        "must be a folder inside the spec's folder",
+        op=None,
+        argv=(),
+    ),
+    Case(
+        "module-collision",
+        op("y[b] = A[b]", name="ABc") + op("y[b] = A[b]", name="A_Bc"),
+        "would both write a_bc.py",
+        op=None,
+    ),
     # All or nothing: a good op before a bad one must not be written either.
-    Case("good-then-bad", op("y[b] = A[b] * 2", name="AGood") + op("y[b] = A[b] /", name="ZBad"),
-         "syntax error", op="ZBad", at=""),
+    Case(
+        "good-then-bad",
+        op("y[b] = A[b] * 2", name="AGood") + op("y[b] = A[b] /", name="ZBad"),
+        "syntax error",
+        op="ZBad",
+        at="",
+    ),
 ]
 
 
@@ -293,7 +479,7 @@ def check_message(case: Case, spec_path: str, err: str) -> None:
     assert formula.startswith("    ") and caret.strip() == "^", err
     column = caret.index("^")
     assert formula[column:].startswith(case.at), (
-        f"caret under {formula[column:column + 12]!r}, expected {case.at!r}:\n{err}"
+        f"caret under {formula[column : column + 12]!r}, expected {case.at!r}:\n{err}"
     )
 
 
@@ -416,14 +602,30 @@ AUDITED = textwrap.dedent(
     """
 )
 
-SUBPROCESS_CASES = ["import-system", "comment-docstring-breakout", "eval-call", "f-string",
-                    "open-call", "lambda", "power-tower", "dunder-subclasses", "empty-ops"]
+SUBPROCESS_CASES = [
+    "import-system",
+    "comment-docstring-breakout",
+    "eval-call",
+    "f-string",
+    "open-call",
+    "lambda",
+    "power-tower",
+    "dunder-subclasses",
+    "empty-ops",
+]
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, "-B", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-B", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
@@ -486,8 +688,9 @@ def checked_module(tmp_path_factory):
     module = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(module)
     # Importing a second copy (a reload) must not fail on the registered gradient.
-    again = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
-        name + "_again", path))
+    again = importlib.util.module_from_spec(
+        importlib.util.spec_from_file_location(name + "_again", path)
+    )
     again.__spec__.loader.exec_module(again)
     return module
 
@@ -508,8 +711,12 @@ def test_call_time_ok(checked_module) -> None:
     [
         ((3, 4), (2, 4, 5), ValueError, "input A has rank 2; expected 3"),
         ((2, 3, 4), (2, 4, 5, 1), ValueError, "input B has rank 4; expected 3"),
-        ((2, 3, 4), (2, 6, 5), ValueError,
-         "index k has different sizes: A[axis 2] = 4, B[axis 1] = 6"),
+        (
+            (2, 3, 4),
+            (2, 6, 5),
+            ValueError,
+            "index k has different sizes: A[axis 2] = 4, B[axis 1] = 6",
+        ),
         ((2, 3, 4), (7, 4, 5), ValueError, "index b has different sizes"),
     ],
     ids=["rank-A", "rank-B", "size-k", "size-b"],

@@ -15,10 +15,10 @@ CORPUS = {
     # -- the core language (issue 2) ---------------------------------------------------
     "batched_matmul": Case("y[b,i,j] = A[b,i,k] * B[b,k,j]", {"A": (B, I, K), "B": (B, K, J)}),
     "kron": Case("y[b,(i,k),(j,l)] = A[b,i,j] * B[b,k,l]", {"A": (B, 2, 3), "B": (B, 3, 2)}),
-    "sin_diag_outer": Case("y[b,i,j] = sin(A[b,i,i]) * B[b,j,j]",
-                           {"A": (B, I, I), "B": (B, J, J)}),
-    "exp_of_sum": Case("y[b,i,j] = exp(sum(A[b,i,k] * B[b,k,j], k))",
-                       {"A": (B, I, K), "B": (B, K, J)}),
+    "sin_diag_outer": Case("y[b,i,j] = sin(A[b,i,i]) * B[b,j,j]", {"A": (B, I, I), "B": (B, J, J)}),
+    "exp_of_sum": Case(
+        "y[b,i,j] = exp(sum(A[b,i,k] * B[b,k,j], k))", {"A": (B, I, K), "B": (B, K, J)}
+    ),
     "explicit_sum": Case("y[b,i] = sum(A[b,i,k] * A[b,i,k], k)", {"A": (B, I, K)}),
     "broadcast_weight": Case("y[b,i,j] = A[b,i,k] * W[k,j]", {"A": (B, I, K), "W": (K, J)}),
     "bias_no_batch": Case("y[b,i] = x[b,i] + c[i]", {"x": (B, I), "c": (I,)}),
@@ -27,99 +27,135 @@ CORPUS = {
     "quotient": Case("y[b,i] = A[b,i] / (1 + B[b,i] * B[b,i])", {"A": (B, I), "B": (B, I)}),
     "power_const": Case("y[b,i] = A[b,i] ** 3 - 2 * A[b,i] ** 2", {"A": (B, I)}),
     "sqrt_log": Case("y[b,i] = sqrt(A[b,i]) * log(A[b,i])", {"A": (B, I)}, low=0.5, high=2.0),
-    "tanh_sigmoid": Case("y[b,i,j] = tanh(A[b,i,k]) * sigmoid(B[b,k,j])",
-                         {"A": (B, I, K), "B": (B, K, J)}),
+    "tanh_sigmoid": Case(
+        "y[b,i,j] = tanh(A[b,i,k]) * sigmoid(B[b,k,j])", {"A": (B, I, K), "B": (B, K, J)}
+    ),
     "trace": Case("y[b] = A[b,i,i]", {"A": (B, I, I)}),
     "diagonal_part": Case("y[b,i] = A[b,i,i]", {"A": (B, I, I)}),
     "diag_times": Case("y[b,i] = A[b,i,i] * x[b,i]", {"A": (B, I, I), "x": (B, I)}),
-    "three_factor_chain": Case("y[b,i,l] = A[b,i,j] * B[b,j,k] * C[b,k,l]",
-                               {"A": (B, I, J), "B": (B, J, K), "C": (B, K, 2)}),
-    "outer_higher_rank": Case("y[b,i,j,k] = x[b,i] * z[b,j] * w[b,k]",
-                              {"x": (B, I), "z": (B, J), "w": (B, K)}),
+    "three_factor_chain": Case(
+        "y[b,i,l] = A[b,i,j] * B[b,j,k] * C[b,k,l]",
+        {"A": (B, I, J), "B": (B, J, K), "C": (B, K, 2)},
+    ),
+    "outer_higher_rank": Case(
+        "y[b,i,j,k] = x[b,i] * z[b,j] * w[b,k]", {"x": (B, I), "z": (B, J), "w": (B, K)}
+    ),
     "scalar_per_batch": Case("y[b] = A[b,i,j] * B[b,j,i]", {"A": (B, I, J), "B": (B, J, I)}),
     "constant_term": Case("y[b,i] = A[b,i,k] + 1", {"A": (B, I, K)}),
     "sum_of_sums": Case("y[b] = sum(A[b,k], k) * sum(B[b,k], k)", {"A": (B, I), "B": (B, J)}),
-    "nested_sum_in_fn": Case("y[b,i] = cos(sum(A[b,i,k] * sum(B[b,k,l], l), k))",
-                             {"A": (B, I, K), "B": (B, K, J)}),
-    "division_by_sum": Case("y[b,i] = A[b,i] / sum(A[b,k] * A[b,k], k)", {"A": (B, I)},
-                            low=0.5, high=1.5),
+    "nested_sum_in_fn": Case(
+        "y[b,i] = cos(sum(A[b,i,k] * sum(B[b,k,l], l), k))", {"A": (B, I, K), "B": (B, K, J)}
+    ),
+    "division_by_sum": Case(
+        "y[b,i] = A[b,i] / sum(A[b,k] * A[b,k], k)", {"A": (B, I)}, low=0.5, high=1.5
+    ),
     # -- the complete language (issue 3) -------------------------------------------------
     "all_unary": Case(
         "y[b,i] = exp(A[b,i]) + log(P[b,i]) + sin(A[b,i]) + cos(A[b,i]) + tan(A[b,i])"
         " + tanh(A[b,i]) + sinh(A[b,i]) + cosh(A[b,i]) + sqrt(P[b,i]) + abs(A[b,i])"
         " + sigmoid(A[b,i]) + softplus(A[b,i]) + erf(A[b,i])",
-        {"A": (B, I), "P": (B, I)}, low=0.3, high=1.2),
+        {"A": (B, I), "P": (B, I)},
+        low=0.3,
+        high=1.2,
+    ),
     "abs_negative": Case("y[b,i] = abs(A[b,i]) * A[b,i]", {"A": (B, I)}),
-    "max_min": Case("y[b,i] = max(A[b,i], B[b,i]) + min(A[b,i], 0.25 * B[b,i])",
-                    {"A": (B, I), "B": (B, I)}),
-    "tensor_power": Case("y[b,i] = A[b,i] ** C[b,i]", {"A": (B, I), "C": (B, I)},
-                         low=0.5, high=2.0),
+    "max_min": Case(
+        "y[b,i] = max(A[b,i], B[b,i]) + min(A[b,i], 0.25 * B[b,i])", {"A": (B, I), "B": (B, I)}
+    ),
+    "tensor_power": Case(
+        "y[b,i] = A[b,i] ** C[b,i]", {"A": (B, I), "C": (B, I)}, low=0.5, high=2.0
+    ),
     "pi_e": Case("y[b,i] = pi * A[b,i] + e ** A[b,i]", {"A": (B, I)}),
     "mean": Case("y[b,i] = A[b,i] - mean(A[b,k], k)", {"A": (B, I)}),
     "mean_two_indices": Case("y[b] = mean(A[b,i,j] ** 2, i, j)", {"A": (B, I, J)}),
     "layer_norm": Case(
-        "y[b,i] = (x[b,i] - mean(x[b,k], k)) / sqrt(mean((x[b,k] - mean(x[b,l], l))**2, k)"
-        " + eps)",
-        {"x": (B, K)}, attrs={"eps": 1e-3}),
+        "y[b,i] = (x[b,i] - mean(x[b,k], k)) / sqrt(mean((x[b,k] - mean(x[b,l], l))**2, k) + eps)",
+        {"x": (B, K)},
+        attrs={"eps": 1e-3},
+    ),
     "logsumexp": Case("y[b,i] = log(sum(exp(A[b,i,k]), k))", {"A": (B, I, K)}),
     "softmax": Case("y[b,i,j] = exp(A[b,i,j]) / sum(exp(A[b,i,m]), m)", {"A": (B, I, J)}),
     "attention_softmax": Case(
         "y[b,i,j] = exp(sum(Q[b,i,d]*K[b,j,d], d)) / sum(exp(sum(Q[b,i,d]*K[b,m,d], d)), m)",
-        {"Q": (B, I, K), "K": (B, J, K)}),
+        {"Q": (B, I, K), "K": (B, J, K)},
+    ),
     "mean_of_exp": Case("y[b,i] = log(mean(exp(A[b,i,k]), k))", {"A": (B, I, K)}),
     "pairwise_sq_dist": Case("y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2, k)", {"x": (B, I, K)}),
-    "attrs_all_kinds": Case("y[b,i] = alpha * A[b,i] ** n + flag * B[b,i]",
-                            {"A": (B, I), "B": (B, I)},
-                            attrs={"alpha": 0.5, "n": 3, "flag": True}),
-    "scaled_add": Case("y[b,i,j] = alpha * A[b,i,j] + B[b,i,j]", {"A": (B, I, J), "B": (B, I, J)},
-                       attrs={"alpha": 2.5}),
-    "two_outputs": Case(("y[b,i,j] = A[b,i,k] * B[b,k,j]", "z[b,i] = A[b,i,k] * A[b,i,k]"),
-                        {"A": (B, I, K), "B": (B, K, J)}),
-    "two_outputs_shared": Case(("y[b,i] = exp(sum(A[b,i,k], k))", "z[b,i] = log(sum(exp(A[b,i,k]), k))"),
-                               {"A": (B, I, K)}),
-    "no_gradient_mask": Case("y[b,i,j] = A[b,i,j] * M[b,i,j]", {"A": (B, I, J), "M": (B, I, J)},
-                             no_gradient=("M",)),
-    "declared_input_order": Case("y[b,i,j] = A[b,i,k] * B[b,k,j]",
-                                 {"A": (B, I, K), "B": (B, K, J)}, inputs=("B", "A")),
+    "attrs_all_kinds": Case(
+        "y[b,i] = alpha * A[b,i] ** n + flag * B[b,i]",
+        {"A": (B, I), "B": (B, I)},
+        attrs={"alpha": 0.5, "n": 3, "flag": True},
+    ),
+    "scaled_add": Case(
+        "y[b,i,j] = alpha * A[b,i,j] + B[b,i,j]",
+        {"A": (B, I, J), "B": (B, I, J)},
+        attrs={"alpha": 2.5},
+    ),
+    "two_outputs": Case(
+        ("y[b,i,j] = A[b,i,k] * B[b,k,j]", "z[b,i] = A[b,i,k] * A[b,i,k]"),
+        {"A": (B, I, K), "B": (B, K, J)},
+    ),
+    "two_outputs_shared": Case(
+        ("y[b,i] = exp(sum(A[b,i,k], k))", "z[b,i] = log(sum(exp(A[b,i,k]), k))"), {"A": (B, I, K)}
+    ),
+    "no_gradient_mask": Case(
+        "y[b,i,j] = A[b,i,j] * M[b,i,j]", {"A": (B, I, J), "M": (B, I, J)}, no_gradient=("M",)
+    ),
+    "declared_input_order": Case(
+        "y[b,i,j] = A[b,i,k] * B[b,k,j]", {"A": (B, I, K), "B": (B, K, J)}, inputs=("B", "A")
+    ),
     "output_more_axes": Case("y[b,i,j,k] = A[b,i,j] * v[b,k]", {"A": (B, I, J), "v": (B, K)}),
-    "gradient_on_diagonal_nonlinear": Case("y[b,i] = exp(A[b,i,i]) * x[b,i]",
-                                           {"A": (B, I, I), "x": (B, I)}),
+    "gradient_on_diagonal_nonlinear": Case(
+        "y[b,i] = exp(A[b,i,i]) * x[b,i]", {"A": (B, I, I), "x": (B, I)}
+    ),
     "gram_tanh": Case("y[b,i,j] = tanh(A[b,i,k]) * tanh(A[b,j,k])", {"A": (B, I, K)}),
     "sum_inside_sum_inside_fn": Case("y[b] = log(sum(exp(sum(A[b,i,k], k)), i))", {"A": (B, I, K)}),
     # -- formulas a new user might try ------------------------------------------------------
     "no_batch": Case("y[i] = x[i] * x[i] + x[i]", {"x": (I,)}),
     "double_sum": Case("y[b,i] = sum(sum(A[b,i,j,k], j), k)", {"A": (B, I, J, K)}),
     "outer_same_input": Case("y[b,i,j] = A[b,i] * A[b,j]", {"A": (B, I)}),
-    "deep_chain": Case("y[b] = log(sum(exp(tanh(sum(A[b,i,k] * w[k], k))), i))",
-                       {"A": (B, I, K), "w": (K,)}),
+    "deep_chain": Case(
+        "y[b] = log(sum(exp(tanh(sum(A[b,i,k] * w[k], k))), i))", {"A": (B, I, K), "w": (K,)}
+    ),
     "diag_in_second": Case("y[b,i,j] = A[b,i] * B[b,j,j]", {"A": (B, I), "B": (B, J, J)}),
     "triple_diagonal": Case("y[b,i] = A[b,i,i,i]", {"A": (B, I, I, I)}),
-    "cosine_normalized": Case("y[b,i] = sum(A[b,i,k] * x[b,k], k) / sqrt(sum(x[b,k]**2, k))",
-                              {"A": (B, I, K), "x": (B, K)}),
-    "kron_three": Case("y[b,(i,j,k)] = a[b,i] * c[b,j] * d[b,k]",
-                       {"a": (B, 2), "c": (B, 3), "d": (B, 2)}),
+    "cosine_normalized": Case(
+        "y[b,i] = sum(A[b,i,k] * x[b,k], k) / sqrt(sum(x[b,k]**2, k))",
+        {"A": (B, I, K), "x": (B, K)},
+    ),
+    "kron_three": Case(
+        "y[b,(i,j,k)] = a[b,i] * c[b,j] * d[b,k]", {"a": (B, 2), "c": (B, 3), "d": (B, 2)}
+    ),
     "mean_squared": Case("y[b,i] = mean(A[b,i,k], k) ** 2", {"A": (B, I, K)}),
     "composite_transposed": Case("y[b,(j,i)] = A[b,i,j]", {"A": (B, I, J)}),
     "relu_sum": Case("y[b,i] = max(A[b,i,k], 0)", {"A": (B, I, K)}),
     "swish": Case("y[b,i] = x[b,i] * sigmoid(x[b,i])", {"x": (B, I)}),
-    "sum_inside_and_outside": Case("y[b,i] = exp(sum(A[b,i,k], k)) * sum(C[b,i,k], k)",
-                                   {"A": (B, I, K), "C": (B, I, K)}),
-    "attr_inside_lse": Case("y[b,i] = log(sum(exp(alpha * A[b,i,k]), k)) / alpha",
-                            {"A": (B, I, K)}, attrs={"alpha": 1.5}),
-    "fractional_power": Case("y[b,i] = A[b,i] ** 0.5 + A[b,i] ** -1.5", {"A": (B, I)},
-                             low=0.5, high=2.0),
+    "sum_inside_and_outside": Case(
+        "y[b,i] = exp(sum(A[b,i,k], k)) * sum(C[b,i,k], k)", {"A": (B, I, K), "C": (B, I, K)}
+    ),
+    "attr_inside_lse": Case(
+        "y[b,i] = log(sum(exp(alpha * A[b,i,k]), k)) / alpha",
+        {"A": (B, I, K)},
+        attrs={"alpha": 1.5},
+    ),
+    "fractional_power": Case(
+        "y[b,i] = A[b,i] ** 0.5 + A[b,i] ** -1.5", {"A": (B, I)}, low=0.5, high=2.0
+    ),
     "sub_then_sum": Case("y[b,i] = A[b,i,k] - B[b,k]", {"A": (B, I, K), "B": (B, K)}),
-    "minus_sum_in_exp": Case("y[b,i,j] = exp(-sum(A[b,i,k] * B[b,j,k], k))",
-                             {"A": (B, I, K), "B": (B, J, K)}),
-    "weighted_gram": Case("y[b,i,j] = A[b,i,k] * W[k,l] * A[b,j,l]",
-                          {"A": (B, I, K), "W": (K, K)}),
-    "intermediate_twice": Case("y[b,i] = sin(sum(A[b,i,k], k)) * cos(sum(A[b,i,l], l))",
-                               {"A": (B, I, K)}),
+    "minus_sum_in_exp": Case(
+        "y[b,i,j] = exp(-sum(A[b,i,k] * B[b,j,k], k))", {"A": (B, I, K), "B": (B, J, K)}
+    ),
+    "weighted_gram": Case("y[b,i,j] = A[b,i,k] * W[k,l] * A[b,j,l]", {"A": (B, I, K), "W": (K, K)}),
+    "intermediate_twice": Case(
+        "y[b,i] = sin(sum(A[b,i,k], k)) * cos(sum(A[b,i,l], l))", {"A": (B, I, K)}
+    ),
     "batch_only_weight": Case("y[b,i] = s[b] * x[b,i]", {"s": (B,), "x": (B, I)}),
-    "composite_output_reused": Case("y[b,(i,j)] = exp(A[b,i,j] * x[b,i])",
-                                    {"A": (B, I, J), "x": (B, I)}),
-    "bool_attr_mask": Case("y[b,i] = A[b,i] * (1 - flag) + flag * A[b,i] ** 2", {"A": (B, I)},
-                           attrs={"flag": False}),
+    "composite_output_reused": Case(
+        "y[b,(i,j)] = exp(A[b,i,j] * x[b,i])", {"A": (B, I, J), "x": (B, I)}
+    ),
+    "bool_attr_mask": Case(
+        "y[b,i] = A[b,i] * (1 - flag) + flag * A[b,i] ** 2", {"A": (B, I)}, attrs={"flag": False}
+    ),
 }
 
 

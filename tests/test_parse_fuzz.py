@@ -21,8 +21,12 @@ from symgrad.model import Program, build
 from symgrad.parse import Equation, parse_equation
 from symgrad.spec import OpSpec, Spec, parse_spec
 
-FUZZ = settings(max_examples=250, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=250,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 SLOW = 2.0  # seconds: far above what any example needs; a hang fails the test
 
 ATTRS = (("alpha", "float"), ("n", "int"))
@@ -53,12 +57,29 @@ def outcome(call, *args):
 
 INDEX = st.sampled_from(["b", "i", "j", "k", "l"])
 TENSOR = st.sampled_from(["A", "B", "C", "W"])
-FUNCTION = st.sampled_from(["exp", "log", "sin", "cos", "tanh", "sqrt", "abs", "sigmoid",
-                            "softplus", "erf"])
+FUNCTION = st.sampled_from(
+    ["exp", "log", "sin", "cos", "tanh", "sqrt", "abs", "sigmoid", "softplus", "erf"]
+)
 NUMBER = st.one_of(
     st.integers(0, 12).map(str),
-    st.sampled_from(["0.5", "1e-3", "2.0", "0", "1e9", "3.25", "1e400", "1e-99999",
-                     "12345678901234567890", "0x1f", "1_000", "1j", ".5", "5."]),
+    st.sampled_from(
+        [
+            "0.5",
+            "1e-3",
+            "2.0",
+            "0",
+            "1e9",
+            "3.25",
+            "1e400",
+            "1e-99999",
+            "12345678901234567890",
+            "0x1f",
+            "1_000",
+            "1j",
+            ".5",
+            "5.",
+        ]
+    ),
 )
 
 
@@ -84,10 +105,11 @@ def expression(depth: int = 3) -> st.SearchStrategy[str]:
         sub.map(lambda x: f"({x})"),
         st.tuples(FUNCTION, sub).map(lambda t: f"{t[0]}({t[1]})"),
         st.tuples(st.sampled_from(["max", "min"]), sub, sub).map(
-            lambda t: f"{t[0]}({t[1]}, {t[2]})"),
-        st.tuples(st.sampled_from(["sum", "mean"]), sub, st.lists(INDEX, min_size=1,
-                                                                  max_size=2)).map(
-            lambda t: f"{t[0]}({t[1]}, {', '.join(t[2])})"),
+            lambda t: f"{t[0]}({t[1]}, {t[2]})"
+        ),
+        st.tuples(
+            st.sampled_from(["sum", "mean"]), sub, st.lists(INDEX, min_size=1, max_size=2)
+        ).map(lambda t: f"{t[0]}({t[1]}, {', '.join(t[2])})"),
     )
 
 
@@ -105,14 +127,83 @@ def formula(draw) -> str:
     return f"y[{', '.join(groups)}] = {rhs}"
 
 
-JUNK_TOKENS = ["@", "%", "//", "**", ".", ",", "(", ")", "[", "]", "=", "==", ":", ";", "#",
-               "'", '"', "\\", "lambda", "not", "and", "if", "else", "for", "in", ":=", "*",
-               "**", "__import__", "__class__", ".real", "{", "}", "...", "\n", "\t",
-               "\u202e", "\u200b", "Ä", "é", "𝔸", "\x00", "yield", "await", "f'", "b'"]
+JUNK_TOKENS = [
+    "@",
+    "%",
+    "//",
+    "**",
+    ".",
+    ",",
+    "(",
+    ")",
+    "[",
+    "]",
+    "=",
+    "==",
+    ":",
+    ";",
+    "#",
+    "'",
+    '"',
+    "\\",
+    "lambda",
+    "not",
+    "and",
+    "if",
+    "else",
+    "for",
+    "in",
+    ":=",
+    "*",
+    "**",
+    "__import__",
+    "__class__",
+    ".real",
+    "{",
+    "}",
+    "...",
+    "\n",
+    "\t",
+    "\u202e",
+    "\u200b",
+    "Ä",
+    "é",
+    "𝔸",
+    "\x00",
+    "yield",
+    "await",
+    "f'",
+    "b'",
+]
 IDENTIFIER = st.one_of(
-    st.sampled_from(["class", "print", "tf", "grad", "grad_A", "None", "True", "__dict__",
-                     "os", "sum", "mean", "exp", "max", "pi", "e", "alpha", "y", "OP_TYPE",
-                     "_", "A1", "x_y", "Ä", "ｘ", "i\u0307"]),
+    st.sampled_from(
+        [
+            "class",
+            "print",
+            "tf",
+            "grad",
+            "grad_A",
+            "None",
+            "True",
+            "__dict__",
+            "os",
+            "sum",
+            "mean",
+            "exp",
+            "max",
+            "pi",
+            "e",
+            "alpha",
+            "y",
+            "OP_TYPE",
+            "_",
+            "A1",
+            "x_y",
+            "Ä",
+            "ｘ",
+            "i\u0307",
+        ]
+    ),
     st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}", fullmatch=True),
 )
 
@@ -171,8 +262,11 @@ def test_random_text_parse(text: str) -> None:
 
 
 @FUZZ
-@given(st.one_of(st.text(max_size=200),
-                 st.text(alphabet="yABbijk[](),+-*/= .0123456789e", max_size=80)))
+@given(
+    st.one_of(
+        st.text(max_size=200), st.text(alphabet="yABbijk[](),+-*/= .0123456789e", max_size=80)
+    )
+)
 def test_random_text_build(text: str) -> None:
     result = outcome(build, op_spec(text))
     assert isinstance(result, Program | SymgradError)
@@ -219,25 +313,47 @@ def mutated_spec(draw) -> str:
         elif action == "duplicate":
             text.insert(n, text[n])
         else:
-            text.insert(n, draw(st.sampled_from(
-                ['"', "'", "[", "]", "{", "}", "=", "\n", ".", ",", "x", "1", "#", "\u202e"])))
+            text.insert(
+                n,
+                draw(
+                    st.sampled_from(
+                        ['"', "'", "[", "]", "{", "}", "=", "\n", ".", ",", "x", "1", "#", "\u202e"]
+                    )
+                ),
+            )
     return "".join(text)
 
 
 @st.composite
 def structured_spec(draw) -> str:
     """TOML built from random values in the places the schema cares about."""
-    scalar = st.one_of(st.text(max_size=12), st.integers(), st.booleans(),
-                       st.floats(allow_nan=False, allow_infinity=False))
-    value = st.recursive(scalar, lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(min_size=1, max_size=6), inner,
-                                                     max_size=3)), max_leaves=6)
-    name = draw(st.one_of(st.sampled_from(["MatMul", "X", "x", "Op1", "If", "Tensorflow"]),
-                          st.text(min_size=1, max_size=12)))
-    table = draw(st.dictionaries(
-        st.sampled_from(["formula", "inputs", "attrs", "no_gradient", "extra"]),
-        st.one_of(value, formula(), st.lists(st.sampled_from(["A", "B", "y", "class"]))),
-        max_size=4))
+    scalar = st.one_of(
+        st.text(max_size=12),
+        st.integers(),
+        st.booleans(),
+        st.floats(allow_nan=False, allow_infinity=False),
+    )
+    value = st.recursive(
+        scalar,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(st.text(min_size=1, max_size=6), inner, max_size=3),
+        ),
+        max_leaves=6,
+    )
+    name = draw(
+        st.one_of(
+            st.sampled_from(["MatMul", "X", "x", "Op1", "If", "Tensorflow"]),
+            st.text(min_size=1, max_size=12),
+        )
+    )
+    table = draw(
+        st.dictionaries(
+            st.sampled_from(["formula", "inputs", "attrs", "no_gradient", "extra"]),
+            st.one_of(value, formula(), st.lists(st.sampled_from(["A", "B", "y", "class"]))),
+            max_size=4,
+        )
+    )
     lines = [f"[ops.{json.dumps(name, ensure_ascii=False)}]"]
     lines += [f"{key} = {toml_value(v)}" for key, v in table.items()]
     if draw(st.booleans()):
@@ -267,16 +383,19 @@ def test_random_specs(text: str) -> None:
             assert isinstance(outcome(build, op), Program | SymgradError)
 
 
-@pytest.mark.parametrize("text", [
-    "y[b,i] = A[b,i] ** (9**9**9**9)",
-    "y[b,i] = " + "(" * 1990,
-    "y[b,i] = " + "-" * 1990 + "A[b,i]",
-    "y[b,i] = " + "not " * 495,
-    "y[b,i] = A[b,i]" + "**2" * 660,
-    "y[b] = A[b] * 1e-99999999999999",
-    "y[b] = A[b] * 0." + "0" * 1980 + "1",
-    "y[b] = " + "exp(" * 39 + "A[b]" + ")" * 39,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "y[b,i] = A[b,i] ** (9**9**9**9)",
+        "y[b,i] = " + "(" * 1990,
+        "y[b,i] = " + "-" * 1990 + "A[b,i]",
+        "y[b,i] = " + "not " * 495,
+        "y[b,i] = A[b,i]" + "**2" * 660,
+        "y[b] = A[b] * 1e-99999999999999",
+        "y[b] = A[b] * 0." + "0" * 1980 + "1",
+        "y[b] = " + "exp(" * 39 + "A[b]" + ")" * 39,
+    ],
+)
 def test_fails_fast(text: str) -> None:
     """Pathological inputs within the length limit are refused (or built) quickly."""
     assert isinstance(outcome(build, op_spec(text)), Program | SymgradError)

@@ -68,14 +68,24 @@ def formulas(draw):
     return f"y[{out}] = {rhs}"
 
 
-@settings(max_examples=100, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(formula=formulas())
 def test_random_formula_is_refused_or_correct(formula, tmp_path_factory):
     attrs = {"alpha": 0.75} if "alpha" in formula else {}
     shapes = {"A": (2, 3, 3), "B": (2, 3, 3), "x": (2, 3), "w": (3,)}
-    case = Case(formula, shapes, attrs=attrs, attr_types={k: "float" for k in attrs},
-                rtol=1e-8, finite_differences=False)
+    case = Case(
+        formula,
+        shapes,
+        attrs=attrs,
+        attr_types={k: "float" for k in attrs},
+        rtol=1e-8,
+        finite_differences=False,
+    )
     try:
         build(op_spec(case, "Probe"))
     except SymgradError as error:

@@ -53,8 +53,11 @@ def test_forward_in_tf_function_with_unknown_batch():
 @pytest.mark.parametrize("name", ["batch_kron", "layer_norm", "sin_diag_outer"])
 def test_forward_and_gradient_under_xla(name):
     module = importlib.import_module(f"generated.{name}")
-    shapes = {"batch_kron": [(2, 2, 2), (2, 3, 3)], "layer_norm": [(3, 5)],
-              "sin_diag_outer": [(2, 3, 3), (2, 4, 4)]}[name]
+    shapes = {
+        "batch_kron": [(2, 2, 2), (2, 3, 3)],
+        "layer_norm": [(3, 5)],
+        "sin_diag_outer": [(2, 3, 3), (2, 4, 4)],
+    }[name]
     attrs = {"eps": 1e-3} if name == "layer_norm" else {}
     inputs = [rand(*s) for s in shapes]
 
@@ -127,8 +130,14 @@ def test_mirrored_strategy_over_two_logical_cpus():
         print("ok", strategy.num_replicas_in_sync)
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, check=False,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok 2" in result.stdout
 
@@ -144,8 +153,7 @@ def test_generated_code_follows_the_input_dtype(dtype):
     x64 = tf.cast(x, tf.float64)
     want = module.forward(x64, eps=1e-3)
     tol = {tf.float16: 2e-2, tf.bfloat16: 1e-1, tf.float32: 1e-5, tf.float64: 1e-12}[dtype]
-    np.testing.assert_allclose(tf.cast(y, tf.float64).numpy(), want.numpy(), atol=tol,
-                               rtol=tol)
+    np.testing.assert_allclose(tf.cast(y, tf.float64).numpy(), want.numpy(), atol=tol, rtol=tol)
     kron = importlib.import_module("generated.sin_diag_outer")  # tf.eye follows the dtype
     A, B = rand(2, 3, 3, dtype=dtype), rand(2, 4, 4, dtype=dtype)
     grads = kron.vjp(A, B, tf.ones([2, 3, 4], dtype))
@@ -154,8 +162,9 @@ def test_generated_code_follows_the_input_dtype(dtype):
 
 def test_complex_inputs_are_refused_at_call_time():
     with pytest.raises(TypeError, match=r"BatchedMatMul: input A has dtype complex128"):
-        matmul_module().forward(tf.zeros([1, 2, 2], tf.complex128),
-                                tf.zeros([1, 2, 2], tf.complex128))
+        matmul_module().forward(
+            tf.zeros([1, 2, 2], tf.complex128), tf.zeros([1, 2, 2], tf.complex128)
+        )
 
 
 def test_rank_and_size_mismatch_name_op_tensor_and_index():
@@ -208,9 +217,21 @@ def test_registered_gradient_reuses_outputs_instead_of_recomputing():
         assert not types & banned, f"{name}: gradient recomputes {types & banned}"
 
 
-@pytest.mark.parametrize("name", ["attention_softmax", "batch_kron", "batched_mat_mul",
-                                  "exp_mat_mul", "gram_tanh", "layer_norm", "log_sum_exp",
-                                  "mat_mul_and_squares", "pairwise_sq_dist", "sin_diag_outer"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "attention_softmax",
+        "batch_kron",
+        "batched_mat_mul",
+        "exp_mat_mul",
+        "gram_tanh",
+        "layer_norm",
+        "log_sum_exp",
+        "mat_mul_and_squares",
+        "pairwise_sq_dist",
+        "sin_diag_outer",
+    ],
+)
 def test_no_tensor_larger_than_the_largest_input_or_output(name):
     """Forward + backward through `forward`: e.g. pairwise distances never build (b,i,j,k)."""
     from test_generated_ops import OPS
