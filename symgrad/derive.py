@@ -86,7 +86,8 @@ def partial_derivative(level: Level, expr: sp.Expr, access: sp.Indexed) -> sp.Ex
     """∂expr/∂access, treating every distinct access as an independent scalar."""
     placeholders = {a: sp.Symbol(f"_x{n}", real=True) for n, a in enumerate(accesses(expr))}
     plain = expr.xreplace(placeholders)
-    derivative = sp.diff(plain, placeholders[access])
+    # powsimp: d(u**n)/du is n*u**n/u in SymPy, nan at u = 0; n*u**(n-1) is not.
+    derivative = sp.powsimp(sp.diff(plain, placeholders[access]))
     if level.kind == "logsumexp":
         # ∂/∂u log Σ exp(u) = exp(u - L): the softmax weight, in the stable form.
         weight = sp.exp(plain - tensor(level.name)[level.indices])
@@ -153,11 +154,18 @@ def reuse_outputs(expr: sp.Expr, patterns, indices: set[Index]) -> sp.Expr:
             if renamed.atoms(sp.Indexed) - expr.atoms(sp.Indexed):
                 continue
             replacement = output.xreplace(mapping)
-            expr = expr.subs(renamed, replacement)
+            candidate_expr = expr.subs(renamed, replacement)
             if isinstance(renamed, sp.Mul):
-                expr = sp.Add(
-                    *[_divide_out(t, renamed, replacement) for t in sp.Add.make_args(expr)]
+                candidate_expr = sp.Add(
+                    *[
+                        _divide_out(t, renamed, replacement)
+                        for t in sp.Add.make_args(candidate_expr)
+                    ]
                 )
+            if _well_conditioned(candidate_expr, replacement) and _divides_by(
+                candidate_expr
+            ) <= _divides_by(expr):
+                expr = candidate_expr
     return expr
 
 
@@ -166,9 +174,30 @@ def _divide_out(term: sp.Expr, pattern: sp.Expr, output: sp.Expr) -> sp.Expr:
     `(x - mu) / sigma**3` -> `y / sigma**2`: `subs` does not see through such powers."""
     quotient = sp.powsimp(term / pattern)
     before, after = term.atoms(sp.Indexed), quotient.atoms(sp.Indexed)
-    if after < before:
-        return quotient * output
-    return term
+    if not after < before:
+        return term
+    # Never divide by something the term did not already divide by: `A*sin(B)` would
+    # give `cos(B)*y/sin(B)`, nan wherever sin(B) = 0.
+    _, term_denominator = sp.fraction(term)
+    _, quotient_denominator = sp.fraction(quotient)
+    if sp.fraction(sp.powsimp(term_denominator / quotient_denominator))[1] != 1:
+        return term
+    return quotient * output
+
+
+def _divides_by(expr: sp.Expr) -> set[sp.Expr]:
+    """What `expr` divides by. Reading an output must not add to it: `max(A,0)**(n-1)`
+    as `y / max(A,0)` is nan wherever A <= 0."""
+    return {p.base for p in expr.atoms(sp.Pow) if p.exp.could_extract_minus_sign()}
+
+
+def _well_conditioned(expr: sp.Expr, output: sp.Indexed) -> bool:
+    """Whether reading `output` in `expr` only takes small powers of it: `A**0.001`
+    would otherwise give `y**-999`, exact algebra but ruinous rounding."""
+    for power in expr.atoms(sp.Pow):
+        if power.base == output and not (power.exp.is_Rational and abs(power.exp) <= 2):
+            return False
+    return True
 
 
 def derive(program: Program) -> Backward:

@@ -521,6 +521,10 @@ class Lowerer:
         if axes == out:
             return value
         aligned = align(value, axes, out)
+        if not _names_read(ir.Block((ir.Assign("", aligned),), ())):
+            # A constant (`A - A + 2`): a Python number would broadcast as int32.
+            body.uses_dtype = True
+            aligned = ir.Call("tf.cast", (aligned, ir.Var("dtype")))
         shape = ir.Shape(tuple((self.index_size(body, i),) for i in out))
         return ir.Call("tf.broadcast_to", (aligned, shape))
 

@@ -232,7 +232,7 @@ class _Builder:
                 for symbol in bound:
                     scale /= size_of(symbol)
             for symbol in bound:
-                if not any(symbol in t.expr.free_symbols for t in body):
+                if not self.dims.get(symbol):  # its size is unknowable
                     raise self.fail(
                         f"{node.kind}() over {symbol.name.rstrip(chr(39))!r}, "
                         "which no tensor in it uses",
@@ -283,7 +283,17 @@ class _Builder:
             factors = sp.Mul.make_args(term.expr)
             constant = sp.Mul(*[f for f in factors if not f.atoms(sp.Indexed)])
             tensors = sp.Mul(*[f for f in factors if f.atoms(sp.Indexed)])
-            result += constant * self.lift([Term(tensors, term.summed)], written)
+            # A summed index nothing reads is a factor |k|: the intermediate's key must
+            # not forget it (sums over sizes 3 and 5 are different sums).
+            used = _indices_of(tensors)
+            for index in term.summed:
+                if index not in used:
+                    constant *= size_of(index)
+            summed = tuple(i for i in term.summed if i in used)
+            if not summed:
+                result += constant * tensors
+                continue
+            result += constant * self.lift([Term(tensors, summed)], written)
         return _simplify(result)
 
     def product(self, left: list[Term], right: list[Term]) -> list[Term]:
@@ -443,6 +453,10 @@ class _Builder:
                     equation.index_col(index),
                 )
         for term in terms:
+            if term.expr.has(sp.I):
+                raise self.fail(
+                    "the formula is not real-valued (log or power of a negative constant)", 0
+                )
             if term.expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
                 raise self.fail("the formula divides by zero", 0)
         level = Level(name, tuple(scope[i] for i in indices), tuple(terms))
@@ -492,7 +506,8 @@ def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | No
     inputs = ",".join(
         "".join(letter[i] for i in sorted(s, key=sp.default_sort_key)) for s in index_sets
     )
-    output = "".join(letter[i] for i in free if i in letter)
+    present = set().union(*index_sets)
+    output = "".join(letter[i] for i in free if i in present)
     shapes = [
         tuple(
             sizes.get(i.name.rstrip("'"), DEFAULT_SIZE) for i in sorted(s, key=sp.default_sort_key)
@@ -571,13 +586,22 @@ def build(op: OpSpec) -> Program:
     """Validate an op's formulas and bring them into canonical form."""
     builder = _Builder(op)
     attrs = frozenset(builder.attrs)
-    outputs: list[Output] = []
+    equations = []
     for text in op.formulas:
         try:
-            equation = parse_equation(text, attrs)
-            outputs.append(builder.output(equation))
+            equations.append(parse_equation(text, attrs))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None
+    # Output indices name one dimension across all equations; a sum in one equation
+    # over a name another equation outputs is a different index (primed).
+    for equation in equations:
+        builder.used_names.update(equation.output_indices)
+    outputs: list[Output] = []
+    for equation in equations:
+        try:
+            outputs.append(builder.output(equation))
+        except SymgradError as exc:
+            raise exc.located(op.source, equation.text) from None
     return _check(builder, outputs)
 
 

@@ -156,6 +156,37 @@ CORPUS = {
     "bool_attr_mask": Case(
         "y[b,i] = A[b,i] * (1 - flag) + flag * A[b,i] ** 2", {"A": (B, I)}, attrs={"flag": False}
     ),
+    # -- found in review: each once generated wrong code or nan ---------------------------
+    "relu_gate": Case("y[b,i] = A[b,i] * max(B[b,i], 0)", {"A": (B, I), "B": (B, I)}),
+    "unused_summed_index_size": Case(
+        "y[b] = exp(sum(sum(B[b,m], m) + A[b,k], k)) + exp(sum(sum(B[b,m], m) + C[b,j], j))",
+        {"A": (B, 3), "B": (B, 4), "C": (B, 5)},
+        low=-0.3,
+        high=0.3,
+    ),
+    "unused_summed_index_in_log": Case(
+        "y[b] = log(sum(sum(exp(B[b,m]), m) + A[b,k], k))", {"A": (B, 3), "B": (B, 4)}
+    ),
+    "names_like_module_locals": Case(
+        "y[b,i] = A[b,i] * outputs[b,i] * tensors + saved[b,i]",
+        {"A": (B, I), "outputs": (B, I), "saved": (B, I)},
+        attrs={"tensors": 0.5},
+    ),
+    "chain_plus_other_free_index": Case(
+        "y[b,i] = A[b,j] * B[b,j,k] * C[b,k] + D[b,i]",
+        {"A": (B, J), "B": (B, J, K), "C": (B, K), "D": (B, I)},
+    ),
+    "summed_name_is_other_output_index": Case(
+        ("y[b,i] = A[b,i,k]", "z[b,k] = C[b,k]"), {"A": (B, I, K), "C": (B, J)}
+    ),
+    "attr_power_of_pairwise": Case(
+        "y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**n, k)", {"x": (B, I, K)}, attrs={"n": 2}
+    ),
+    "tiny_exponent": Case("y[b,i] = A[b,i] ** 0.001", {"A": (B, I)}, low=0.5, high=1.5),
+    "constant_output": Case("y[b,i] = A[b,i] - A[b,i] + 2", {"A": (B, I)}),
+    "cancelling_sum": Case(
+        "y[b,i] = A[b,i] * sum(B[b,k] / B[b,k], k)", {"A": (B, I), "B": (B, K)}, low=0.5, high=1.5
+    ),
 }
 
 
@@ -169,3 +200,27 @@ def test_corpus(name, folder):
     case = CORPUS[name]
     module = generate(case, folder)
     check(case, module)
+
+
+ZEROS = {
+    "relu_gate": "y[b,i] = A[b,i] * max(B[b,i], 0)",
+    "tanh_gate": "y[b,i] = A[b,i] * tanh(B[b,i])",
+    "sin_gate": "y[b,i] = A[b,i] * sin(B[b,i])",
+    "square_gate": "y[b,i] = A[b,i] * B[b,i] * B[b,i]",
+    "attr_power": "y[b,i] = max(A[b,i], 0) ** n + B[b,i]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZEROS))
+def test_no_nan_where_tensorflow_has_none(name, folder):
+    """Reading the op's output back must never divide by something that can be zero."""
+    import numpy as np
+
+    case = Case(
+        ZEROS[name], {"A": (B, I), "B": (B, I)}, attrs={"n": 2} if "** n" in ZEROS[name] else {}
+    )
+    module = generate(case, folder)
+    A = tf.constant([[0.0, -1.0, 2.0], [0.5, 0.0, -0.5]], tf.float64)
+    Bv = tf.constant([[0.0, 0.0, 1.0], [-2.0, 0.0, 0.3]], tf.float64)
+    grads = module.vjp(A, Bv, tf.ones([2, 3], tf.float64), **case.attrs)
+    assert all(np.isfinite(g.numpy()).all() for g in grads), grads
