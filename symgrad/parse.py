@@ -300,7 +300,9 @@ class _Walker:
     def index_name(self, node: ast.AST) -> str:
         if not isinstance(node, ast.Name):
             self.fail("an index must be a plain name such as `i`", node)
-        problem = check_name(node.id, "index")
+        # Inside brackets and after a sum's body a name can only be an index, so the
+        # constants' names are free there (`y[b,i,e]` for an embedding axis).
+        problem = None if node.id in CONSTANTS else check_name(node.id, "index")
         if problem:
             self.fail(problem, node)
         self.indices.add(node.id)
