@@ -184,8 +184,9 @@ CORPUS = {
     ),
     "tiny_exponent": Case("y[b,i] = A[b,i] ** 0.001", {"A": (B, I)}, low=0.5, high=1.5),
     "constant_output": Case("y[b,i] = A[b,i] - A[b,i] + 2", {"A": (B, I)}),
-    "constant_names_as_indices": Case("y[b,i,e] = A[b,i,e] * e ** sum(W[e,pi], pi)",
-                                      {"A": (B, I, J), "W": (J, K)}),
+    "constant_names_as_indices": Case(
+        "y[b,i,e] = A[b,i,e] * e ** sum(W[e,pi], pi)", {"A": (B, I, J), "W": (J, K)}
+    ),
     "cancelling_sum": Case(
         "y[b,i] = A[b,i] * sum(B[b,k] / B[b,k], k)", {"A": (B, I), "B": (B, K)}, low=0.5, high=1.5
     ),
