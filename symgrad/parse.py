@@ -12,12 +12,16 @@ import ast
 import difflib
 import keyword
 import math
+import operator
 import re
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 
 from .errors import SymgradError
+
+# The exact (Fraction) and the float folding of constant sub-formulas share these.
+_ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 MAX_FORMULA_LENGTH = 2000
 MAX_DEPTH = 40  # nesting of brackets and of the walked expression tree
@@ -494,12 +498,8 @@ def _constant_value(node: Node) -> Fraction | None:
     left, right = _constant_value(node.left), _constant_value(node.right)
     if left is None or right is None:
         return None
-    if node.op == "+":
-        value = left + right
-    elif node.op == "-":
-        value = left - right
-    elif node.op == "*":
-        value = left * right
+    if node.op in _ARITHMETIC:
+        value = _ARITHMETIC[node.op](left, right)
     elif node.op == "/":
         if right == 0:
             raise SymgradError("division by zero", column=node.col)
@@ -565,12 +565,8 @@ def _float_value(node: Node) -> float | None:
         left, right = _float_value(node.left), _float_value(node.right)
         if left is None or right is None:
             return None
-        if node.op == "+":
-            value = left + right
-        elif node.op == "-":
-            value = left - right
-        elif node.op == "*":
-            value = left * right
+        if node.op in _ARITHMETIC:
+            value = _ARITHMETIC[node.op](left, right)
         elif node.op == "/":
             value = left / right
         else:
