@@ -732,7 +732,7 @@ def main():
             "python": platform.python_version(),
             "tensorflow": tf.__version__,
             "cpus": os.cpu_count(),
-            "platform": platform.platform(),
+            "platform": f"{platform.system()} {platform.machine()}",
             "loadavg_before": load_before,
             "loadavg_after": load_after,
         },
