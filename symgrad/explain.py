@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import sympy as sp
 from sympy.printing.latex import LatexPrinter, greek_letters_set, tex_greek_dictionary
 
+from . import ir
 from .derive import Contribution, Partial, grad_name
 from .lower import Lowerer, lower
 from .model import Level, Program
@@ -396,13 +397,8 @@ def _join(terms: list[str]) -> str:
 
 def _code_for(module, target: str) -> list[str]:
     """The backward steps that compute `target` (and the temporaries it needs)."""
-    needed = {target}
-    kept = []
-    for step in reversed(module.backward.steps):
-        if step.target in needed:
-            kept.append(step)
-            needed |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code(step.value)))
-    return [f"{s.target} = {code(s.value)}" for s in reversed(kept)]
+    kept = ir.prune(module.backward, (target,), set()).steps
+    return [f"{s.target} = {code(s.value)}" for s in kept]
 
 
 # ---------------------------------------------------------------------------- formats

@@ -155,3 +155,54 @@ class Module:
     saved: tuple[str, ...]  # forward intermediates the backward reads
     recompute: Block  # inputs, outputs, attrs -> saved (for `gradient(op, ...)`)
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def names_in(e: Expr) -> set[str]:
+    """The names an expression reads."""
+    if isinstance(e, Var):
+        return {e.name}
+    if isinstance(e, DType | AxisSize):
+        return {e.tensor}
+    if isinstance(e, FloatSize):
+        return {e.size, "dtype"}
+    if isinstance(e, Shape):
+        return {name for dim in e.dims for name in dim}
+    if isinstance(e, View | Negate):
+        return names_in(e.operand)
+    if isinstance(e, Binary):
+        return names_in(e.left) | names_in(e.right)
+    if isinstance(e, Einsum):
+        return set().union(*(names_in(a) for a in e.operands))
+    if isinstance(e, Call):
+        parts = [*e.args, *(v for _, v in e.keywords)]
+        return set().union(*(names_in(a) for a in parts))
+    return set()
+
+
+def names_read(block: Block) -> set[str]:
+    """The names a block's steps read."""
+    return set().union(*(names_in(step.value) for step in block.steps))
+
+
+def prune(
+    block: Block,
+    wanted: tuple[str, ...],
+    available: set[str],
+    shortcuts: dict[str, Expr] | None = None,
+) -> Block:
+    """The steps of `block` needed to compute `wanted` from `available` names, taking a
+    shortcut definition (from the inputs alone) where one is known."""
+    shortcuts = shortcuts or {}
+    needed = set(wanted)
+    kept: list[Assign] = []
+    for step in reversed(block.steps):
+        if step.target in needed and step.target not in available - set(wanted):
+            if step.target in shortcuts:
+                step = Assign(step.target, shortcuts[step.target], step.comment)
+            kept.append(step)
+            needed |= names_in(step.value)
+    kept.reverse()
+    return Block(tuple(kept), wanted)

@@ -521,7 +521,7 @@ class Lowerer:
         if axes == out:
             return value
         aligned = align(value, axes, out)
-        if not _names_read(ir.Block((ir.Assign("", aligned),), ())):
+        if not ir.names_in(aligned):
             # A constant (`A - A + 2`): a Python number would broadcast as int32.
             body.uses_dtype = True
             aligned = ir.Call("tf.cast", (aligned, ir.Var("dtype")))
@@ -739,10 +739,10 @@ def lower(program: Program) -> ir.Module:
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
     backward_block = _borrow(backward_block, fwd.memo)
-    read = _names_read(backward_block)
+    read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs))
     keep = set(outputs) | {name for name in read if name not in program.inputs}
-    forward_block = _prune(
+    forward_block = ir.prune(
         forward_block,
         tuple(sorted(keep & {s.target for s in forward_block.steps})),
         set(program.inputs),
@@ -757,7 +757,7 @@ def lower(program: Program) -> ir.Module:
         and step.target not in _PRELUDE_NAMES
         and not step.target.startswith("_n_")
     )
-    recompute = _prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
+    recompute = ir.prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
     return ir.Module(
         op=program.op,
         source=program.source,
@@ -806,7 +806,7 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
     usable = {
         expr: name
         for expr, name in forward.items()
-        if not any(n.startswith("_n_") for n in _names_read(ir.Block((ir.Assign("", expr),), ())))
+        if not any(n.startswith("_n_") for n in ir.names_in(expr))
     }
 
     def walk(e: ir.Expr) -> ir.Expr:
@@ -836,61 +836,6 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
             continue
         steps.append(ir.Assign(step.target, value, step.comment))
     return ir.Block(tuple(steps), block.returns)
-
-
-def _names_read(block: ir.Block) -> set[str]:
-    names: set[str] = set()
-
-    def walk(e) -> None:
-        if isinstance(e, ir.Var):
-            names.add(e.name)
-        elif isinstance(e, ir.DType | ir.AxisSize):
-            names.add(e.tensor)
-        elif isinstance(e, ir.FloatSize):
-            names.update((e.size, "dtype"))
-        elif isinstance(e, ir.View):
-            walk(e.operand)
-        elif isinstance(e, ir.Call):
-            for a in e.args:
-                walk(a)
-            for _, a in e.keywords:
-                walk(a)
-        elif isinstance(e, ir.Einsum):
-            for a in e.operands:
-                walk(a)
-        elif isinstance(e, ir.Binary):
-            walk(e.left)
-            walk(e.right)
-        elif isinstance(e, ir.Negate):
-            walk(e.operand)
-        elif isinstance(e, ir.Shape):
-            for dim in e.dims:
-                names.update(dim)
-
-    for step in block.steps:
-        walk(step.value)
-    return names
-
-
-def _prune(
-    block: ir.Block,
-    wanted: tuple[str, ...],
-    available: set[str],
-    shortcuts: dict[str, ir.Expr] | None = None,
-) -> ir.Block:
-    """The steps of `block` needed to compute `wanted` from `available` names, taking a
-    shortcut definition (from the inputs alone) where one is known."""
-    shortcuts = shortcuts or {}
-    needed = set(wanted)
-    kept: list[ir.Assign] = []
-    for step in reversed(block.steps):
-        if step.target in needed and step.target not in available - set(wanted):
-            if step.target in shortcuts:
-                step = ir.Assign(step.target, shortcuts[step.target], step.comment)
-            kept.append(step)
-            needed |= _names_read(ir.Block((step,), ()))
-    kept.reverse()
-    return ir.Block(tuple(kept), wanted)
 
 
 __all__ = ["Backward", "align", "lower", "tensor"]
