@@ -132,7 +132,7 @@ def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
     return patterns
 
 
-def reuse_outputs(expr: sp.Expr, patterns, indices: set[Index]) -> sp.Expr:
+def reuse_outputs(expr: sp.Expr, patterns) -> sp.Expr:
     """Replace sub-expressions equal to an output's formula (up to index renaming)."""
     for pattern, output in patterns:
         # The access with the most indices pins the renaming of the others.
@@ -232,7 +232,7 @@ def derive(program: Program) -> Backward:
                 substitution, residual, remaining = eliminate(deltas, summed)
                 new_grad = grad.xreplace(substitution)
                 new_partial = partial.xreplace(substitution)
-                new_partial = reuse_outputs(new_partial, patterns, set(indices))
+                new_partial = reuse_outputs(new_partial, patterns)
                 contributions.append(
                     Contribution(
                         target=target,

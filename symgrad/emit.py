@@ -19,7 +19,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
 from .errors import SymgradError
 from .lower import lower
 from .model import build
@@ -274,4 +273,4 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
-__all__ = ["Change", "Plan", "__version__", "diff", "generate", "intact", "plan", "write"]
+__all__ = ["Change", "Plan", "diff", "generate", "intact", "plan", "write"]

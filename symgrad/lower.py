@@ -55,19 +55,11 @@ MASKS = {fn.step_ge: ">=", fn.step_le: "<="}
 
 
 @dataclass
-class Value:
-    """A tensor in scope while lowering: its variable name and the index of each axis."""
-
-    name: str
-    labels: tuple[Index, ...]
-
-
-@dataclass
 class _Body:
     """The steps of one function body being built, with hash-consing and sizes."""
 
     program: Program
-    tensors: dict[str, Value]  # SymPy tensor name -> value in scope
+    tensors: dict[str, str]  # SymPy tensor name -> the variable holding it
     steps: list[ir.Assign] = field(default_factory=list)
     memo: dict[ir.Expr, str] = field(default_factory=dict)
     counter: int = 0
@@ -271,9 +263,8 @@ class Lowerer:
 
     def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
         """`X[i, j]` aligned to `target` axes (diagonals read with a one-operand einsum)."""
-        value = body.tensors[access.base.label.name]
         labels = tuple(access.indices)
-        operand: ir.Expr = ir.Var(value.name)
+        operand: ir.Expr = ir.Var(body.tensors[access.base.label.name])
         if len(set(labels)) != len(labels):
             unique = tuple(dict.fromkeys(labels))
             letters = _letters([labels, unique], self.preferred)
@@ -372,8 +363,7 @@ class Lowerer:
                 name = body.bind(self.expr(body, merged, labels))
                 einsum_operands.append((ir.Var(name), labels))
             else:
-                value = body.tensors[operand.base.label.name]
-                einsum_operands.append((ir.Var(value.name), labels))
+                einsum_operands.append((ir.Var(body.tensors[operand.base.label.name]), labels))
         for left, right in eyes:
             eye = body.bind(
                 ir.Call(
@@ -670,12 +660,12 @@ def lower(program: Program) -> ir.Module:
     """The whole module for one op."""
     lowerer = Lowerer(program)
     backward = lowerer.backward
-    inputs = {name: Value(name, _input_labels(name, program)) for name in program.inputs}
+    inputs = {name: name for name in program.inputs}
 
     # Forward: intermediates in order, then outputs.
     fwd = _Body(program, dict(inputs), stem="_f")
     for level in program.intermediates:
-        fwd.tensors[level.name] = Value(level.name, level.indices)
+        fwd.tensors[level.name] = level.name
         fwd.bind(lowerer.level(fwd, level), name=level.name)
     outputs = []
     for output in program.outputs:
@@ -688,15 +678,15 @@ def lower(program: Program) -> ir.Module:
             )
             value = ir.Call("tf.reshape", (value, shape))
         fwd.bind(value, name=level.name)
-        fwd.tensors[level.name] = Value(level.name, level.indices)
+        fwd.tensors[level.name] = level.name
         outputs.append(level.name)
 
     # Backward.
     bwd = _Body(program, dict(inputs))
     for output in program.outputs:
-        bwd.tensors[output.level.name] = Value(output.level.name, output.level.indices)
+        bwd.tensors[output.level.name] = output.level.name
     for level in program.intermediates:
-        bwd.tensors[level.name] = Value(level.name, level.indices)
+        bwd.tensors[level.name] = level.name
     grads = []
     for output in program.outputs:
         level = output.level
@@ -709,7 +699,7 @@ def lower(program: Program) -> ir.Module:
                 name=name,
                 comment="split the composite axes",
             )
-        bwd.tensors[name] = Value(name, level.indices)
+        bwd.tensors[name] = name
     by_target: dict[str, list[Contribution]] = {}
     for c in backward.contributions:
         by_target.setdefault(c.target, []).append(c)
@@ -719,10 +709,10 @@ def lower(program: Program) -> ir.Module:
             gname = grad_name(name)
             value = lowerer.gradient(bwd, name, by_target[name])
             if isinstance(value, ir.Var):  # passed through unchanged: no new name
-                bwd.tensors[gname] = Value(value.name, level.indices)
+                bwd.tensors[gname] = value.name
                 continue
             bwd.bind(value, name=gname, comment=f"∂L/∂{name}")
-            bwd.tensors[gname] = Value(gname, level.indices)
+            bwd.tensors[gname] = gname
     returns: list[str | None] = []
     for name in program.inputs:
         if name not in backward.targets:
@@ -779,10 +769,6 @@ def lower(program: Program) -> ir.Module:
         recompute=recompute,
         backward=backward_block,
     )
-
-
-def _input_labels(name: str, program: Program) -> tuple[Index, ...]:
-    return tuple(sp.Symbol(f"_{name}{axis}") for axis in range(program.rank(name)))
 
 
 def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:

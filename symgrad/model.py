@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass
 from fractions import Fraction
 
+import opt_einsum
 import sympy as sp
 
 from . import functions as fn
@@ -339,7 +340,7 @@ class _Builder:
                 if not inner or joined <= set(inner):
                     break  # nothing to sum, or a scalar pair: leave it to one einsum
                 product = factors[first] * factors[second]
-                written = [i for i in _ordered_indices(product) if i not in inner]
+                written = [i for i in indices_in_order(product) if i not in inner]
                 access = self.lift([Term(product, inner)], written)
                 expr = (
                     sp.Mul(
@@ -491,13 +492,8 @@ def _indices_of(expr: sp.Expr) -> frozenset[Index]:
     return frozenset(i for a in expr.atoms(sp.Indexed) for i in a.indices)
 
 
-def _ordered_indices(expr: sp.Expr) -> list[Index]:
-    return indices_in_order(expr)
-
-
 def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | None:
     """The first pairwise contraction of opt_einsum's optimal order for typical sizes."""
-    import opt_einsum
 
     symbols = sorted(set().union(*index_sets, free), key=sp.default_sort_key)
     if len(symbols) > 52:
