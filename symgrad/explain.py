@@ -23,8 +23,8 @@ import sympy as sp
 from sympy.printing.latex import LatexPrinter, greek_letters_set, tex_greek_dictionary
 
 from . import ir
-from .derive import Contribution, Partial, grad_name
-from .lower import Lowerer, lower
+from .derive import Contribution, Partial, derive, grad_name
+from .lower import lower
 from .model import Level, Program
 from .notation import axis_names, display_indices, gradient_line, rename, show
 from .render import code
@@ -187,8 +187,8 @@ class _Explainer:
     def __init__(self, program: Program, printer) -> None:
         self.program = program
         self.p = printer
-        self.backward = Lowerer(program).backward
-        self.module = lower(program)
+        self.backward = derive(program)
+        self.module = lower(program, self.backward)
         self.names = axis_names(program)
         self.outputs = {o.level.name: o for o in program.outputs}
         self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}

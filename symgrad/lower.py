@@ -92,9 +92,9 @@ def _plain(name: str) -> str:
 class Lowerer:
     """Lowers one op's Program (and its Backward) into an `ir.Module`."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, backward: Backward | None = None) -> None:
         self.program = program
-        self.backward = derive(program)
+        self.backward = backward if backward is not None else derive(program)
         # Where each index's size can be read: index -> (input, axis).
         self.size_of: dict[Index, tuple[str, int]] = {
             index: sources[0] for index, sources in program.dims if sources
@@ -656,9 +656,9 @@ def align(operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]
     return ir.View(operand, perm, slots)
 
 
-def lower(program: Program) -> ir.Module:
-    """The whole module for one op."""
-    lowerer = Lowerer(program)
+def lower(program: Program, backward: Backward | None = None) -> ir.Module:
+    """The whole module for one op (`backward`: its derivation, if already done)."""
+    lowerer = Lowerer(program, backward)
     backward = lowerer.backward
     inputs = {name: name for name in program.inputs}
 
