@@ -47,7 +47,16 @@ FUNCTIONS: dict[str, int] = {
     "min": 2,
 }
 REDUCTIONS = ("sum", "mean")
+EXTREMA = ("max", "min")  # `max(x, y)` is elementwise; `max(expr, k, ...)` reduces over k
 CONSTANTS = ("pi", "e")
+COMPARISONS = {
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+}
 
 # Names the generated module uses itself, or that would read confusingly as tensors.
 RESERVED = frozenset(
@@ -55,6 +64,7 @@ RESERVED = frozenset(
         *FUNCTIONS,
         *REDUCTIONS,
         *CONSTANTS,
+        "where",
         "tf",
         "op",
         "grad",
@@ -135,12 +145,43 @@ class AttrRef:
 
 
 @dataclass(frozen=True)
+class IndexRef:
+    """An index used as a number: inside brackets, or in a comparison (`j <= i`)."""
+
+    name: str
+    col: int
+
+
+@dataclass(frozen=True)
 class Access:
-    """`X[i, j, ...]`: one element of an input tensor."""
+    """`X[i, j, ...]`: one element of an input tensor.
+
+    Each position is an index expression: a plain `IndexRef` (the common case), or an
+    integer-linear combination of indices with integer (literal or int attr) coefficients
+    and offsets, possibly plus the value of an integer index tensor (`ids[b, t]`).
+    """
 
     tensor: str
-    indices: tuple[str, ...]
+    positions: tuple[Node, ...]
     col: int
+
+    @property
+    def plain(self) -> bool:
+        """Every axis is read at a plain index (`A[b, i, k]`, diagonals included)."""
+        return all(isinstance(p, IndexRef) for p in self.positions)
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        """Plain access: the index of each axis. Otherwise every index name it uses, in
+        written order (those inside index tensors included), each once."""
+        if self.plain:
+            return tuple(p.name for p in self.positions)
+        return tuple(dict.fromkeys(name for p in self.positions for name in index_names(p)))
+
+    @property
+    def lookups(self) -> tuple[Access, ...]:
+        """The index tensors read inside the brackets."""
+        return tuple(a for p in self.positions for a in _lookups(p))
 
 
 @dataclass(frozen=True)
@@ -170,7 +211,7 @@ class Call:
 
 @dataclass(frozen=True)
 class Reduce:
-    """`sum(body, k, ...)` or `mean(body, k, ...)`."""
+    """`sum(body, k, ...)`, `mean(...)`, or `max(body, k, ...)` / `min(...)` over indices."""
 
     kind: str
     body: Node
@@ -178,7 +219,40 @@ class Reduce:
     col: int
 
 
-Node = Num | Constant | AttrRef | Access | Neg | BinOp | Call | Reduce
+@dataclass(frozen=True)
+class Compare:
+    """`a < b <= c`: a chain of comparisons, between index expressions (integers) when
+    `on_indices`, else between values."""
+
+    ops: tuple[str, ...]
+    operands: tuple[Node, ...]
+    on_indices: bool
+    col: int
+
+
+@dataclass(frozen=True)
+class Logic:
+    """`and` / `or` of conditions, or `not` of one."""
+
+    op: str
+    args: tuple[Condition, ...]
+    col: int
+
+
+Condition = Compare | Logic
+
+
+@dataclass(frozen=True)
+class Where:
+    """`where(cond, then, otherwise)`: the condition gets no gradient."""
+
+    cond: Condition
+    then: Node
+    otherwise: Node
+    col: int
+
+
+Node = Num | Constant | AttrRef | IndexRef | Access | Neg | BinOp | Call | Reduce | Where
 
 
 @dataclass(frozen=True)
@@ -201,6 +275,33 @@ class Equation:
         """Where output index `index` is written (its `occurrence`-th time), for carets."""
         cols = [c for i, c in zip(self.output_indices, self.index_cols, strict=False) if i == index]
         return cols[occurrence] if occurrence < len(cols) else self.output_col
+
+
+def index_names(node) -> list[str]:
+    """Index names used in an index expression or condition, in written order."""
+    if isinstance(node, IndexRef):
+        return [node.name]
+    if isinstance(node, Access):
+        return [name for p in node.positions for name in index_names(p)]
+    if isinstance(node, Neg):
+        return index_names(node.operand)
+    if isinstance(node, BinOp):
+        return index_names(node.left) + index_names(node.right)
+    if isinstance(node, Compare):
+        return [name for o in node.operands if node.on_indices for name in index_names(o)]
+    if isinstance(node, Logic):
+        return [name for a in node.args for name in index_names(a)]
+    return []
+
+
+def _lookups(node) -> list[Access]:
+    if isinstance(node, Access):
+        return [node]
+    if isinstance(node, Neg):
+        return _lookups(node.operand)
+    if isinstance(node, BinOp):
+        return _lookups(node.left) + _lookups(node.right)
+    return []
 
 
 # ----------------------------------------------------------------------------- checks
@@ -255,9 +356,10 @@ def _printable(text: str) -> str:
 
 
 class _Walker:
-    def __init__(self, text: str, attrs: frozenset[str]) -> None:
+    def __init__(self, text: str, attrs: frozenset[str], int_attrs: frozenset[str]) -> None:
         self.text = text
         self.attrs = attrs
+        self.int_attrs = int_attrs  # attrs that may scale or shift an index
         self.indices: set[str] = set()  # every index name used, for the einsum letter limit
         self.output_indices: frozenset[str] = frozenset()
         self.summing: list[str] = []  # indices bound by the enclosing sum()/mean() calls
@@ -368,11 +470,121 @@ class _Walker:
             if problem:
                 self.fail(problem, node)
             elements = _slice_elements(node.slice)
-            indices = tuple(self.index_name(e) for e in elements)
-            return Access(name, indices, col)
+            positions = tuple(self.position(e, depth + 1) for e in elements)
+            return Access(name, positions, col)
         if isinstance(node, ast.Call):
             return self.call(node, depth)
         self.fail(f"{_describe(node)} is not allowed in a formula", node)
+
+    # -- index expressions ----------------------------------------------------------
+
+    def position(self, node: ast.AST, depth: int) -> Node:
+        """One position inside an input's brackets: a plain index, or an index expression."""
+        if isinstance(node, ast.Name):
+            return IndexRef(self.index_name(node), node.col_offset)
+        return self.index_expr(node, depth, inside=True)
+
+    def index_expr(self, node: ast.AST, depth: int, *, inside: bool) -> Node:
+        """An integer-linear index expression: `s*i + d*k - p`, `idx[b, n] + k`."""
+        if depth > MAX_DEPTH:
+            self.fail(f"the expression nests deeper than {MAX_DEPTH} levels", node)
+        col = getattr(node, "col_offset", 0)
+        if isinstance(node, ast.Name):
+            if node.id in self.attrs:
+                if node.id not in self.int_attrs:
+                    self.fail(
+                        f"attr {node.id!r} is not an int attr; index expressions take integers",
+                        node,
+                    )
+                return AttrRef(node.id, col)
+            if node.id in FUNCTIONS or node.id in REDUCTIONS:
+                self.fail(f"{node.id!r} cannot be used in an index expression", node)
+            return IndexRef(self.index_name(node), col)
+        if isinstance(node, ast.Constant):
+            value = node.value
+            if isinstance(value, bool) or not isinstance(value, int):
+                self.fail(
+                    f"index expressions take integers, not {_describe(node)}",
+                    node,
+                )
+            if abs(value) > MAX_INTEGER:
+                self.fail(f"integer constant is larger than {MAX_INTEGER}", node)
+            return Num(Fraction(value), col)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            inner = self.index_expr(node.operand, depth + 1, inside=inside)
+            return Neg(inner, col) if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp):
+            op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}.get(type(node.op))
+            if op is None:
+                hint = " (only + - * with integer coefficients)"
+                self.fail(
+                    f"operator {_op_symbol(node.op)} is not allowed in an index expression{hint}",
+                    node,
+                )
+            left = self.index_expr(node.left, depth + 1, inside=inside)
+            right = self.index_expr(node.right, depth + 1, inside=inside)
+            if op == "*" and _varies_by_index(left) and _varies_by_index(right):
+                self.fail(
+                    "a product of indices is not an affine index expression; "
+                    "coefficients must be integers or int attrs",
+                    node,
+                )
+            return BinOp(op, left, right, col)
+        if isinstance(node, ast.Subscript):
+            if not isinstance(node.value, ast.Name):
+                self.fail("only a named tensor can be indexed", node)
+            name = node.value.id
+            problem = check_name(name, "tensor")
+            if problem:
+                self.fail(problem, node)
+            elements = _slice_elements(node.slice)
+            for element in elements:
+                if not isinstance(element, ast.Name):
+                    self.fail("an index tensor is read with plain indices only", element)
+            positions = tuple(IndexRef(self.index_name(e), e.col_offset) for e in elements)
+            return Access(name, positions, col)
+        where = "inside brackets" if inside else "in an index comparison"
+        self.fail(f"{_describe(node)} is not allowed {where}", node)
+
+    # -- conditions -------------------------------------------------------------------
+
+    def condition(self, node: ast.AST, depth: int) -> Condition:
+        """`where`'s first argument: comparisons combined with and / or / not."""
+        if depth > MAX_DEPTH:
+            self.fail(f"the expression nests deeper than {MAX_DEPTH} levels", node)
+        col = getattr(node, "col_offset", 0)
+        if isinstance(node, ast.BoolOp):
+            op = "and" if isinstance(node.op, ast.And) else "or"
+            return Logic(op, tuple(self.condition(v, depth + 1) for v in node.values), col)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return Logic("not", (self.condition(node.operand, depth + 1),), col)
+        if isinstance(node, ast.Compare):
+            ops = []
+            for op in node.ops:
+                symbol = COMPARISONS.get(type(op))
+                if symbol is None:
+                    self.fail(f"{type(op).__name__} is not a comparison a condition can use", node)
+                ops.append(symbol)
+            operands = [node.left, *node.comparators]
+            on_indices = any(self.mentions_index(o) for o in operands)
+            if on_indices:
+                values = tuple(self.index_expr(o, depth + 1, inside=False) for o in operands)
+            else:
+                values = tuple(self.expr(o, depth + 1) for o in operands)
+            return Compare(tuple(ops), values, on_indices, col)
+        self.fail(
+            "a condition is a comparison (< <= > >= == !=) or conditions combined with "
+            "and / or / not",
+            node,
+        )
+
+    def mentions_index(self, node: ast.AST) -> bool:
+        """Whether a comparison operand uses an index as a number (outside brackets)."""
+        if isinstance(node, ast.Name):
+            return node.id not in self.attrs and node.id not in CONSTANTS
+        if isinstance(node, ast.Subscript | ast.Call):
+            return False
+        return any(self.mentions_index(child) for child in ast.iter_child_nodes(node))
 
     def call(self, node: ast.Call, depth: int) -> Node:
         col = node.col_offset
@@ -384,7 +596,14 @@ class _Walker:
         for arg in node.args:
             if isinstance(arg, ast.Starred):
                 self.fail("starred arguments are not allowed", arg)
-        if name in REDUCTIONS:
+        if name == "where":
+            if len(node.args) != 3:
+                self.fail("where(condition, then, otherwise) takes 3 arguments", node)
+            cond = self.condition(node.args[0], depth + 1)
+            then = self.expr(node.args[1], depth + 1)
+            otherwise = self.expr(node.args[2], depth + 1)
+            return Where(cond, then, otherwise, col)
+        if name in REDUCTIONS or (name in EXTREMA and self.is_reduction(node)):
             if len(node.args) < 2:
                 self.fail(f"{name}(expr, k, ...) needs an expression and at least one index", node)
             indices = tuple(self.index_name(a) for a in node.args[1:])
@@ -405,7 +624,7 @@ class _Walker:
             return Reduce(name, body, indices, col)
         arity = FUNCTIONS.get(name)
         if arity is None:
-            known = sorted(FUNCTIONS) + list(REDUCTIONS)
+            known = sorted(FUNCTIONS) + list(REDUCTIONS) + ["where"]
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             self.fail(f"unknown function {name!r} (known: {', '.join(known)}){hint}", node)
@@ -417,6 +636,15 @@ class _Walker:
         result = Call(name, tuple(self.expr(a, depth + 1) for a in node.args), col)
         self.check_real(result, node)
         return result
+
+    def is_reduction(self, node: ast.Call) -> bool:
+        """`max(expr, k, ...)`: every argument after the first is a bare index name (not an
+        attr or a constant); `max(x, y)` with a value `y` stays elementwise."""
+        rest = node.args[1:]
+        return bool(rest) and all(
+            isinstance(a, ast.Name) and a.id not in self.attrs and a.id not in CONSTANTS
+            for a in rest
+        )
 
     def number(self, node: ast.Constant) -> Num:
         value = node.value
@@ -592,7 +820,7 @@ def _term_count(node: Node) -> int:
     if not _has_reduce(node):
         return 1
     if isinstance(node, Reduce):
-        return _term_count(node.body)
+        return _term_count(node.body) if node.kind in REDUCTIONS else 1
     if isinstance(node, Neg):
         return _term_count(node.operand)
     if isinstance(node, BinOp) and node.op in "+-":
@@ -607,6 +835,8 @@ def _term_count(node: Node) -> int:
 def _has_reduce(node: Node) -> bool:
     if isinstance(node, Reduce):
         return True
+    if isinstance(node, Where):
+        return _has_reduce(node.then) or _has_reduce(node.otherwise)
     if isinstance(node, Neg):
         return _has_reduce(node.operand)
     if isinstance(node, BinOp):
@@ -614,6 +844,10 @@ def _has_reduce(node: Node) -> bool:
     if isinstance(node, Call):
         return any(_has_reduce(arg) for arg in node.args)
     return False
+
+
+def _varies_by_index(node: Node) -> bool:
+    return bool(index_names(node)) or bool(_lookups(node))
 
 
 def _too_big(value: Fraction) -> bool:
@@ -634,6 +868,7 @@ def _slice_elements(node: ast.AST) -> list[ast.AST]:
 
 def _op_symbol(op: ast.AST) -> str:
     symbols = {
+        ast.Div: "/",
         ast.FloorDiv: "//",
         ast.Mod: "%",
         ast.MatMult: "@",
@@ -675,7 +910,9 @@ def _describe(node: ast.AST) -> str:
     return names.get(type(node), type(node).__name__)
 
 
-def parse_equation(text: str, attrs: frozenset[str] = frozenset()) -> Equation:
+def parse_equation(
+    text: str, attrs: frozenset[str] = frozenset(), int_attrs: frozenset[str] = frozenset()
+) -> Equation:
     """Parse one `out[idx] = expr` formula; raise SymgradError with a column on failure."""
     text = text.strip(" ")
     _check_text(text)
@@ -692,4 +929,89 @@ def parse_equation(text: str, attrs: frozenset[str] = frozenset()) -> Equation:
         raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
     except (RecursionError, MemoryError, ValueError):
         raise SymgradError("the formula is too deeply nested to read") from None
-    return _Walker(text, attrs).equation(tree)
+    return _Walker(text, attrs, int_attrs).equation(tree)
+
+
+# ----------------------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class ShapeRef:
+    """`X.shape[n]`: the size of axis n of input X, known when the op is called."""
+
+    tensor: str
+    axis: int
+    col: int
+
+
+MAX_RANGE_LENGTH = 200
+
+
+def parse_range(text: str, int_attrs: frozenset[str]) -> Node:
+    """An index range from the spec's `ranges` table: an integer expression over int
+    literals, int attrs and input sizes `X.shape[n]`, with + - * // and parentheses.
+    Read by a whitelisted walk like formulas; nothing is evaluated."""
+    text = text.strip(" ")
+    if len(text) > MAX_RANGE_LENGTH:
+        raise SymgradError(f"range is longer than {MAX_RANGE_LENGTH} characters")
+    _check_text(text)
+    if not text:
+        raise SymgradError("range is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        column = max((exc.offset or 1) - 1, 0)
+        message = (exc.msg or "invalid syntax").split(" (")[0]
+        raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
+    except (RecursionError, MemoryError, ValueError):
+        raise SymgradError("the range is too deeply nested to read") from None
+
+    def fail(message: str, node: ast.AST):
+        raise SymgradError(message, formula=text, column=getattr(node, "col_offset", 0))
+
+    def walk(node: ast.AST, depth: int) -> Node:
+        if depth > MAX_DEPTH:
+            fail(f"the range nests deeper than {MAX_DEPTH} levels", node)
+        col = getattr(node, "col_offset", 0)
+        if isinstance(node, ast.Constant):
+            value = node.value
+            if isinstance(value, bool) or not isinstance(value, int):
+                fail(f"a range takes integers, not {_describe(node)}", node)
+            if abs(value) > MAX_INTEGER:
+                fail(f"integer constant is larger than {MAX_INTEGER}", node)
+            return Num(Fraction(value), col)
+        if isinstance(node, ast.Name):
+            if node.id not in int_attrs:
+                fail(
+                    f"unknown name {node.id!r}: a range uses int literals, int attrs and "
+                    "input sizes such as `A.shape[1]`",
+                    node,
+                )
+            return AttrRef(node.id, col)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            inner = walk(node.operand, depth + 1)
+            return Neg(inner, col) if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp):
+            ops = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
+            op = ops.get(type(node.op))
+            if op is None:
+                fail(f"operator {_op_symbol(node.op)} is not allowed in a range", node)
+            return BinOp(op, walk(node.left, depth + 1), walk(node.right, depth + 1), col)
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "shape"
+            and isinstance(node.value.value, ast.Name)
+            and isinstance(node.slice, ast.Constant)
+            and type(node.slice.value) is int
+        ):
+            tensor = node.value.value.id
+            problem = check_name(tensor, "tensor")
+            if problem:
+                fail(problem, node)
+            return ShapeRef(tensor, node.slice.value, col)
+        fail(f"{_describe(node)} is not allowed in a range", node)
+
+    return walk(tree.body, 0)

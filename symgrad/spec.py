@@ -19,7 +19,7 @@ from .parse import check_name
 OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 ATTR_TYPES = ("float", "int", "bool")
 TOP_KEYS = ("out", "ops")
-OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes")
+OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges")
 MAX_SIZE = 2**31
 MAX_OPS = 500
 MAX_FORMULAS = 16
@@ -42,6 +42,9 @@ class OpSpec:
     # Typical sizes of indices (index name -> size), used only to choose the order of
     # contractions; unnamed indices count as 64. Generated code works for any size.
     sizes: tuple[tuple[str, int], ...] = ()
+    # The range of an index that is not a plain index of some input axis (index name ->
+    # integer expression over int literals, int attrs and `X.shape[n]`), in spec order.
+    ranges: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,24 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
                 where=where,
             )
         sizes.append((index, size))
-    return OpSpec(name, formulas, inputs, tuple(attrs), no_gradient, where, tuple(sizes))
+    ranges_table = table.get("ranges", {})
+    if not isinstance(ranges_table, dict):
+        raise SymgradError(f"`ranges` must be a table, not {_type_name(ranges_table)}", where=where)
+    ranges = []
+    for index, extent in ranges_table.items():
+        problem = check_name(index, "index")
+        if problem:
+            raise SymgradError(problem, where=where)
+        if isinstance(extent, bool) or not isinstance(extent, str | int):
+            raise SymgradError(
+                f'range of index {index!r} must be a string such as "A.shape[1] - 2" '
+                f"or a whole number, not {_type_name(extent)}",
+                where=where,
+            )
+        ranges.append((index, str(extent)))
+    return OpSpec(
+        name, formulas, inputs, tuple(attrs), no_gradient, where, tuple(sizes), tuple(ranges)
+    )
 
 
 def parse_spec(text: str, path: str) -> Spec:
