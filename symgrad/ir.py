@@ -155,6 +155,12 @@ class Module:
     saved: tuple[str, ...]  # forward intermediates the backward reads
     recompute: Block  # inputs, outputs, attrs -> saved (for `gradient(op, ...)`)
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
+    index_inputs: tuple[str, ...] = ()  # integer index tensors (no gradient, int dtype)
+
+    @property
+    def value_inputs(self) -> tuple[str, ...]:
+        """The inputs that hold values: the first one sets the computation dtype."""
+        return tuple(n for n in self.inputs if n not in self.index_inputs)
 
 
 # ----------------------------------------------------------------------------- analysis

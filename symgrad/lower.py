@@ -26,8 +26,9 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import ir
-from .derive import Backward, Contribution, derive, grad_name
+from . import indexing, ir
+from .derive import Backward, Contribution, Scatter, derive, fresh_indices, grad_name
+from .indexing import IOTA
 from .model import Index, Level, Program, index_of_size, tensor
 from .notation import gradient_lines
 
@@ -51,7 +52,22 @@ UNARY = {
     fn.softplus: "tf.nn.softplus",
 }
 BINARY = {fn.maximum: "tf.maximum", fn.minimum: "tf.minimum"}
-MASKS = {fn.step_ge: ">=", fn.step_le: "<="}
+MASKS = {fn.step_ge: ">=", fn.step_le: "<=", fn.step_eq: "=="}
+RELATIONS = {
+    sp.Lt: "<",
+    sp.Le: "<=",
+    sp.Gt: ">",
+    sp.Ge: ">=",
+    sp.Eq: "==",
+    sp.Ne: "!=",
+    sp.StrictLessThan: "<",
+    sp.LessThan: "<=",
+    sp.StrictGreaterThan: ">",
+    sp.GreaterThan: ">=",
+    sp.Equality: "==",
+    sp.Unequality: "!=",
+}
+LOGIC = {sp.And: "tf.logical_and", sp.Or: "tf.logical_or"}
 
 
 @dataclass
@@ -95,10 +111,13 @@ class Lowerer:
     def __init__(self, program: Program, backward: Backward | None = None) -> None:
         self.program = program
         self.backward = backward if backward is not None else derive(program)
-        # Where each index's size can be read: index -> (input, axis).
-        self.size_of: dict[Index, tuple[str, int]] = {
+        # Where each index's size can be read: index -> (input, axis), or an integer
+        # expression (an extent: from `ranges`, or inferred).
+        self.size_of: dict[Index, tuple[str, int] | sp.Expr] = {
             index: sources[0] for index, sources in program.dims if sources
         }
+        for index, extent in program.extents:
+            self.size_of.setdefault(index, extent)
         self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}
         for output in program.outputs:
             self.levels[output.level.name] = output.level
@@ -128,7 +147,20 @@ class Lowerer:
         name = index.name if not index.name.startswith("_") else self.preferred.get(index, "")
         var = f"_n_{_plain(name.rstrip(chr(39)))}" if name else ""
         if not name or var in body.sizes:
-            var = f"_n_{source[0]}_{source[1]}"
+            if isinstance(source, tuple):
+                var = f"_n_{source[0]}_{source[1]}"
+            else:
+                var = f"_n_{len(body.sizes) + 1}"
+        body.sizes[var] = source
+        return var
+
+    def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
+        """The variable holding the size of one axis of an input."""
+        source = (tensor_name, axis)
+        for var, known in body.sizes.items():
+            if known == source:
+                return var
+        var = f"_n_{tensor_name}_{axis}"
         body.sizes[var] = source
         return var
 
@@ -138,7 +170,7 @@ class Lowerer:
         for label, source in zip(labels, axes, strict=True):
             self.size_of.setdefault(label, source)
 
-    def axis_sources(self, tensor_name: str) -> tuple[tuple[str, int], ...]:
+    def axis_sources(self, tensor_name: str) -> tuple:
         if tensor_name in self.program.inputs:
             return tuple((tensor_name, a) for a in range(self.program.rank(tensor_name)))
         level = self.levels[tensor_name]
@@ -154,12 +186,15 @@ class Lowerer:
             return ir.Lit(str(int(e)))
         if e.is_number:  # 1/2, pi, sqrt(pi): a Python float takes the tensors' dtype
             return ir.Lit(repr(float(e)))
+        if e == fn.NEG_INF:
+            body.uses_dtype = True
+            return ir.Call("tf.cast", (ir.Lit('float("-inf")'), ir.Var("dtype")))
         if isinstance(e, sp.Symbol):
             index = index_of_size(e)
             if index is not None:
                 body.uses_dtype = True
                 return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
-            return ir.Var(e.name)  # an attr
+            return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
             terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
             result = self.expr(body, terms[0], target)
@@ -204,6 +239,16 @@ class Lowerer:
             softmax = self.softmax(body, e, target)
             if softmax is not None:
                 return softmax
+        if isinstance(e, fn.select):
+            cond, then, otherwise = e.args
+            return ir.Call(
+                "tf.where",
+                (
+                    self.condition(body, cond, target),
+                    self.value(body, then, target),
+                    self.value(body, otherwise, target),
+                ),
+            )
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
@@ -215,6 +260,34 @@ class Lowerer:
                 body.uses_dtype = True
                 return ir.Call("tf.cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
         raise AssertionError(f"cannot lower {e!r}")
+
+    def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
+        """A pointwise value where TF wants a tensor of the computation dtype (a branch
+        of tf.where): constants are cast, since a Python number would become int32 or
+        float32."""
+        result = self.expr(body, e, target)
+        if not ir.names_in(result) or e.is_number:
+            body.uses_dtype = True
+            return ir.Call("tf.cast", (result, ir.Var("dtype")))
+        return result
+
+    def condition(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
+        """A condition as a boolean tensor over (a subset of) `target`'s axes."""
+        if cond is sp.true or cond is sp.false:
+            return ir.Lit(repr(bool(cond)))
+        if isinstance(cond, sp.Not):
+            return ir.Call("tf.logical_not", (self.condition(body, cond.args[0], target),))
+        for kind, function in LOGIC.items():
+            if isinstance(cond, kind):
+                parts = [self.condition(body, a, target) for a in cond.args]
+                parts.sort(key=repr)  # SymPy's argument order is canonical but unstable
+                result = parts[0]
+                for part in parts[1:]:
+                    result = ir.Call(function, (result, part))
+                return result
+        op = RELATIONS[type(cond)]
+        left, right = cond.args
+        return ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target))
 
     def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr) -> ir.Expr:
         """log Σ exp over the last axis, step by step, keeping exp(u - max) / Σ as the
@@ -264,7 +337,17 @@ class Lowerer:
     def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
         """`X[i, j]` aligned to `target` axes (diagonals read with a one-operand einsum)."""
         labels = tuple(access.indices)
-        operand: ir.Expr = ir.Var(body.tensors[access.base.label.name])
+        name = access.base.label.name
+        if name == IOTA:  # the value of an index: 0, 1, ..., size - 1
+            (label,) = labels
+            operand = ir.Var(
+                body.bind(ir.Call("tf.range", (ir.Var(self.index_size(body, label)),)))
+            )
+            return align(operand, labels, target)
+        if name in self.program.index_inputs:  # compared with tf.range values
+            operand = ir.Var(body.bind(ir.Call("tf.cast", (ir.Var(name), ir.Lit("tf.int32")))))
+            return align(operand, labels, target)
+        operand: ir.Expr = ir.Var(body.tensors[name])
         if len(set(labels)) != len(labels):
             unique = tuple(dict.fromkeys(labels))
             letters = _letters([labels, unique], self.preferred)
@@ -520,8 +603,129 @@ class Lowerer:
 
     # -- levels -------------------------------------------------------------------------
 
+    # -- computed positions -------------------------------------------------------------
+
+    def position(self, body: _Body, e: sp.Expr, axes: tuple[Index, ...]) -> ir.Expr:
+        """An affine position (index values, index tensors, int attrs) over `axes`, int32."""
+        return self.expr(body, as_index_values(e), axes)
+
+    def gather_plan(self, body: _Body, level: Level):
+        """The positions of a gather: (flat position P over the inner indices, the mask of
+        reads in bounds or None, the inner indices)."""
+        gather = level.gather
+        computed = gather.computed
+        inner = tuple(
+            i
+            for i in level.indices
+            if any(i in indexing.index_symbols(gather.positions[n]) for n in computed)
+        )
+        shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
+        flat: ir.Expr | None = None
+        valid: ir.Expr | None = None
+        for axis, bounded in zip(computed, gather.bounded, strict=True):
+            position = self.position(body, gather.positions[axis], inner)
+            if not _is_simple(position):
+                position = ir.Var(body.bind(position))
+            if not bounded:
+                size = ir.Var(self.axis_size(body, gather.source, axis))
+                inside = ir.Call(
+                    "tf.logical_and",
+                    (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
+                )
+                valid = inside if valid is None else ir.Call("tf.logical_and", (valid, inside))
+            if flat is None:
+                flat = position
+            else:
+                size = ir.Var(self.axis_size(body, gather.source, axis))
+                flat = ir.Binary("+", ir.Binary("*", flat, size), position)
+        flat = ir.Var(body.bind(ir.Call("tf.broadcast_to", (flat, shape))))
+        if valid is not None:
+            valid = ir.Var(body.bind(ir.Call("tf.broadcast_to", (valid, shape))))
+        return flat, valid, inner
+
+    def rows(self, body: _Body, gather) -> tuple[str, ...]:
+        """The sizes of the computed axes (their product is the number of rows read)."""
+        return tuple(self.axis_size(body, gather.source, n) for n in gather.computed)
+
+    def gather(self, body: _Body, level: Level) -> ir.Expr:
+        """`X` read at computed positions: one `tf.gather` (several computed axes are
+        flattened into one first); reads out of bounds are zero."""
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
+        flat, valid, inner = self.gather_plan(body, level)
+        index = flat
+        if valid is not None:
+            index = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
+        source: ir.Expr = ir.Var(body.tensors[gather.source])
+        if len(computed) == 1:
+            axis = computed[0]
+        else:
+            order = (*computed, *plain)
+            if order != tuple(range(rank)):
+                source = ir.Call("tf.transpose", (source, ir.Lit(repr(list(order)))))
+            dims = [self.rows(body, gather)]
+            dims += [(self.axis_size(body, gather.source, n),) for n in plain]
+            source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
+            axis = 0
+        value = ir.Call("tf.gather", (source, index), (("axis", ir.Lit(str(axis))),))
+        if valid is None:
+            return value
+        value = ir.Var(body.bind(value))
+        mask = align(valid, inner, level.indices)
+        body.uses_dtype = True
+        zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+        return ir.Call("tf.where", (mask, value, zero))
+
+    def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
+        """The transpose of a gather: its gradient added back where it read (reads out of
+        bounds add nothing), shaped like the source with axes `indices`."""
+        level = self.levels[scatter.level]
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
+        flat, valid, inner = self.gather_plan(body, level)
+        rows = self.rows(body, gather)
+        ids = flat
+        if valid is not None:  # dropped by unsorted_segment_sum
+            ids = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("-1")))))
+        grad = ir.Var(body.tensors[grad_name(level.name)])
+        rest = tuple(i for i in level.indices if i not in inner)
+        grad = align(grad, level.indices, (*inner, *rest))
+        if not _is_simple(grad):
+            grad = ir.Var(body.bind(grad))
+        count: ir.Expr = ir.Var(rows[0])
+        for row in rows[1:]:
+            count = ir.Binary("*", count, ir.Var(row))
+        total = ir.Var(body.bind(ir.Call("tf.math.unsorted_segment_sum", (grad, ids, count))))
+        # `total` has the computed axes (flattened) first, then the plain ones in order.
+        if len(computed) == 1:
+            order = (computed[0], *plain)
+            value: ir.Expr = total
+        else:
+            dims = [(self.axis_size(body, gather.source, n),) for n in (*computed, *plain)]
+            value = ir.Call("tf.reshape", (total, ir.Shape(tuple(dims))))
+            order = (*computed, *plain)
+        if order != tuple(range(rank)):
+            inverse = [order.index(n) for n in range(rank)]
+            value = ir.Call("tf.transpose", (value, ir.Lit(repr(inverse))))
+        return value
+
     def level(self, body: _Body, level: Level) -> ir.Expr:
         """The value of an intermediate or an output over its own indices."""
+        if level.kind == "gather":
+            return self.gather(body, level)
+        if level.kind in ("max", "min"):
+            (term,) = level.terms
+            order = (*level.indices, *term.summed)
+            operand = self.expr(body, term.expr, order)
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
+            function = "tf.reduce_max" if level.kind == "max" else "tf.reduce_min"
+            return ir.Call(function, (operand,), (("axis", axes),))
         if level.kind == "logsumexp":
             (term,) = level.terms
             order = (*level.indices, *term.summed)
@@ -542,11 +746,20 @@ class Lowerer:
         value, axes = self.sum_terms(body, pieces, level.indices)
         return self.full(body, value, axes, level.indices)
 
-    def gradient(self, body: _Body, target: str, contributions: list[Contribution]) -> ir.Expr:
+    def gradient(
+        self,
+        body: _Body,
+        target: str,
+        contributions: list[Contribution],
+        scatters: list[Scatter] = (),
+    ) -> ir.Expr:
         """Σ of contributions to one tensor's gradient, shaped like that tensor."""
-        indices = contributions[0].indices
+        if contributions:
+            indices = contributions[0].indices
+        else:
+            indices = fresh_indices(target, self.program.rank(target))
         self.register_axes(target, indices)
-        pieces = []
+        pieces = [(self.scatter(body, s, indices), indices) for s in scatters]
         # Pointwise contributions add up into one expression with common factors pulled
         # out: softmax's `grad*y + s*y` becomes `(grad + s) * y`, two passes, not four.
         pointwise = [c for c in contributions if not c.summed and not c.diagonal]
@@ -718,12 +931,13 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         if name not in backward.targets:
             returns.append(None)
             continue
-        contributions = by_target.get(name)
+        contributions = by_target.get(name, [])
+        scatters = [s for s in backward.scatters if s.target == name]
         gname = grad_name(name)
-        if not contributions:
+        if not contributions and not scatters:
             bwd.bind(ir.Call("tf.zeros_like", (ir.Var(name),)), name=gname)
         else:
-            bwd.bind(lowerer.gradient(bwd, name, contributions), name=gname)
+            bwd.bind(lowerer.gradient(bwd, name, contributions, scatters), name=gname)
         returns.append(gname)
     backward_block = _finish(bwd, tuple(returns))
 
@@ -768,6 +982,7 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         saved=saved,
         recompute=recompute,
         backward=backward_block,
+        index_inputs=program.index_inputs,
     )
 
 
@@ -775,10 +990,66 @@ def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
     """Prepend the size and dtype definitions the steps use."""
     prelude = []
     if body.uses_dtype:
-        prelude.append(ir.Assign("dtype", ir.DType(body.program.inputs[0])))
-    for var, (tensor_name, axis) in sorted(body.sizes.items()):
-        prelude.append(ir.Assign(var, ir.AxisSize(tensor_name, axis)))
+        prelude.append(ir.Assign("dtype", ir.DType(value_inputs(body.program)[0])))
+    for var, source in sorted(body.sizes.items()):
+        if isinstance(source, tuple):
+            prelude.append(ir.Assign(var, ir.AxisSize(*source)))
+        else:
+            prelude.append(ir.Assign(var, integer(source)))
     return ir.Block(tuple(prelude + body.steps), returns)
+
+
+def integer(e: sp.Expr) -> ir.Expr:
+    """An integer SymPy expression (an extent) as code: sizes, int attrs, //, max."""
+    if e.is_Integer:
+        return ir.Lit(str(int(e)))
+    if isinstance(e, sp.Symbol):
+        shape = indexing.parse_shape_symbol(e)
+        if shape is not None:
+            return ir.AxisSize(*shape)
+        return ir.Var(e.name)
+    if isinstance(e, sp.floor):
+        numerator, denominator = sp.fraction(sp.together(e.args[0]))
+        return ir.Binary("//", integer(numerator), integer(denominator))
+    if isinstance(e, sp.Max | sp.Min):
+        function = "tf.maximum" if isinstance(e, sp.Max) else "tf.minimum"
+        args = sorted(e.args, key=lambda a: (not a.is_Integer, sp.default_sort_key(a)))
+        result = integer(args[-1])
+        for arg in reversed(args[:-1]):
+            result = ir.Call(function, (result, integer(arg)))
+        return result
+    if isinstance(e, sp.Add):
+        terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
+        result = integer(terms[0])
+        for term in terms[1:]:
+            if term.could_extract_minus_sign():
+                result = ir.Binary("-", result, integer(-term))
+            else:
+                result = ir.Binary("+", result, integer(term))
+        return result
+    if isinstance(e, sp.Mul):
+        if e.could_extract_minus_sign():
+            return ir.Negate(integer(-e))
+        factors = sorted(sp.Mul.make_args(e), key=_print_order)
+        result = integer(factors[0])
+        for factor in factors[1:]:
+            result = ir.Binary("*", result, integer(factor))
+        return result
+    raise AssertionError(f"cannot lower the integer expression {e!r}")
+
+
+def as_index_values(e: sp.Expr) -> sp.Expr:
+    """`2*i + ids[b, t]` -> `2*_iota[i] + ids[b, t]`: indices outside accesses read as
+    their values, so lowering aligns them like tensors."""
+    hidden = {a: sp.Dummy(real=True) for a in e.atoms(sp.Indexed)}
+    plain = e.xreplace(hidden)
+    mapping = {s: tensor(IOTA)[s] for s in plain.free_symbols if indexing.is_plain(s)}
+    return plain.xreplace(mapping).xreplace({d: a for a, d in hidden.items()})
+
+
+def value_inputs(program: Program) -> tuple[str, ...]:
+    """The inputs that hold values (not integer index tensors): they set the dtype."""
+    return tuple(n for n in program.inputs if n not in program.index_inputs)
 
 
 _PRELUDE_NAMES = ("dtype",)
