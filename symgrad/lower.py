@@ -367,6 +367,9 @@ class Lowerer:
         eyes: tuple[tuple[Index, Index], ...] = (),
     ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
         """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
+        prefix = self.prefix_sum(body, e, summed, out, eyes)
+        if prefix is not None:
+            return [prefix]
         factors = sp.Mul.make_args(e)
         operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
         for factor in factors:
@@ -384,6 +387,61 @@ class Lowerer:
                         pieces += self.term(body, part, summed, out, eyes)
                     return pieces
         return [self.contract(body, e, summed, out, eyes)]
+
+    def prefix_sum(self, body, e, summed, out, eyes):
+        """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n
+        mask. Also `<` (exclusive) and `>=`, `>` (reversed); the gradient of a prefix sum
+        is a reversed one, so the same rule serves the backward pass."""
+        if eyes:
+            return None
+        factors = sp.Mul.make_args(e)
+        masks = [f for f in factors if isinstance(f, fn.select) and f.args[2] == 0]
+        if len(masks) != 1:
+            return None
+        (mask,) = masks
+        cond = mask.args[0]
+        if type(cond) not in RELATIONS or RELATIONS[type(cond)] in ("==", "!="):
+            return None
+        sides = cond.args
+        if not all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in sides):
+            return None
+        left, right = (a.indices[0] for a in sides)
+        op = RELATIONS[type(cond)]
+        if left in summed and right in out and right not in summed:
+            k, i = left, right
+        elif right in summed and left in out and left not in summed:
+            k, i = right, left
+            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+        else:
+            return None
+        rest = mask.args[1] * sp.Mul(*[f for f in factors if f is not mask])
+        if i in _index_set(rest) or k not in _index_set(rest) or not self.same_size(i, k):
+            return None
+        out_k = tuple(k if j == i else j for j in out)
+        inner = tuple(j for j in summed if j != k)
+        value, axes = self.contract(body, rest, inner, out_k, ())
+        if k not in axes:
+            return None
+        if not _is_simple(value):
+            value = ir.Var(body.bind(value))
+        keywords = [("axis", ir.Lit(str(axes.index(k))))]
+        if op in ("<", ">"):
+            keywords.append(("exclusive", ir.Lit("True")))
+        if op in (">", ">="):
+            keywords.append(("reverse", ir.Lit("True")))
+        total = ir.Call("tf.cumsum", (value,), tuple(keywords))
+        return total, tuple(i if j == k else j for j in axes)
+
+    def same_size(self, i: Index, k: Index) -> bool:
+        """Whether two indices are known to have the same size."""
+
+        def key(index):
+            source = self.size_of.get(index)
+            if isinstance(source, tuple):
+                return indexing.shape_symbol(*source)
+            return source
+
+        return key(i) is not None and key(i) == key(k)
 
     def contract(
         self,

@@ -1056,6 +1056,8 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
             progress = True
         if not progress:
             break
+    # A summed index can never be inferred: name it first, it is the one to fix.
+    pending.sort(key=lambda symbol: symbol in output_indices)
     for symbol in pending:
         kind = "output index" if symbol in output_indices else "index"
         raise fail(
