@@ -135,6 +135,7 @@ def eliminate(
 
 def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
     """Forward results a derivative may contain: (pointwise formula, output access)."""
+    extrema = {lv.name for lv in program.intermediates if lv.kind in ("max", "min")}
     patterns = []
     for output in program.outputs:
         level = output.level
@@ -145,6 +146,11 @@ def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
         expr = level.terms[0].expr
         if isinstance(expr, sp.Indexed) and expr.base.label.name in program.inputs:
             continue  # y = X[...] is a copy; reading X is as cheap
+        if isinstance(expr, sp.Indexed) and expr.base.label.name in extrema:
+            # The tie mask compares each entry with the extremum, and its count must be
+            # at least 1: compare with the extremum recomputed from the same entries, not
+            # with an output a compiled kernel may have rounded differently.
+            continue
         if not expr.atoms(sp.Indexed):
             continue
         patterns.append((expr, tensor(level.name)[level.indices]))

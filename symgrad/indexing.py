@@ -84,7 +84,8 @@ def layout(
 ) -> tuple[tuple[int, ...], tuple[Index, ...]]:
     """Which axes are computed, and the gathered tensor's axes in the order lowering
     produces them: with one computed axis, `tf.gather(X, P, axis=c)` puts the indices of
-    P where axis c was; with several, they are flattened into one axis first, so the
+    P where axis c was; adjacent computed axes are merged into one first and gathered in
+    place the same way; otherwise they are moved to the front and flattened, so the
     indices of P come first and the plain axes follow."""
     uses: dict[Index, int] = {}
     for position in positions:
@@ -95,8 +96,10 @@ def layout(
     )
     inner = [i for i in written if any(i in index_symbols(positions[n]) for n in computed)]
     plain = [(n, positions[n]) for n in range(len(positions)) if n not in computed]
-    if len(computed) == 1:
-        (axis,) = computed
+    if computed and computed == tuple(range(computed[0], computed[-1] + 1)):
+        # One computed axis, or adjacent ones merged into one (the spatial axes of
+        # NHWC): gathered in place, so batch and channels keep their positions.
+        axis = computed[0]
         grid = (
             *[p for n, p in plain if n < axis],
             *inner,

@@ -719,6 +719,14 @@ class Lowerer:
         source: ir.Expr = ir.Var(body.tensors[gather.source])
         if len(computed) == 1:
             axis = computed[0]
+        elif computed == tuple(range(computed[0], computed[-1] + 1)):  # adjacent: merge
+            axis = computed[0]
+            dims = [(self.axis_size(body, gather.source, n),) for n in range(axis)]
+            dims.append(self.rows(body, gather))
+            dims += [
+                (self.axis_size(body, gather.source, n),) for n in range(computed[-1] + 1, rank)
+            ]
+            source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
         else:
             order = (*computed, *plain)
             if order != tuple(range(rank)):
