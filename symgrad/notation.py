@@ -227,6 +227,8 @@ def _scatter_names(program: Program, name: str, names) -> tuple[Index, ...]:
     if given is not None:
         return display_indices(given)
     taken = {str(i) for lv in program.intermediates for i in lv.indices}
+    taken |= {name for name, _ in program.attrs} | {str(i) for i, _ in program.dims}
+    taken |= {str(i) for i, _ in program.extents}
     for level in program.intermediates:
         if level.gather is not None and level.gather.source == name:
             chosen: list[str] = []
