@@ -26,7 +26,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, ir
+from . import indexing, ir, patterns
 from .derive import Backward, Contribution, Scatter, derive, fresh_indices, grad_name
 from .indexing import IOTA
 from .model import Index, Level, Program, index_of_size, tensor
@@ -122,6 +122,8 @@ class Lowerer:
         for output in program.outputs:
             self.levels[output.level.name] = output.level
         self.preferred = _preferred_letters(program, self.backward)
+        # Gathers that are exactly a convolution with the one term reading them.
+        self.convolutions = patterns.convolutions(program)
         self.is_output: set[str] = {o.level.name for o in program.outputs}
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
@@ -367,6 +369,9 @@ class Lowerer:
         eyes: tuple[tuple[Index, Index], ...] = (),
     ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
         """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
+        convolution = self.convolution_term(body, e, out)
+        if convolution is not None:
+            return [convolution]
         prefix = self.prefix_sum(body, e, summed, out, eyes)
         if prefix is not None:
             return [prefix]
@@ -387,6 +392,158 @@ class Lowerer:
                         pieces += self.term(body, part, summed, out, eyes)
                     return pieces
         return [self.contract(body, e, summed, out, eyes)]
+
+    # -- convolutions ---------------------------------------------------------------------
+
+    def convolution_term(self, body: _Body, e: sp.Expr, out: tuple[Index, ...]):
+        """The term of a recognised convolution (forward), or its filter gradient
+        `Σ grad_y · window` (backward), as TF's convolution kernels."""
+        reads = [a for a in e.atoms(sp.Indexed) if a.base.label.name in self.convolutions]
+        if len(reads) != 1:
+            return None
+        conv = self.convolutions[reads[0].base.label.name]
+        factors = sp.Mul.make_args(e)
+        if len(factors) != 2:
+            return None
+        (other,) = [f for f in factors if f != reads[0]]
+        if not isinstance(other, sp.Indexed):
+            return None
+        if other.base.label.name == conv.filter:  # the forward term
+            value = ir.Call(
+                "tf.nn.convolution",
+                (self.window(body, conv), ir.Var(body.tensors[conv.filter])),
+                (
+                    ("strides", self.strides(conv, full=False)),
+                    ("padding", ir.Lit('"VALID"')),
+                ),
+            )
+            return value, conv.indices
+        if other.base.label.name == grad_name(conv.consumer):  # ∂L/∂w
+            grad = self.conv_grad(body, conv, other)
+            window = ir.Var(body.bind(self.window(body, conv)))
+            weights = ir.Var(body.tensors[conv.filter])
+            flat = len(conv.spatial) == 1  # 1-D runs as 2-D with a height of one
+            if flat:
+                window = ir.View(window, None, (0, None, 1, 2))
+                weights = ir.View(weights, None, (None, 0, 1, 2))
+                grad = ir.View(grad, None, (0, None, 1, 2))
+            kernel = (
+                "tf.raw_ops.Conv3DBackpropFilterV2"
+                if len(conv.spatial) == 3
+                else ("tf.raw_ops.Conv2DBackpropFilter")
+            )
+            value: ir.Expr = ir.Call(
+                kernel,
+                (),
+                (
+                    ("input", window),
+                    ("filter_sizes", ir.Call("tf.shape", (weights,))),
+                    ("out_backprop", grad),
+                    ("strides", self.strides(conv, full=True)),
+                    ("padding", ir.Lit('"VALID"')),
+                ),
+            )
+            if flat:
+                value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit("0")),))
+            return value, out
+        return None
+
+    def conv_grad(self, body: _Body, conv, grad: sp.Indexed | None = None) -> ir.Expr:
+        """The consumer's incoming gradient on the convolution's axes (b, i.., o)."""
+        name = grad_name(conv.consumer)
+        labels = tuple(grad.indices) if grad is not None else self.levels[conv.consumer].indices
+        if grad is not None:  # the contribution renamed the consumer's indices
+            mapping = dict(zip(self.levels[conv.consumer].indices, labels, strict=True))
+            target = tuple(mapping[i] for i in conv.indices)
+        else:
+            target = conv.indices
+        value = align(ir.Var(body.tensors[name]), labels, target)
+        return value if _is_simple(value) else ir.Var(body.bind(value))
+
+    def strides(self, conv, *, full: bool) -> ir.Expr:
+        """`[s1, s2]` for tf.nn.convolution; `[1, s1, s2, 1]` for the raw kernels (1-D
+        as 2-D: `[1, 1, s, 1]`)."""
+        strides = [integer(s.stride) for s in conv.spatial]
+        if not full:
+            return ir.List(tuple(strides))
+        if len(strides) == 1:
+            strides = [ir.Lit("1"), *strides]
+        return ir.List((ir.Lit("1"), *strides, ir.Lit("1")))
+
+    def window_bounds(self, body: _Body, conv):
+        """Per spatial axis: (padding below, padding above, start, length, size) of the
+        window of x the outputs read, as code: after padding, the window starts at
+        `start` and has length = stride*(n_i - 1) + K. Worked out in SymPy, so literal
+        offsets and strides fold to numbers."""
+
+        def var(name: str) -> sp.Symbol:
+            return sp.Symbol(name, integer=True, nonnegative=True)
+
+        bounds = []
+        for axis, spatial in enumerate(conv.spatial, start=1):
+            size = var(self.axis_size(body, conv.source, axis))
+            taps = var(self.axis_size(body, conv.filter, axis - 1))
+            count = var(self.index_size(body, spatial.output))
+            length = spatial.stride * (count - 1) + taps
+            low = sp.Max(-spatial.offset, 0)
+            high = sp.Max(spatial.offset + length - size, 0)
+            start = spatial.offset + low
+            parts = [self.bind_integer(body, e) for e in (low, high, start, length)]
+            after = self.bind_integer(body, size + low + high - start - length)
+            bounds.append((*parts, integer(size), after))
+        return bounds
+
+    def bind_integer(self, body: _Body, e: sp.Expr) -> ir.Expr:
+        value = integer(e)
+        return value if isinstance(value, ir.Lit | ir.Var) else ir.Var(body.bind(value))
+
+    def window(self, body: _Body, conv) -> ir.Expr:
+        """x padded with zeros (or cropped) to exactly the window the outputs read."""
+        bounds = self.window_bounds(body, conv)
+        zero = ir.List((ir.Lit("0"), ir.Lit("0")))
+        paddings = ir.List((zero, *(ir.List((lo, hi)) for lo, hi, *_ in bounds), zero))
+        padded = ir.Var(body.bind(ir.Call("tf.pad", (ir.Var(body.tensors[conv.source]), paddings))))
+        begin = ir.List((ir.Lit("0"), *(b[2] for b in bounds), ir.Lit("0")))
+        size = ir.List((ir.Lit("-1"), *(b[3] for b in bounds), ir.Lit("-1")))
+        return ir.Call("tf.slice", (padded, begin, size))
+
+    def convolution_input_gradient(self, body: _Body, conv) -> ir.Expr:
+        """∂L/∂x: TF's input backprop kernel on the window, then the window's transpose
+        (the crop becomes zero padding, the zero padding is cut away)."""
+        grad = self.conv_grad(body, conv)
+        window = ir.Var(body.bind(self.window(body, conv)))
+        weights: ir.Expr = ir.Var(body.tensors[conv.filter])
+        flat = len(conv.spatial) == 1
+        if flat:
+            window = ir.View(window, None, (0, None, 1, 2))
+            weights = ir.View(weights, None, (None, 0, 1, 2))
+            grad = ir.View(grad, None, (0, None, 1, 2))
+        kernel = (
+            "tf.raw_ops.Conv3DBackpropInputV2"
+            if len(conv.spatial) == 3
+            else ("tf.raw_ops.Conv2DBackpropInput")
+        )
+        value: ir.Expr = ir.Call(
+            kernel,
+            (),
+            (
+                ("input_sizes", ir.Call("tf.shape", (window,))),
+                ("filter", weights),
+                ("out_backprop", grad),
+                ("strides", self.strides(conv, full=True)),
+                ("padding", ir.Lit('"VALID"')),
+            ),
+        )
+        if flat:
+            value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit("1")),))
+        value = ir.Var(body.bind(value))
+        bounds = self.window_bounds(body, conv)
+        zero = ir.List((ir.Lit("0"), ir.Lit("0")))
+        paddings = [ir.List((start, after)) for _, _, start, _, _, after in bounds]
+        padded = ir.Var(body.bind(ir.Call("tf.pad", (value, ir.List((zero, *paddings, zero))))))
+        begin = ir.List((ir.Lit("0"), *(b[0] for b in bounds), ir.Lit("0")))
+        size = ir.List((ir.Lit("-1"), *(b[4] for b in bounds), ir.Lit("-1")))
+        return ir.Call("tf.slice", (padded, begin, size))
 
     def prefix_sum(self, body, e, summed, out, eyes):
         """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n
@@ -747,6 +904,8 @@ class Lowerer:
     def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
         """The transpose of a gather: its gradient added back where it read (reads out of
         bounds add nothing), shaped like the source with axes `indices`."""
+        if scatter.level in self.convolutions:
+            return self.convolution_input_gradient(body, self.convolutions[scatter.level])
         level = self.levels[scatter.level]
         gather = level.gather
         computed = gather.computed
@@ -983,6 +1142,8 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
     for c in backward.contributions:
         by_target.setdefault(c.target, []).append(c)
     for name in backward.order:
+        if name in lowerer.convolutions:
+            continue  # TF's convolution backprop kernels read the consumer's gradient
         if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
             level = lowerer.levels[name]
             gname = grad_name(name)
@@ -1149,6 +1310,8 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
             return ir.Binary(e.op, walk(e.left), walk(e.right))
         if isinstance(e, ir.Negate):
             return ir.Negate(walk(e.operand))
+        if isinstance(e, ir.List):
+            return ir.List(tuple(walk(a) for a in e.items))
         return e
 
     steps = []

@@ -61,6 +61,8 @@ def code(e: ir.Expr) -> str:
         return f"tf.shape({e.tensor})[{e.axis}]"
     if isinstance(e, ir.FloatSize):
         return f"tf.cast({e.size}, dtype)"
+    if isinstance(e, ir.List):
+        return "[" + ", ".join(code(item) for item in e.items) + "]"
     if isinstance(e, ir.Shape):
         return "[" + ", ".join(" * ".join(dim) for dim in e.dims) + "]"
     if isinstance(e, ir.Einsum):
