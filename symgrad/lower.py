@@ -243,6 +243,9 @@ class Lowerer:
                 return softmax
         if isinstance(e, fn.select):
             cond, then, otherwise = e.args
+            if then == 1 and otherwise == 0:  # a mask
+                body.uses_dtype = True
+                return ir.Call("tf.cast", (self.condition(body, cond, target), ir.Var("dtype")))
             return ir.Call(
                 "tf.where",
                 (

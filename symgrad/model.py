@@ -766,11 +766,11 @@ def _written_indices(node: Node) -> list[str]:
     """Index names of the accesses under `node`, in written order."""
     if isinstance(node, Access):
         return list(node.indices)
-    if isinstance(node, Where):
+    if isinstance(node, Where):  # the values' indices first: they fix the axis order
         return (
-            _condition_indices(node.cond)
-            + _written_indices(node.then)
+            _written_indices(node.then)
             + _written_indices(node.otherwise)
+            + _condition_indices(node.cond)
         )
     if isinstance(node, Reduce):
         return _written_indices(node.body)
