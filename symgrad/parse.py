@@ -281,7 +281,10 @@ class _Walker:
             self.fail(problem, target)
         groups: list[tuple[str, ...]] = []
         cols: list[int] = []
-        for element in _slice_elements(target.slice):
+        # `y[(b,i,j)]` has the syntax tree of `y[b,i,j]`; only the text shows that the whole
+        # subscript is one composite axis.
+        elements = [target.slice] if self.parenthesised(target.slice) else None
+        for element in elements or _slice_elements(target.slice):
             if isinstance(element, ast.Tuple):
                 if len(element.elts) < 2:
                     self.fail("a composite output index needs two or more indices", element)
@@ -300,6 +303,19 @@ class _Walker:
                 assign.value,
             )
         return Equation(output, tuple(groups), rhs, self.text, target.col_offset, tuple(cols))
+
+    def parenthesised(self, node: ast.AST) -> bool:
+        """Whether a subscript tuple is wrapped in its own parentheses: `[(b,i)]`, not `[b,i]`
+        or `[(b,i),j]`."""
+        segment = ast.get_source_segment(self.text, node) or ""
+        if not isinstance(node, ast.Tuple) or not segment.startswith("("):
+            return False
+        depth = 0
+        for position, char in enumerate(segment):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                return position == len(segment) - 1
+        return False  # pragma: no cover - the segment of a parsed tuple is balanced
 
     def index_name(self, node: ast.AST) -> str:
         if not isinstance(node, ast.Name):
@@ -367,6 +383,10 @@ class _Walker:
             problem = check_name(name, "tensor")
             if problem:
                 self.fail(problem, node)
+            if self.parenthesised(node.slice):
+                self.fail(
+                    "composite indices `(i, k)` are only allowed on the left side", node.slice
+                )
             elements = _slice_elements(node.slice)
             indices = tuple(self.index_name(e) for e in elements)
             return Access(name, indices, col)
