@@ -25,6 +25,8 @@ _ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 MAX_FORMULA_LENGTH = 2000
 MAX_DEPTH = 40  # nesting of brackets and of the walked expression tree
+MAX_OPERATIONS = 400  # operators and calls in one formula: a bound on its total size
+MAX_FACTORS = 41  # of one product chain: each factor's gradient multiplies all the others
 MAX_INTEGER = 10**9
 MAX_EXPONENT = 64
 MAX_INDICES = 52  # einsum has 52 letters
@@ -342,7 +344,15 @@ class _Walker:
             op = ops.get(type(node.op))
             if op is None:
                 self.fail(f"operator {_op_symbol(node.op)} is not supported", node)
-            left = self.expr(node.left, depth + 1)
+            # `a + b + c` is a left-deep tree, but a chain, not nesting: the left operand of
+            # an operator of the same precedence stays at this depth.
+            if op in "*/" and _chain_length(node) > MAX_FACTORS:
+                self.fail(
+                    f"a product of {_chain_length(node)} factors; the limit is {MAX_FACTORS}",
+                    node,
+                )
+            chained = isinstance(node.left, ast.BinOp) and _same_chain(node.op, node.left.op)
+            left = self.expr(node.left, depth if chained else depth + 1)
             right = self.expr(node.right, depth + 1)
             if op == "/" and isinstance(right, Num) and right.value == 0:
                 self.fail("division by zero", node.right)
@@ -648,6 +658,33 @@ def _shorten(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+_CHAINS = {ast.Add: "+", ast.Sub: "+", ast.Mult: "*", ast.Div: "*"}
+
+
+def _same_chain(op: ast.AST, left_op: ast.AST) -> bool:
+    """`a - b + c` and `a / b * c` are chains; `a ** b ** c` nests (it groups to the right)."""
+    chain = _CHAINS.get(type(op))
+    return chain is not None and chain == _CHAINS.get(type(left_op))
+
+
+def _chain_length(node: ast.BinOp) -> int:
+    """How many operands the chain `a * b / c * ...` ending at `node` has."""
+    length = 2
+    while isinstance(node.left, ast.BinOp) and _same_chain(node.op, node.left.op):
+        node, length = node.left, length + 1
+    return length
+
+
+def _check_size(tree: ast.Module) -> None:
+    """A bound on total size, so that walking a long flat chain stays cheap and shallow."""
+    operations = sum(isinstance(n, ast.BinOp | ast.UnaryOp | ast.Call) for n in ast.walk(tree))
+    if operations > MAX_OPERATIONS:
+        raise SymgradError(
+            f"the formula has {operations} operations (operators and calls); "
+            f"the limit is {MAX_OPERATIONS}"
+        )
+
+
 def _slice_elements(node: ast.AST) -> list[ast.AST]:
     return list(node.elts) if isinstance(node, ast.Tuple) else [node]
 
@@ -712,4 +749,5 @@ def parse_equation(text: str, attrs: frozenset[str] = frozenset()) -> Equation:
         raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
     except (RecursionError, MemoryError, ValueError):
         raise SymgradError("the formula is too deeply nested to read") from None
+    _check_size(tree)
     return _Walker(text, attrs).equation(tree)

@@ -167,8 +167,50 @@ CASES = [
     Case(
         "1900-unary-minus",
         op("y[b,i] = " + "-" * 1900 + "A[b,i]"),
+        "the formula has 1900 operations",
+        max_seconds=2,
+    ),
+    Case(
+        "45-unary-minus",
+        op("y[b,i] = " + "-" * 45 + "A[b,i]"),
         "nests deeper than 40 levels",
-        at="-",
+        at="----A[b,i]",
+        max_seconds=2,
+    ),
+    # A flat chain is not nesting (`a + b + c` is left-deep in Python's tree), but its size
+    # is bounded, and a product's gradient grows with the square of its factor count.
+    Case(
+        "product-of-42-factors",
+        op("y[b] = " + " * ".join(f"A{n}[b]" for n in range(42))),
+        "a product of 42 factors; the limit is 41",
+        at="A0[b] * A1[b]",
+        max_seconds=2,
+    ),
+    Case(
+        "quotient-chain-of-42",
+        op("y[b] = A[b]" + " / B[b] * C[b]" * 20 + " / D[b]"),
+        "a product of 42 factors; the limit is 41",
+        at="A[b] / B[b]",
+        max_seconds=2,
+    ),
+    Case(
+        "401-operations",
+        op("y[b] = A[b] + " + "+".join(["1"] * 401)),
+        "the formula has 401 operations (operators and calls); the limit is 400",
+        max_seconds=2,
+    ),
+    Case(
+        "power-tower-nesting",
+        op("y[b] = A[b]" + " ** 1" * 45),
+        "the expression nests deeper than 40 levels",
+        at="1 ** 1",
+        max_seconds=2,
+    ),
+    Case(
+        "right-nested-sum",
+        op("y[b] = " + "A[b] + (" * 41 + "A[b]" + ")" * 41),
+        "brackets nest deeper than 40 levels",
+        at="[b] + (",
         max_seconds=2,
     ),
     Case(
@@ -538,6 +580,13 @@ NEAR_MISSES = [
     pytest.param("y[b] = (1 + e) ** A[b] + 0 ** 2 * A[b]", id="positive-base-power"),
     pytest.param("y[b] = A[k] * B[k] * C[b]", id="scalar-contraction-times-tensor"),
     pytest.param("y[b,i] = A[j,k] * B[k] * C[b,i]", id="vector-chain-times-tensor"),
+    # Flat chains are not nesting; the 42-term sum was once refused as "nests deeper than 40".
+    pytest.param("y[b,i] = " + " + ".join(["A[b,i]"] * 42), id="flat-sum-42"),
+    pytest.param(
+        "y[b,i] = " + " + ".join(f"{'ABCDE'[n % 5]}[b,i]" for n in range(200)), id="flat-sum-200"
+    ),
+    pytest.param("y[b] = A[b]" + " - B[b] + C[b]" * 100, id="flat-mixed-sum-201"),
+    pytest.param("y[b] = A[b]" + " / B[b] * C[b]" * 20, id="quotient-chain-of-41"),
 ]
 
 
