@@ -343,7 +343,11 @@ class _Walker:
             ops = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
             op = ops.get(type(node.op))
             if op is None:
-                self.fail(f"operator {_op_symbol(node.op)} is not supported", node)
+                hint = "; powers are `**`" if isinstance(node.op, ast.BitXor) else ""
+                self.fail(
+                    f"operator {_op_symbol(node.op)} is not supported{hint}",
+                    col=_operator_col(self.text, node),
+                )
             # `a + b + c` is a left-deep tree, but a chain, not nesting: the left operand of
             # an operator of the same precedence stays at this depth.
             if op in "*/" and _chain_length(node) > MAX_FACTORS:
@@ -687,6 +691,15 @@ def _check_size(tree: ast.Module) -> None:
 
 def _slice_elements(node: ast.AST) -> list[ast.AST]:
     return list(node.elts) if isinstance(node, ast.Tuple) else [node]
+
+
+def _operator_col(text: str, node: ast.BinOp) -> int:
+    """The column of a binary operator: the first character between its operands that is
+    not a space or a bracket of a parenthesised operand."""
+    for col in range(node.left.end_col_offset or 0, node.right.col_offset):
+        if text[col] not in " ()":
+            return col
+    return node.col_offset  # pragma: no cover - an operator is always between its operands
 
 
 def _op_symbol(op: ast.AST) -> str:

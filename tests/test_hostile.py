@@ -131,8 +131,21 @@ CASES = [
         "matmul-operator",
         op("y[b,i] = A[b,i] @ B[b,i]"),
         "operator '@' is not supported",
-        at="A[b,i] @",
+        at="@ B",
     ),
+    Case(
+        "caret-for-power",
+        op("y[b,i] = A[b,i] ^ 2"),
+        "operator '^' is not supported; powers are `**`",
+        at="^ 2",
+    ),
+    Case(
+        "caret-after-parentheses",
+        op("y[b,i] = (A[b,i] + 1)^(B[b,i])"),
+        "operator '^' is not supported; powers are `**`",
+        at="^(B",
+    ),
+    Case("floor-division", op("y[b,i] = A[b,i]//2"), "operator '//' is not supported", at="//2"),
     Case("second-statement", op("y[b,i] = A[b,i]; import os"), "one equation", at="y[b,i]"),
     # A comment vanishes from Python's AST but not from the text that generated docstrings
     # quote: this one would close the docstring and run `touch CANARY` on import.
