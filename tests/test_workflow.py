@@ -424,6 +424,45 @@ def test_a_foreign_file_with_a_module_name_is_a_clear_error(tmp_path, capsys, fl
     assert snapshot(out) == before  # not even the other modules were written
 
 
+@pytest.mark.parametrize("flags", [[], ["--force"], ["--check"], ["--diff"]])
+def test_a_folder_generated_from_another_spec_is_refused_and_kept(tmp_path, capsys, flags):
+    """`generate a.toml --out gen` then `generate b.toml --out gen` once deleted op_a.py."""
+    out = tmp_path / "gen"
+    (tmp_path / "a.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 2"\n')
+    (tmp_path / "b.toml").write_text('[ops.OpB]\nformula = "y[b] = A[b] * 3"\n')
+    assert run(capsys, "generate", tmp_path / "a.toml", "--out", out)[0] == 0
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", tmp_path / "b.toml", "--out", out, *flags)
+    assert code == 2
+    assert stderr.splitlines()[0] == (
+        f"error: {out / '__init__.py'}: __init__.py was generated from a.toml, not from b.toml; "
+        "refusing to overwrite it: give each spec its own output folder (`out` or --out)"
+    )
+    assert snapshot(out) == before
+
+
+def test_a_module_from_another_spec_is_never_overwritten_or_deleted(tmp_path, capsys):
+    out = tmp_path / "gen"
+    (tmp_path / "a.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 2"\n')
+    assert run(capsys, "generate", tmp_path / "a.toml", "--out", out)[0] == 0
+    (out / "__init__.py").unlink()  # without the package file, only the modules can tell
+    op_a = (out / "op_a.py").read_bytes()
+
+    # The same module name from another spec: refused, naming the file and its spec.
+    (tmp_path / "b.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 3"\n')
+    code, _, stderr = run(capsys, "generate", tmp_path / "b.toml", "--out", out, "--force")
+    assert code == 2 and f"{out / 'op_a.py'}: op_a.py was generated from a.toml" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["op_a.py"]
+
+    # Another spec's module is not an orphan of this one: left alone.
+    (tmp_path / "b.toml").write_text('[ops.OpB]\nformula = "y[b] = A[b] * 3"\n')
+    code, stdout, _ = run(capsys, "generate", tmp_path / "b.toml", "--out", out)
+    assert code == 0 and "deleted" not in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "op_a.py", "op_b.py"]
+    assert (out / "op_a.py").read_bytes() == op_a
+    assert run(capsys, "generate", tmp_path / "b.toml", "--out", out, "--check")[0] == 0
+
+
 def test_the_module_of_a_removed_op_is_deleted(project, capsys):
     spec, out = project
     write_spec(spec.parent, {"Scale": OPS["Scale"]})
