@@ -15,7 +15,7 @@ from .emit import diff, generate, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
 from .model import build
-from .spec import OpSpec, load_spec
+from .spec import OpSpec, load_spec, output_folder
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
 
@@ -68,10 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     spec = load_spec(args.spec)
-    if args.out:
-        out = Path(args.out)
-    else:
-        out = Path(args.spec).parent / (spec.out or "generated")
+    out = Path(args.out) if args.out else output_folder(spec)
     files = generate(spec)
     changes = plan(files, out)
     if args.check or args.diff:

@@ -71,15 +71,15 @@ def test_matmul_text(capsys):
 def test_op_from_a_spec_explains_the_same(capsys, monkeypatch):
     spec = GOLDEN / "matmul" / "symgrad.toml"
     from_formula = explain(capsys, MATMUL)
-    assert explain(capsys, "--op", "BatchMatMul", "--spec", spec) == from_formula
-    assert explain(capsys, "--op", "BatchMatMul", spec) == from_formula  # SPEC positional
+    assert explain(capsys, "--op", "BatchedMatMul", "--spec", spec) == from_formula
+    assert explain(capsys, "--op", "BatchedMatMul", spec) == from_formula  # SPEC positional
     monkeypatch.chdir(spec.parent)
-    assert explain(capsys, "--op", "BatchMatMul") == from_formula  # ./symgrad.toml
+    assert explain(capsys, "--op", "BatchedMatMul") == from_formula  # ./symgrad.toml
 
 
 def test_the_eliminated_form_is_the_generated_docstring_line(capsys):
-    text = explain(capsys, "--op", "BatchMatMul", GOLDEN / "matmul" / "symgrad.toml")
-    module = (GOLDEN / "matmul" / "expected" / "batch_mat_mul.py").read_text(encoding="utf-8")
+    text = explain(capsys, "--op", "BatchedMatMul", GOLDEN / "matmul" / "symgrad.toml")
+    module = (GOLDEN / "matmul" / "expected" / "batched_mat_mul.py").read_text(encoding="utf-8")
     for line in (
         "grad_A[b,i,k] = Σ_j grad_y[b,i,j]*B[b,k,j]",
         "grad_B[b,k,j] = Σ_i grad_y[b,i,j]*A[b,i,k]",

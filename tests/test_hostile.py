@@ -282,6 +282,42 @@ CASES = [
     Case(
         "op-keyword-module", op("y[b] = A[b]", name="Import"), "would write import.py", op="Import"
     ),
+    # Modules that would shadow what generated code and its users import, and TF's own ops
+    # (whose second gradient registration would fail only at import).
+    Case(
+        "op-shadows-numpy",
+        op("y[b] = A[b]", name="Numpy"),
+        "'Numpy' would write numpy.py, which shadows a package of that name",
+        op="Numpy",
+    ),
+    Case(
+        "op-shadows-stdlib-abc",
+        'out = "."\n' + op("y[b] = A[b]", name="Abc"),
+        "'Abc' would write abc.py, which shadows a standard-library module",
+        op="Abc",
+        argv=(),
+    ),
+    Case(
+        "op-shadows-stdlib-test",
+        op("y[b] = A[b]", name="Typing"),
+        "would write typing.py, which shadows a standard-library module",
+        op="Typing",
+    ),
+    Case(
+        "op-shadows-tensorflow",
+        op("y[b] = A[b]", name="Tensorflow"),
+        "'Tensorflow' would write tensorflow.py, which shadows a package",
+        op="Tensorflow",
+    ),
+    *(
+        Case(
+            f"op-is-tf-op-{name}",
+            op("y[b] = A[b]", name=name),
+            f"op name '{name}' is a TensorFlow op that already has a gradient",
+            op=name,
+        )
+        for name in ("MatMul", "Softmax", "BatchMatMul", "Relu", "Sigmoid")
+    ),
     Case("op-too-long", op("y[b] = A[b]", name="Op" + "x" * 300), "longer than 100", op=None),
     Case(
         "tensor-bidi", op("y[b,i] = A\u202e[b,i]"), "character U+202E is not allowed", at="?[b,i]"
@@ -456,6 +492,13 @@ CASES = [
         "module-collision",
         op("y[b] = A[b]", name="ABc") + op("y[b] = A[b]", name="A_Bc"),
         "would both write a_bc.py",
+        op=None,
+    ),
+    # The output folder holds the package of seed.toml: its __init__.py is not this spec's.
+    Case(
+        "folder-of-another-spec",
+        op("y[b] = A[b]", name="Fine"),
+        "out/__init__.py: __init__.py was generated from seed.toml, not from hostile.toml",
         op=None,
     ),
     # All or nothing: a good op before a bad one must not be written either.
