@@ -416,6 +416,7 @@ def test_a_hand_edited_module_is_refused_unless_forced(project, capsys):
 
     code, stdout, _ = run(capsys, "generate", spec, "--check")
     assert code == 1 and f"{module}: stale and edited by hand" in stdout
+    assert "(`symgrad generate --force` overwrites it)" in stdout
     assert snapshot(out) == before
 
     code, stdout, _ = run(capsys, "generate", spec, "--force")
@@ -525,6 +526,7 @@ def test_a_hand_edited_orphan_is_refused_unless_forced(project, capsys):
     assert snapshot(out) == before
     code, stdout, _ = run(capsys, "generate", spec, "--check")
     assert code == 1 and f"{module}: orphaned" in stdout and "edited by hand" in stdout
+    assert "(`symgrad generate --force` deletes it)" in stdout
     assert run(capsys, "generate", spec, "--force")[0] == 0
     assert not module.exists()
 
