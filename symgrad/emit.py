@@ -202,7 +202,8 @@ def plan(files: dict[str, str], out: Path) -> Plan:
             other = other_spec or "another spec"
             raise SymgradError(
                 f"{name} was generated from {other}, not from {this_spec}; refusing to "
-                "overwrite it: give each spec its own output folder (`out` or --out)",
+                "overwrite it: give each spec its own output folder (`out` or --out), or, if "
+                f"{other} was renamed, delete the files generated from it",
                 where=str(out / name),
             )
         if old != text:

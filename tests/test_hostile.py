@@ -145,6 +145,12 @@ CASES = [
         "operator '^' is not supported; powers are `**`",
         at="^(B",
     ),
+    Case(
+        "composite-on-input",
+        op("y[b,i] = A[(b,i)]"),
+        "composite indices `(i, k)` are only allowed on the left side",
+        at="(b,i)]",
+    ),
     Case("floor-division", op("y[b,i] = A[b,i]//2"), "operator '//' is not supported", at="//2"),
     Case("second-statement", op("y[b,i] = A[b,i]; import os"), "one equation", at="y[b,i]"),
     # A comment vanishes from Python's AST but not from the text that generated docstrings

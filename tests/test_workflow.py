@@ -479,7 +479,8 @@ def test_a_folder_generated_from_another_spec_is_refused_and_kept(tmp_path, caps
     assert code == 2
     assert stderr.splitlines()[0] == (
         f"error: {out / '__init__.py'}: __init__.py was generated from a.toml, not from b.toml; "
-        "refusing to overwrite it: give each spec its own output folder (`out` or --out)"
+        "refusing to overwrite it: give each spec its own output folder (`out` or --out), or, "
+        "if a.toml was renamed, delete the files generated from it"
     )
     assert snapshot(out) == before
 
