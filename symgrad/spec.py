@@ -297,7 +297,10 @@ def output_folder(spec: Spec) -> Path:
     stay inside that folder once symbolic links are resolved (`out = "link/gen"`)."""
     base = Path(spec.path).parent
     folder = base / (spec.out or "generated")
-    target = folder.resolve()
+    try:
+        target = folder.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise SymgradError(f"cannot resolve `out`: {exc}", where=spec.path) from None
     if not target.is_relative_to(base.resolve()):
         shown = _show(spec.out) if spec.out is not None else "'generated' (the default)"
         raise SymgradError(

@@ -219,6 +219,13 @@ def test_spec_out_through_a_symlink_to_outside_is_refused(tmp_path, capsys, link
     assert (elsewhere / "scale.py").is_file()
 
 
+def test_spec_out_through_a_symlink_loop_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "lnk").symlink_to(tmp_path / "lnk")
+    spec = write_spec(tmp_path, OPS, out="lnk/gen")
+    code, _, stderr = run(capsys, "generate", spec)
+    assert code == 2 and "cannot resolve `out`" in stderr and "internal error" not in stderr
+
+
 def test_spec_out_through_a_symlink_that_stays_inside_is_fine(tmp_path, capsys):
     (tmp_path / "real").mkdir()
     (tmp_path / "lnk").symlink_to(tmp_path / "real", target_is_directory=True)
