@@ -332,8 +332,9 @@ def load_spec(path: str | Path) -> Spec:
 
 @functools.cache
 def stdlib_modules() -> frozenset[str]:
-    """The standard library's top-level module names (`sys.stdlib_module_names` of every
-    supported Python, frozen: the running Python's own set varies by version)."""
+    """The standard library's top-level module names, frozen: Python 3.11's
+    `sys.stdlib_module_names` plus the public modules added since (`annotationlib`,
+    `compression`), since the running Python's own set varies by version."""
     return _data_names("stdlib_modules.txt")
 
 
