@@ -44,7 +44,7 @@ def code(e: ir.Expr) -> str:
     if isinstance(e, ir.DType):
         return f"{e.tensor}.dtype"
     if isinstance(e, ir.AxisSize):
-        return f"tf.shape({e.tensor})[{e.axis}]"
+        return f"_dim({e.tensor}, {e.axis})"
     if isinstance(e, ir.FloatSize):
         return f"tf.cast({e.size}, dtype)"
     if isinstance(e, ir.Shape):
@@ -135,8 +135,16 @@ def content_hash(body: str) -> str:
 def render(module: ir.Module) -> str:
     """The module's Python source, before formatting; its hash line is a placeholder."""
     shared = tuple((c.index, c.axes) for c in module.dim_checks)
+    # `vjp` runs the forward pass only when the backward reads an output or intermediate.
+    read = ir.names_read(module.backward)
     return (
         environment()
         .get_template("module.py.j2")
-        .render(m=module, content_hash="{content_hash}", shared_axes=repr(shared))
+        .render(
+            m=module,
+            content_hash="{content_hash}",
+            shared_axes=repr(shared),
+            output_axes=repr(module.output_axes),
+            vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
+        )
     )
