@@ -59,14 +59,14 @@ def code(e: ir.Expr) -> str:
         inner = code(e.operand)
         if e.perm is not None:
             inner = f"tf.transpose({inner}, {list(e.perm)})"
-        elif _precedence(e.operand) < ATOM:
-            inner = f"({inner})"
-        slots = list(e.slots)
-        while slots and slots[-1] is not None:
-            slots.pop()
-        if not slots:
-            return inner
-        return f"{inner}[{', '.join(':' if s is not None else 'tf.newaxis' for s in slots)}]"
+        # New axes by tf.expand_dims, left to right: in eager mode `x[:, tf.newaxis]`
+        # costs several times as much (it builds begin/end/stride tensors each call).
+        for position, slot in enumerate(e.slots):
+            if slot is None:
+                inner = f"tf.expand_dims({inner}, {position})"
+        if e.perm is None and None not in e.slots and _precedence(e.operand) < ATOM:
+            inner = f"({inner})"  # nothing to do; never made by `lower.align`
+        return inner
     if isinstance(e, ir.Negate):
         inner = code(e.operand)
         return f"-{inner}" if _precedence(e.operand) > PRECEDENCE["neg"] else f"-({inner})"
