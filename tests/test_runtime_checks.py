@@ -237,3 +237,55 @@ def test_vjp_runs_the_forward_pass_when_its_backward_reads_the_output():
     grad_a, _ = module.vjp(A, B, grad)
     want = tf.einsum("bij,bkj->bik", grad * tf.exp(tf.matmul(A, B)), B)
     np.testing.assert_allclose(grad_a.numpy(), want.numpy(), rtol=1e-12)
+
+
+def test_vjp_checks_unknown_sizes_when_the_graph_runs():
+    """tf.function with None dims: the sizes are compared by a tf.debugging assert."""
+    spec = tf.TensorSpec([None, None, None], tf.float64)
+    run = tf.function(
+        lambda A, B, grad: scaled_add().vjp(A, B, grad, alpha=2.0), input_signature=[spec] * 3
+    )
+    A, B = rand(2, 3, 4), rand(2, 3, 4)
+    grad_a, _ = run(A, B, tf.ones((2, 3, 4), tf.float64))
+    np.testing.assert_array_equal(grad_a.numpy(), np.full((2, 3, 4), 2.0))
+    for wrong in ((1, 3, 4), (2, 4, 3)):  # broadcasts; same element count
+        with pytest.raises(
+            tf.errors.InvalidArgumentError, match=r"ScaledAdd: grad_y is not shaped like y"
+        ):
+            run(A, B, tf.ones(wrong, tf.float64))
+
+
+# ----------------------------------------------------------------------------- gradient(op)
+
+
+def test_gradient_needs_no_name_for_a_single_input_or_output():
+    module = importlib.import_module("generated.log_sum_exp")
+    A = rand(2, 3, 4)
+    y = module.forward(A)
+    grad = rand(2, 3)
+    fake = FakeOp([A], [y], {}, module, input_names=["logits"], output_names=["out"])
+    (got,) = module.gradient(fake, grad)
+    (want,) = module.vjp(A, grad)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12)
+
+
+def test_gradient_refuses_list_inputs_and_unknown_op_types():
+    module = scaled_add()
+    A, B = rand(2, 3, 4), rand(2, 3, 4)
+    fake = FakeOp([A, B], [A + B], {"alpha": 1.0}, module, op_type="ScaledAddList")
+    fake.op_def.input_arg[0].number_attr = "N"
+    with pytest.raises(ValueError, match=r"ScaledAdd: op ScaledAddList declares A as a list"):
+        module.gradient(fake, A)
+    unknown = FakeOp([A, B], [A + B], {"alpha": 1.0}, module, op_type="NoSuchOpType")
+    del unknown.op_def  # like the eager tape's op: only its type
+    with pytest.raises(LookupError, match=r"ScaledAdd: op type NoSuchOpType is not known"):
+        module.gradient(unknown, A)
+
+
+def test_gradient_reads_an_attr_named_in_another_case():
+    module = scaled_add()
+    A, B, grad = rand(2, 3, 4), rand(2, 3, 4), rand(2, 3, 4)
+    fake = FakeOp([A, B], [A + B], {"Alpha": 3.0}, module, attr_names=["Alpha"], op_type="SA2")
+    grad_a, grad_b = module.gradient(fake, grad)
+    np.testing.assert_allclose(grad_a.numpy(), 3.0 * grad.numpy())
+    np.testing.assert_allclose(grad_b.numpy(), grad.numpy())
