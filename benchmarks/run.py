@@ -712,6 +712,9 @@ def main():
     else:
         gen = generation()  # before TensorFlow is imported in this process
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TF's default CPU allocator keeps no statistics (reset_memory_stats raises); its BFC
+    # allocator does, for the peak-memory column.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import tensorflow as tf
 
     tf.get_logger().setLevel("ERROR")  # retracing notes: each tf.function here traces once

@@ -402,7 +402,8 @@ def _plain_add_gradient(op_lib):
             {},
             (
                 r"PlainAdd: cannot match the inputs of op PlainAdd \('x', 'z'\) to the "
-                r"formula's \('A', 'B'\) by name"
+                r"formula's \('A', 'B'\) by name \(ignoring case\); rename them in the op "
+                r"or the spec"
             ),
         ),
         (

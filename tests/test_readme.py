@@ -23,6 +23,12 @@ def test_readme_module_excerpt_is_the_generated_code():
     excerpt = re.search(r"```python\n(def _compute.*?)\n\.\.\.", README, flags=re.DOTALL).group(1)
     generated = (ROOT / "generated" / "batched_mat_mul.py").read_text(encoding="utf-8")
     assert excerpt in generated
+    rest = re.search(r"\n\.\.\.\n(def gradient.*?)\n```", README, flags=re.DOTALL).group(1)
+    lines = generated.splitlines()
+    for line in rest.splitlines():  # in order, `...` standing for lines left out
+        if line.strip() != "...":
+            assert line in lines, line
+            lines = lines[lines.index(line) + 1 :]
 
 
 def test_readme_explain_excerpt_is_what_explain_prints(capsys):

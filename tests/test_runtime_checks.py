@@ -83,6 +83,12 @@ def _everything(module):
     return run
 
 
+def test_a_constant_argument_is_cast_to_the_inputs_dtype(constant_modules):
+    module, _ = constant_modules["max(0, A)"]
+    with open(module.__file__, encoding="utf-8") as source:
+        assert "tf.maximum(tf.cast(0, dtype), A)" in source.read()
+
+
 @pytest.mark.parametrize("how", ["eager", "tf.function", "jit_compile"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("name", list(CONSTANT_FORMULAS))
@@ -149,10 +155,13 @@ def test_vjp_refuses_a_gradient_of_another_dtype_or_none():
         scaled_add().vjp(A, B, None, alpha=2.0)
 
 
-def test_vjp_takes_python_and_numpy_gradients_in_the_inputs_dtype():
-    A, B = rand(2, 3, 4), rand(2, 3, 4)
-    grad_a, grad_b = scaled_add().vjp(A, B, np.ones((2, 3, 4)).tolist(), alpha=2.0)
-    assert grad_a.dtype == tf.float64
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=lambda d: d.name)
+@pytest.mark.parametrize("kind", ["list", "numpy"])
+def test_vjp_takes_python_and_numpy_gradients_in_the_inputs_dtype(kind, dtype):
+    A, B = rand(2, 3, 4, dtype=dtype), rand(2, 3, 4, dtype=dtype)
+    ones = np.ones((2, 3, 4), dtype.as_numpy_dtype)
+    grad_a, grad_b = scaled_add().vjp(A, B, ones.tolist() if kind == "list" else ones, alpha=2.0)
+    assert grad_a.dtype == dtype
     np.testing.assert_array_equal(grad_a.numpy(), np.full((2, 3, 4), 2.0))
     np.testing.assert_array_equal(grad_b.numpy(), np.ones((2, 3, 4)))
 
@@ -289,3 +298,16 @@ def test_gradient_reads_an_attr_named_in_another_case():
     grad_a, grad_b = module.gradient(fake, grad)
     np.testing.assert_allclose(grad_a.numpy(), 3.0 * grad.numpy())
     np.testing.assert_allclose(grad_b.numpy(), grad.numpy())
+
+
+def test_xla_drops_the_runtime_size_assert():
+    """What the README says: under jit_compile only sizes known at trace time are checked."""
+    spec = tf.TensorSpec([None, None, None], tf.float64)
+    run = tf.function(
+        lambda A, B, grad: scaled_add().vjp(A, B, grad, alpha=2.0),
+        input_signature=[spec] * 3,
+        jit_compile=True,
+    )
+    A, B = rand(2, 3, 4), rand(2, 3, 4)
+    grad_a, _ = run(A, B, tf.ones((1, 3, 4), tf.float64))
+    assert grad_a.shape == (1, 3, 4)
