@@ -311,3 +311,30 @@ def test_xla_drops_the_runtime_size_assert():
     A, B = rand(2, 3, 4), rand(2, 3, 4)
     grad_a, _ = run(A, B, tf.ones((1, 3, 4), tf.float64))
     assert grad_a.shape == (1, 3, 4)
+
+
+# ----------------------------------------------------------------------------- eager overhead
+
+
+def test_static_sizes_and_new_axes_cost_no_shape_or_slice_ops():
+    """Each `tf.shape(X)[k]` or `x[:, tf.newaxis]` is several ops per eager call."""
+    module = importlib.import_module("generated.batch_kron")
+    A, B = rand(2, 3, 4), rand(2, 5, 6)
+
+    def step(A, B):
+        with tf.GradientTape() as tape:
+            tape.watch([A, B])
+            y = module.forward(A, B)
+        return tape.gradient(y, [A, B])
+
+    types = set(_op_types(step, A, B))
+    assert not types & {"Shape", "StridedSlice", "Pack"}, sorted(types)
+
+
+def test_explain_prints_sizes_without_the_modules_helpers(capsys):
+    from symgrad.cli import main
+
+    assert main(["explain", "y[b,(i,k),(j,l)] = A[b,i,j] * B[b,k,l]"]) == 0
+    printed = capsys.readouterr().out
+    assert "tf.shape(A)[0]" in printed
+    assert "_dim(" not in printed
