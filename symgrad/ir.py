@@ -148,6 +148,9 @@ class Module:
     inputs: tuple[str, ...]
     ranks: tuple[int, ...]  # per input
     outputs: tuple[str, ...]
+    # per output, per axis: the input axes whose sizes multiply to its size (several for
+    # a composite axis), to check incoming gradients against
+    output_axes: tuple[tuple[tuple[tuple[str, int], ...], ...], ...]
     attrs: tuple[Attr, ...]
     grads: tuple[str, ...]  # names of the incoming gradients, one per output
     dim_checks: tuple[DimCheck, ...]

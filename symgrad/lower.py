@@ -207,6 +207,8 @@ class Lowerer:
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
+            if func in UNARY or func in BINARY:
+                args = tuple(_tensor_argument(body, a) for a in args)
             if func in UNARY:
                 return ir.Call(UNARY[func], args)
             if func in BINARY:
@@ -561,6 +563,15 @@ class Lowerer:
         return self.full(body, value, axes, indices)
 
 
+def _tensor_argument(body: _Body, value: ir.Expr) -> ir.Expr:
+    """A constant passed to a TF function (`tf.maximum(0, A)`) as a tensor of the inputs'
+    dtype: TF would make a Python number int32 or float32 in graph mode and under XLA."""
+    if ir.names_in(value):
+        return value
+    body.uses_dtype = True
+    return ir.Call("tf.cast", (value, ir.Var("dtype")))
+
+
 def _preferred_letters(program: Program, backward: Backward) -> dict[Index, str]:
     """Einsum letters that read like the formula: each index's own name where possible.
 
@@ -756,6 +767,10 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         inputs=program.inputs,
         ranks=tuple(program.rank(n) for n in program.inputs),
         outputs=tuple(outputs),
+        output_axes=tuple(
+            tuple(tuple(lowerer.size_of[i] for i in group) for group in output.groups)
+            for output in program.outputs
+        ),
         attrs=tuple(
             ir.Attr(name, kind, {"float": "float", "int": "int", "bool": "bool"}[kind])
             for name, kind in program.attrs

@@ -262,6 +262,8 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
 
     text = explain(capsys, "--op", op, REPO_SPEC)
     module = (REPO_SPEC.parent / "generated" / f"{snake_case(op)}.py").read_text("utf-8")
+    # explain prints sizes self-contained; modules read them through their `_dim` helper.
+    module = re.sub(r"_dim\((\w+), (\d+)\)", r"tf.shape(\1)[\2]", module)
     compute = next(
         node
         for node in ast.parse(module).body

@@ -211,7 +211,7 @@ def test_registered_gradient_reuses_outputs_instead_of_recomputing():
         grad = tf.ones_like(outputs[0])
 
         def run(*xs, module=module):
-            return module.gradient(FakeOp(xs[:-2], xs[-2:-1], {}), xs[-1])
+            return module.gradient(FakeOp(xs[:-2], xs[-2:-1], {}, module), xs[-1])
 
         types = {op.type for op in _graph_ops(run, *inputs, *outputs, grad)}
         assert not types & banned, f"{name}: gradient recomputes {types & banned}"
@@ -253,7 +253,7 @@ def test_no_tensor_larger_than_the_largest_input_or_output(name):
 
     def run_gradient(*xs):  # the op's outputs come in from outside, as TF hands them over
         ins, outs = xs[:n], xs[n:]
-        return module.gradient(FakeOp(ins, outs, attrs), *[tf.ones_like(o) for o in outs])
+        return module.gradient(FakeOp(ins, outs, attrs, module), *[tf.ones_like(o) for o in outs])
 
     for fn, args in ((step, inputs), (run_gradient, (*inputs, *outputs))):
         for op in _graph_ops(fn, *args):
