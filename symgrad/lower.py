@@ -32,6 +32,10 @@ from .model import Index, Level, Program, index_of_size, tensor
 from .notation import gradient_lines
 
 LETTERS = string.ascii_lowercase + string.ascii_uppercase
+# TensorFlow's elementwise broadcasting (BCast, also behind tf.broadcast_to) handles at
+# most this many groups of adjacent axes with the same broadcast pattern; beyond it ops
+# fail with "Broadcast between ... is not supported yet". tf.tile has no such limit.
+MAX_BROADCAST_RANK = 5
 REPRESENTATIVE_SIZE = 64  # per index, for choosing contraction orders
 MAX_EXPANDED_TERMS = 32
 
@@ -143,6 +147,21 @@ class Lowerer:
             return tuple((tensor_name, a) for a in range(self.program.rank(tensor_name)))
         level = self.levels[tensor_name]
         return tuple(self.size_of[i] for i in level.indices)
+
+    def align(
+        self, body: _Body, operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]
+    ) -> ir.Expr:
+        """`align`, made safe for TensorFlow's broadcasting limit: beyond
+        MAX_BROADCAST_RANK target axes a broadcast operand is tiled to the full shape
+        first, so the elementwise op that reads it never broadcasts."""
+        aligned = align(operand, labels, target)
+        if len(target) <= MAX_BROADCAST_RANK or not labels or set(labels) >= set(target):
+            return aligned
+        order = tuple(i for i in target if i in labels)
+        perm = None if order == labels else tuple(labels.index(i) for i in order)
+        slots = tuple(order.index(i) if i in order else None for i in target)
+        multiples = tuple(("1",) if i in order else (self.index_size(body, i),) for i in target)
+        return ir.Call("tf.tile", (ir.View(operand, perm, slots), ir.Shape(multiples)))
 
     # -- pointwise expressions ----------------------------------------------------------
 
@@ -258,7 +277,7 @@ class Lowerer:
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
                 weights = body.bind(ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),)))
-                return align(ir.Var(weights), order, target)
+                return self.align(body, ir.Var(weights), order, target)
         return None
 
     def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
@@ -271,7 +290,7 @@ class Lowerer:
             subscripts = f"{_word(labels, letters)}->{_word(unique, letters)}"
             operand = ir.Var(body.bind(ir.Einsum(subscripts, (operand,))))
             labels = unique
-        return align(operand, labels, target)
+        return self.align(body, operand, labels, target)
 
     # -- terms: products summed over indices ------------------------------------------
 
@@ -420,7 +439,7 @@ class Lowerer:
             # a BatchMatMul of 1x1 results, far slower than multiply + reduce_sum.
             union = tuple(dict.fromkeys((*lx, *ly)))
             order = tuple(i for i in out if i in union) + tuple(i for i in union if i not in out)
-            product = ir.Binary("*", align(x, lx, order), align(y, ly, order))
+            product = ir.Binary("*", self.align(body, x, lx, order), self.align(body, y, ly, order))
             return self._reduce(body, product, order, out)
         # (R1) TF's einsum runs BatchMatMul, whose result is [batch, free of the first
         # operand, free of the second]; list operands so that is `out`, or einsum adds
@@ -490,7 +509,7 @@ class Lowerer:
         for value, piece_axes in pieces:
             if piece_axes != axes and not _is_simple(value):
                 value = ir.Var(body.bind(value))
-            aligned = align(value, piece_axes, axes)
+            aligned = self.align(body, value, piece_axes, axes)
             if result is None:
                 result = aligned
             elif isinstance(aligned, ir.Negate):
@@ -510,6 +529,8 @@ class Lowerer:
         """Broadcast a value over `axes` ⊆ `out` to the full shape of `out`."""
         if axes == out:
             return value
+        if len(out) > MAX_BROADCAST_RANK and axes:
+            return self.align(body, value, axes, out)  # tiled: already the full shape
         aligned = align(value, axes, out)
         if not ir.names_in(aligned):
             # A constant (`A - A + 2`): a Python number would broadcast as int32.
