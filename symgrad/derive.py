@@ -162,9 +162,11 @@ def reuse_outputs(expr: sp.Expr, patterns) -> sp.Expr:
                         for t in sp.Add.make_args(candidate_expr)
                     ]
                 )
-            if _well_conditioned(candidate_expr, replacement) and _divides_by(
-                candidate_expr
-            ) <= _divides_by(expr):
+            if (
+                _well_conditioned(candidate_expr, replacement)
+                and _divides_by(candidate_expr) <= _divides_by(expr)
+                and _splits_no_exp(expr, candidate_expr)
+            ):
                 expr = candidate_expr
     return expr
 
@@ -189,6 +191,12 @@ def _divides_by(expr: sp.Expr) -> set[sp.Expr]:
     """What `expr` divides by. Reading an output must not add to it: `max(A,0)**(n-1)`
     as `y / max(A,0)` is nan wherever A <= 0."""
     return {p.base for p in expr.atoms(sp.Pow) if p.exp.could_extract_minus_sign()}
+
+
+def _splits_no_exp(before: sp.Expr, after: sp.Expr) -> bool:
+    """Whether reading an output left every exponential whole: `exp(A - L)` (a softmax
+    weight) as `exp(A) * y` with `y = exp(-L)` is inf·0 = nan for logits in the hundreds."""
+    return after.atoms(sp.exp) <= before.atoms(sp.exp)
 
 
 def _well_conditioned(expr: sp.Expr, output: sp.Indexed) -> bool:

@@ -472,8 +472,46 @@ def _number(value: Fraction) -> sp.Expr:
 
 def _simplify(expr: sp.Expr) -> sp.Expr:
     """Cheap canonical form: log of a positive product split (log(exp(L)/n) -> L - log n),
-    exp products combined (exp(a)*exp(-b) -> exp(a-b))."""
-    return sp.powsimp(sp.expand_log(expr), combine="exp")
+    exp products combined (exp(a)*exp(-b) -> exp(a-b)), sums of exponentials under a log
+    or in a denominator kept in log space (`log_space`)."""
+    return sp.powsimp(log_space(sp.expand_log(expr)), combine="exp")
+
+
+def log_space(expr: sp.Expr) -> sp.Expr:
+    """`a + c·exp(X)` (a, c positive constants) under a log or a negative power, rewritten
+    so that exp(X) is never formed: with `s = softplus(X + log(c/a)) + log(a)`,
+
+        log(a + c·exp(X)) = s        (a + c·exp(X)) ** -n = exp(-n·s)
+
+    A `sum(exp(u), k)` is `exp(L)` with L its logsumexp, so `log(1 + S)` is
+    `softplus(L)` and `exp(u) / (1 + S)` is `exp(u - softplus(L))`: finite wherever the
+    result is, where exp(L) itself would overflow.
+    """
+
+    def shifted(base: sp.Expr) -> sp.Expr | None:
+        if not isinstance(base, sp.Add):
+            return None
+        exponentials = [t for t in base.args if t.atoms(sp.Indexed)]
+        if len(exponentials) != 1:
+            return None
+        a = base - exponentials[0]
+        c, power = exponentials[0].as_independent(sp.exp, as_Add=False)
+        if not isinstance(power, sp.exp) or not (a.is_positive and c.is_positive):
+            return None
+        if c.atoms(sp.Indexed) or a.atoms(sp.Indexed):
+            return None
+        return fn.softplus(power.args[0] + sp.log(c / a)) + sp.log(a)
+
+    def rewrite(node: sp.Expr) -> sp.Expr:
+        if isinstance(node, sp.log):
+            stable = shifted(node.args[0])
+            return node if stable is None else stable
+        if isinstance(node, sp.Pow) and node.exp.is_negative:
+            stable = shifted(node.base)
+            return node if stable is None else sp.exp(node.exp * stable)
+        return node
+
+    return expr.replace(lambda n: isinstance(n, sp.log | sp.Pow), rewrite)
 
 
 def _count(n: int, noun: str) -> str:

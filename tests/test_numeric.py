@@ -190,6 +190,15 @@ CORPUS = {
     "cancelling_sum": Case(
         "y[b,i] = A[b,i] * sum(B[b,k] / B[b,k], k)", {"A": (B, I), "B": (B, K)}, low=0.5, high=1.5
     ),
+    # -- sums of exponentials in log space (issue: never silently wrong, item 3) ---------
+    "log_one_plus_sum_exp": Case("y[b] = log(sum(exp(A[b,k]), k) + 1)", {"A": (B, K)}),
+    "softmax_with_extra_one": Case(
+        "y[b,i] = exp(A[b,i]) / (1 + sum(exp(A[b,k]), k))", {"A": (B, K)}
+    ),
+    "reciprocal_of_sum_exp": Case("y[b] = 1 / sum(exp(A[b,k]), k)", {"A": (B, K)}),
+    "log_of_constants_and_mean_exp": Case(
+        "y[b] = log(2 + 3 * mean(exp(A[b,k]), k))", {"A": (B, K)}
+    ),
 }
 
 

@@ -1,0 +1,107 @@
+"""Numerical stability where the exact formula and the naive evaluation part ways:
+sums of exponentials (log space), expanded squared distances (float32 cancellation),
+reduced precision. Each reference is the independent dense evaluator in float64
+(tests/reference.py) on the very same input values, with TF autodiff for gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, generate, op_spec
+from reference import evaluate
+
+from symgrad.model import build
+
+
+def truth(case: Case, values: dict[str, np.ndarray], grad: np.ndarray):
+    """float64 outputs and input gradients of the reference evaluator."""
+    program = build(op_spec(case, "Truth"))
+    tensors = [tf.constant(values[name], tf.float64) for name in program.inputs]
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        (out,) = [
+            evaluate(f, dict(zip(program.inputs, tensors, strict=True)), case.attrs)
+            for f in case.equations
+        ]
+    grads = tape.gradient(out, tensors, output_gradients=tf.constant(grad, tf.float64))
+    return out.numpy(), [g.numpy() for g in grads]
+
+
+def generated(module, case: Case, values: dict[str, np.ndarray], grad: np.ndarray, dtype):
+    program = build(op_spec(case, "Probe"))
+    tensors = [tf.constant(values[name], dtype) for name in program.inputs]
+    out = module.forward(*tensors, **case.attrs)
+    grads = module.vjp(*tensors, tf.constant(grad, dtype), **case.attrs)
+    return out.numpy().astype(np.float64), [g.numpy().astype(np.float64) for g in grads]
+
+
+def close(got, want, rtol, what):
+    """Finite, and within rtol of the truth relative to the truth's scale (a result
+    below float32's smallest normal number may underflow to 0)."""
+    assert np.isfinite(got).all(), f"{what}: not finite: {got}"
+    atol = rtol * np.abs(want).max() + np.finfo(np.float32).tiny
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=what)
+
+
+# -- sums of exponentials ---------------------------------------------------------------
+# Logits in the hundreds: exp overflows float32 (and exp(800) float64), every result
+# below is a moderate number (or an underflow to 0 that is right to within float32).
+
+LOG_SPACE = {
+    "reciprocal": "y[b] = 1 / sum(exp(A[b,k]), k)",
+    "log_one_plus": "y[b] = log(sum(exp(A[b,k]), k) + 1)",
+    "log_constants": "y[b] = log(2 + 3 * mean(exp(A[b,k]), k))",
+    "softmax_with_one": "y[b,i] = exp(A[b,i]) / (1 + sum(exp(A[b,k]), k))",
+    "one_over_one_plus": "y[b] = 1 / (1 + sum(exp(A[b,k]), k))",
+    "squared_denominator": "y[b,i] = exp(2 * A[b,i]) / sum(exp(A[b,k]), k) ** 2",
+    "sqrt_denominator": "y[b,i] = exp(A[b,i] / 2) / sqrt(sum(exp(A[b,k]), k))",
+    "mean_denominator": "y[b,i] = exp(A[b,i]) / mean(exp(A[b,k]), k)",
+    "log_of_square_plus_one": "y[b] = log(sum(exp(A[b,k]), k) ** 2 + 1)",
+    "ratio_of_sums": "y[b] = sum(exp(A[b,k]), k) / sum(exp(C[b,j]), j)",
+    "factor_times_inverse": "y[b,i] = exp(A[b,i]) * (1 / sum(exp(A[b,k]), k))",
+    "log_softmax": "y[b,i] = A[b,i] - log(sum(exp(A[b,k]), k))",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOG_SPACE))
+@pytest.mark.parametrize("offset", [0.0, 300.0])
+def test_sum_of_exp_stays_in_log_space(name, offset, tmp_path):
+    shapes = {"A": (2, 5), "C": (2, 4)}
+    case = Case(LOG_SPACE[name], shapes)
+    module = generate(case, tmp_path, prefix="LogSpace")
+    rng = np.random.default_rng(3)
+    values = {n: rng.uniform(-2, 2, s).astype(np.float32) + offset for n, s in shapes.items()}
+    grad = rng.standard_normal(want_shape(case, values)).astype(np.float32)
+    want, want_grads = truth(case, values, grad)
+    got, got_grads = generated(module, case, values, grad, tf.float32)
+    close(got, want, 1e-4, "forward")
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        close(got_grad, want_grad, 1e-4, "gradient")
+
+
+def want_shape(case: Case, values):
+    program = build(op_spec(case, "Shape"))
+    tensors = {n: tf.constant(values[n], tf.float64) for n in program.inputs}
+    return evaluate(case.equations[0], tensors, case.attrs).shape
+
+
+NOT_LOG_SPACE = {
+    "weighted": "y[b] = log(sum(w[b,k] * exp(A[b,k]), k))",
+    "plus_one_inside": "y[b] = log(sum(exp(A[b,k]) + 1, k))",
+    "tensor_added": "y[b] = log(sum(exp(A[b,k]), k) + w[b,k])",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_LOG_SPACE))
+def test_what_is_not_in_log_space_overflows(name, tmp_path):
+    """The README's boundary, the other way: these are computed as written."""
+    case = Case(NOT_LOG_SPACE[name], {"A": (2, 5), "w": (2, 5)})
+    module = generate(case, tmp_path, prefix="NotLogSpace")
+    program = build(op_spec(case, "Probe"))
+    rng = np.random.default_rng(4)
+    values = {"A": rng.uniform(298, 302, (2, 5)), "w": rng.uniform(0.5, 1.5, (2, 5))}
+    tensors = [tf.constant(values[n], tf.float32) for n in program.inputs]
+    assert not np.isfinite(module.forward(*tensors).numpy()).all()
