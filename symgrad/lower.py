@@ -312,6 +312,9 @@ class Lowerer:
             if any(needed <= s for s in operand_sets):
                 continue
             if factor.is_polynomial(*factor.atoms(sp.Indexed)):
+                centered = self.centered(body, factor)
+                if centered is not None:
+                    e = e.xreplace({factor: centered})
                 expanded = sp.expand(e, power_base=False, power_exp=False, log=False)
                 parts = sp.Add.make_args(expanded)
                 if 1 < len(parts) <= MAX_EXPANDED_TERMS:
@@ -320,6 +323,45 @@ class Lowerer:
                         pieces += self.term(body, part, summed, out, eyes)
                     return pieces
         return [self.contract(body, e, summed, out, eyes)]
+
+    def centered(self, body: _Body, factor: sp.Expr) -> sp.Expr | None:
+        """A translation-invariant polynomial (`(x[b,i,k] - z[b,j,k])**2`) over points
+        moved next to the origin, before it is expanded into monomials.
+
+        Expanded, `x² + z² - 2xz` cancels catastrophically for points far from the
+        origin (float32 at offset 100 gives negative squared distances). Every access
+        is shifted by the same center `c` over the indices all accesses share -- the
+        mean of the first access over its other indices -- which changes nothing in
+        exact arithmetic: the polynomial is checked to be invariant under `u -> u + t`.
+        """
+        found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+        if any(len(set(a.indices)) != len(a.indices) for a in found):
+            return None
+        shift = sp.Dummy("t")
+        if sp.expand(factor.xreplace({a: a + shift for a in found}) - factor) != 0:
+            return None
+        common = set.intersection(*(set(a.indices) for a in found))
+        first = found[0]
+        axes = [n for n, i in enumerate(first.indices) if i not in common]
+        if not axes:
+            return None
+        center_labels = tuple(i for i in first.indices if i in common)
+        points = ir.Var(body.tensors[first.base.label.name])
+        center = ir.Var(
+            body.bind(ir.Call("tf.reduce_mean", (points,), (("axis", ir.Lit(repr(axes))),)))
+        )
+        mapping = {}
+        for access in found:
+            labels = tuple(access.indices)
+            shifted = ir.Binary(
+                "-",
+                ir.Var(body.tensors[access.base.label.name]),
+                self.align(body, center, center_labels, labels),
+            )
+            name = body.bind(shifted)
+            body.tensors[name] = name
+            mapping[access] = tensor(name)[labels]
+        return factor.xreplace(mapping)
 
     def contract(
         self,
@@ -555,7 +597,15 @@ class Lowerer:
             return ir.Call("tf.reduce_logsumexp", (operand,), (("axis", axes),))
         pieces = []
         for term in level.terms:
-            pieces += self.term(body, term.expr, term.summed, level.indices)
+            parts = self.term(body, term.expr, term.summed, level.indices)
+            if len(parts) > 1 and term.summed and _sum_of_squares(term.expr):
+                # Expanded, a sum of squares can round below zero (to -0.03 in float32
+                # at distance 0): clamp it where it is exactly nonnegative.
+                value, axes = self.sum_terms(body, parts, level.indices)
+                if not _is_simple(value):
+                    value = ir.Var(body.bind(value))
+                parts = [(ir.Call("tf.maximum", (value, ir.Lit("0"))), axes)]
+            pieces += parts
         if not pieces:  # the formula is identically zero
             body.uses_dtype = True
             shape = ir.Shape(tuple((self.index_size(body, i),) for i in level.indices))
@@ -580,6 +630,18 @@ class Lowerer:
             pieces += self.term(body, expr, c.summed, indices, c.diagonal)
         value, axes = self.sum_terms(body, pieces, indices)
         return self.full(body, value, axes, indices)
+
+
+def _sum_of_squares(e: sp.Expr) -> bool:
+    """Whether a pointwise product is nonnegative by its form: positive constants and
+    sizes times even powers (every value is real)."""
+    for factor in sp.Mul.make_args(e):
+        if factor.is_positive:
+            continue
+        if isinstance(factor, sp.Pow) and factor.exp.is_integer and factor.exp.is_even:
+            continue
+        return False
+    return True
 
 
 def _preferred_letters(program: Program, backward: Backward) -> dict[Index, str]:

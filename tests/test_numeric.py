@@ -199,6 +199,19 @@ CORPUS = {
     "log_of_constants_and_mean_exp": Case(
         "y[b] = log(2 + 3 * mean(exp(A[b,k]), k))", {"A": (B, K)}
     ),
+    # -- centered expansions of squared distances (item 4) --------------------------------
+    "cross_sq_dist": Case(
+        "y[b,i,j] = sum((x[b,i,k] - z[b,j,k])**2, k)", {"x": (B, I, K), "z": (B, J, K)}
+    ),
+    "rbf_kernel": Case(
+        "y[b,i,j] = exp(-sum((x[b,i,k] - z[b,k,j])**2, k) / 2)",
+        {"x": (B, I, K), "z": (B, K, J)},
+        low=2.0,
+        high=3.0,
+    ),
+    "sq_dist_times_weight": Case(
+        "y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2 * w[k], k)", {"x": (B, I, K), "w": (K,)}
+    ),
 }
 
 

@@ -105,3 +105,89 @@ def test_what_is_not_in_log_space_overflows(name, tmp_path):
     values = {"A": rng.uniform(298, 302, (2, 5)), "w": rng.uniform(0.5, 1.5, (2, 5))}
     tensors = [tf.constant(values[n], tf.float32) for n in program.inputs]
     assert not np.isfinite(module.forward(*tensors).numpy()).all()
+
+
+# -- expanded squared distances in float32 -----------------------------------------------
+# Expanded into x² + z² - 2x·z (no (b,i,j,k) tensor), points far from the origin cancel
+# catastrophically unless they are centered first.
+
+DISTANCES = {
+    "pairwise": "y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2, k)",
+    "cross": "y[b,i,j] = sum((x[b,i,k] - z[b,j,k])**2, k)",
+    "cross_transposed": "y[b,j,i] = sum((z[b,k,j] - x[b,i,k])**2, k)",
+    "rbf": "y[b,i,j] = exp(-sum((x[b,i,k] - z[b,j,k])**2, k) / 32)",
+    "distance": "y[b,i,j] = sqrt(sum((x[b,i,k] - z[b,j,k])**2, k) + 1)",
+    "mean_squared": "y[b,i,j] = mean((x[b,i,k] - x[b,j,k])**2, k)",
+}
+
+
+def distance_inputs(offset: float, seed: int = 5):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 4, 16)) + offset
+    z = rng.standard_normal((2, 5, 16)) + offset
+    z[:, 0] = x[:, 0]  # a distance of exactly 0 between the two sets
+    values = {"x": x, "z": z.transpose(0, 2, 1).copy()}
+    return {n: v.astype(np.float32) for n, v in values.items()}
+
+
+@pytest.mark.parametrize("name", sorted(DISTANCES))
+@pytest.mark.parametrize("offset", [0.0, 100.0, 1000.0])
+def test_expanded_distances_are_accurate_in_float32(name, offset, tmp_path):
+    formula = DISTANCES[name]
+    transposed = "z[b,k,j]" in formula
+    case = Case(formula, {"x": (2, 4, 16), "z": (2, 16, 5) if transposed else (2, 5, 16)})
+    module = generate(case, tmp_path, prefix="Dist")
+    values = distance_inputs(offset)
+    if not transposed:
+        values["z"] = values["z"].transpose(0, 2, 1).copy()
+    program = build(op_spec(case, "Probe"))
+    tensors = [tf.constant(values[n], tf.float32) for n in program.inputs]
+    got = module.forward(*tensors).numpy().astype(np.float64)
+    named = {n: tf.constant(values[n], tf.float64) for n in program.inputs}
+    want = evaluate(formula, named, {}).numpy()
+    assert np.isfinite(got).all()
+    assert (got >= 0).all(), got.min()
+    if name == "rbf":
+        assert (got <= 1).all(), got.max()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-3 * scale, (np.abs(got - want).max(), scale)
+
+
+@pytest.mark.parametrize("name", ["pairwise", "cross", "rbf", "mean_squared"])
+@pytest.mark.parametrize("offset", [0.0, 100.0, 1000.0])
+def test_expanded_distance_gradients_in_float32(name, offset, tmp_path):
+    formula = DISTANCES[name]
+    case = Case(formula, {"x": (2, 4, 16), "z": (2, 5, 16)})
+    module = generate(case, tmp_path, prefix="DistGrad")
+    values = distance_inputs(offset)
+    values["z"] = values["z"].transpose(0, 2, 1).copy()
+    rng = np.random.default_rng(6)
+    grad = rng.standard_normal(want_shape(case, values))
+    _, want_grads = truth(case, values, grad)
+    _, got_grads = generated(module, case, values, grad, tf.float32)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        close(got_grad, want_grad, 1e-3, "gradient")
+
+
+@pytest.mark.parametrize("name", ["pairwise", "cross", "rbf"])
+def test_gradient_where_a_distance_is_exactly_zero(name, tmp_path):
+    """Coincident points (the diagonal of pairwise, a shared point across the sets): the
+    clamp at 0 must not change the gradient there (float64, against TF autodiff)."""
+    case = Case(DISTANCES[name], {"x": (2, 4, 16), "z": (2, 5, 16)})
+    module = generate(case, tmp_path, prefix="DistZero")
+    values = {n: v.astype(np.float64) for n, v in distance_inputs(3.0).items()}
+    values["z"] = values["z"].transpose(0, 2, 1).copy()
+    values["x"][:, 1] = values["x"][:, 2]  # two equal points within one set too
+    grad = np.random.default_rng(7).standard_normal(want_shape(case, values))
+    want, want_grads = truth(case, values, grad)
+    got, got_grads = generated(module, case, values, grad, tf.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(got_grad, want_grad, rtol=1e-9, atol=1e-9)
+    program = build(op_spec(case, "Probe"))
+    tensors = [tf.constant(values[n]) for n in program.inputs]
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        loss = tf.reduce_sum(module.forward(*tensors) * grad)
+    for taped, want_grad in zip(tape.gradient(loss, tensors), want_grads, strict=True):
+        np.testing.assert_allclose(taped, want_grad, rtol=1e-9, atol=1e-9)
