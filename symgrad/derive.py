@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .model import Index, Level, Program, accesses, tensor
+from .model import Index, Level, Program, accesses, read
 
 P_PREFIX = "_p"
 
@@ -90,7 +90,7 @@ def partial_derivative(level: Level, expr: sp.Expr, access: sp.Indexed) -> sp.Ex
     derivative = sp.powsimp(sp.diff(plain, placeholders[access]))
     if level.kind == "logsumexp":
         # ∂/∂u log Σ exp(u) = exp(u - L): the softmax weight, in the stable form.
-        weight = sp.exp(plain - tensor(level.name)[level.indices])
+        weight = sp.exp(plain - read(level.name, level.indices))
         derivative = weight * derivative
     back = {symbol: a for a, symbol in placeholders.items()}
     return derivative.xreplace(back)
@@ -128,7 +128,7 @@ def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
             continue  # y = X[...] is a copy; reading X is as cheap
         if not expr.atoms(sp.Indexed):
             continue
-        patterns.append((expr, tensor(level.name)[level.indices]))
+        patterns.append((expr, read(level.name, level.indices)))
     return patterns
 
 
@@ -222,7 +222,7 @@ def derive(program: Program) -> Backward:
         if level.name not in reached:
             continue  # no gradient flows into this intermediate
         order.append(level.name)
-        grad = tensor(grad_name(level.name))[level.indices]
+        grad = read(grad_name(level.name), level.indices)
         for term in level.terms:
             for access in accesses(term.expr):
                 target = access.base.label.name

@@ -101,6 +101,25 @@ def tensor(name: str) -> sp.IndexedBase:
     return sp.IndexedBase(name, real=True)
 
 
+class ScalarAccess(sp.Indexed):
+    """A read of a rank-0 tensor: a sum over every index (`sum(w[k], k)` inside a
+    function). SymPy's `Indexed` needs an index; this one has none, and is otherwise an
+    access like any other (`.base`, `.indices == ()`, found by `atoms(sp.Indexed)`)."""
+
+    def __new__(cls, base, **kwargs):
+        obj = sp.Expr.__new__(cls, base)
+        obj._assumptions = base._assumptions.copy() if hasattr(base, "_assumptions") else {}
+        return obj
+
+    def _sympystr(self, printer) -> str:
+        return printer._print(self.base.label)
+
+
+def read(name: str, indices: tuple[Index, ...]) -> sp.Expr:
+    """`name[indices]`, or the rank-0 tensor `name` when there are no indices."""
+    return tensor(name)[indices] if indices else ScalarAccess(tensor(name))
+
+
 def size_of(index: Index) -> sp.Symbol:
     """The size of an index's dimension as a symbol (`|k|`), used by `mean`."""
     return sp.Symbol(f"|{index.name}|", positive=True)
@@ -418,12 +437,7 @@ class _Builder:
             self.ranks[name] = len(free)
             self.by_key[key] = (level, tuple(canonical_free))
             indices = tuple(free)
-        if not indices:
-            raise self.fail(
-                "a sum inside a function must keep at least one free index "
-                "(a sum over every index is not supported inside functions)"
-            )
-        value = tensor(level.name)[indices]
+        value = read(level.name, indices)
         return sp.exp(value) if exp_sum else value
 
     # -- equations --------------------------------------------------------------------

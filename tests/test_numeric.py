@@ -212,6 +212,16 @@ CORPUS = {
     "sq_dist_times_weight": Case(
         "y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2 * w[k], k)", {"x": (B, I, K), "w": (K,)}
     ),
+    # -- sums over every index inside a function: rank-0 intermediates (item 11) ---------
+    "divide_by_total": Case("y[b,i] = A[b,i] / sum(w[k], k)", {"A": (B, I), "w": (K,)}, low=0.5),
+    "unbatched_log_softmax": Case("y[i] = x[i] - log(sum(exp(x[k]), k))", {"x": (K,)}),
+    "exp_of_total": Case("y[b] = A[b] * exp(sum(w[k], k))", {"A": (B,), "w": (K,)}),
+    "total_over_batch_too": Case(
+        "y[b,i] = A[b,i] * tanh(sum(A[c,k] * w[k], c, k))", {"A": (B, K), "w": (K,)}
+    ),
+    "two_totals": Case(
+        "y[b] = sin(sum(w[k], k)) * A[b] + cos(sum(w[j] * w[j], j))", {"A": (B,), "w": (K,)}
+    ),
 }
 
 
