@@ -280,6 +280,7 @@ class _Builder:
             return [Term(base**exponent, ())]
         if isinstance(node, Call):
             args = [self.pointwise(arg, scope) for arg in node.args]
+            args = [self.share_nested(arg, node, scope) for arg in args]
             return [Term(fn.apply(node.function, args), ())]
         raise AssertionError(f"unexpected node {node!r}")  # parse only builds the above
 
@@ -288,6 +289,24 @@ class _Builder:
         terms = self.factor(node, scope)
         written = [scope[name] for name in _written_indices(node) if name in scope]
         return self.as_pointwise(terms, list(dict.fromkeys(written)))
+
+    def share_nested(self, arg: sp.Expr, node: Call, scope: dict[str, Index]) -> sp.Expr:
+        """The argument of a function, as an intermediate when it holds a nonlinearity
+        of its own (`tanh(tanh(A) * B)`): the chain rule through nested functions
+        written out in one expression repeats every inner derivative once per outer
+        level (quadratic code and work in the depth); one level per nonlinearity keeps
+        reverse mode linear. Single functions stay fused with their gradient."""
+        logsumexps = {lv.name for lv in self.intermediates if lv.kind == "logsumexp"}
+
+        def nonlinear(f: sp.Function) -> bool:
+            read = {a.base.label.name for a in f.atoms(sp.Indexed)}
+            # exp(L) of a logsumexp L is how `sum(exp(u))` reads: `log` undoes it.
+            return bool(read) and not (isinstance(f, sp.exp) and read <= logsumexps)
+
+        if not any(nonlinear(f) for f in arg.atoms(sp.Function)):
+            return arg
+        written = [scope[name] for name in _written_indices(node) if name in scope]
+        return self.lift([Term(arg, ())], list(dict.fromkeys(written)))
 
     def as_pointwise(self, terms: list[Term], written: list[Index]) -> sp.Expr:
         """Terms as one pointwise expression: each summed term becomes an intermediate.
