@@ -165,7 +165,7 @@ def reuse_outputs(expr: sp.Expr, patterns) -> sp.Expr:
             if (
                 _well_conditioned(candidate_expr, replacement)
                 and _divides_by(candidate_expr) <= _divides_by(expr)
-                and _splits_no_exp(expr, candidate_expr)
+                and _splits_no_exp(expr, candidate_expr, renamed, replacement)
             ):
                 expr = candidate_expr
     return expr
@@ -193,10 +193,12 @@ def _divides_by(expr: sp.Expr) -> set[sp.Expr]:
     return {p.base for p in expr.atoms(sp.Pow) if p.exp.could_extract_minus_sign()}
 
 
-def _splits_no_exp(before: sp.Expr, after: sp.Expr) -> bool:
+def _splits_no_exp(before: sp.Expr, after: sp.Expr, pattern: sp.Expr, output: sp.Expr) -> bool:
     """Whether reading an output left every exponential whole: `exp(A - L)` (a softmax
-    weight) as `exp(A) * y` with `y = exp(-L)` is inf·0 = nan for logits in the hundreds."""
-    return after.atoms(sp.exp) <= before.atoms(sp.exp)
+    weight) as `exp(A) * y` with `y = exp(-L)` is inf·0 = nan for logits in the hundreds,
+    while `exp(A - y)` with `y = L` only renames inside the exponent."""
+    whole = {sp.exp(e.args[0].subs(pattern, output)) for e in before.atoms(sp.exp)}
+    return after.atoms(sp.exp) <= whole
 
 
 def _well_conditioned(expr: sp.Expr, output: sp.Indexed) -> bool:

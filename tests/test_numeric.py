@@ -222,6 +222,22 @@ CORPUS = {
     "two_totals": Case(
         "y[b] = sin(sum(w[k], k)) * A[b] + cos(sum(w[j] * w[j], j))", {"A": (B,), "w": (K,)}
     ),
+    # -- nested nonlinearities, one intermediate per level (item 12) ---------------------
+    "tanh_chain": Case(
+        "y[b,i] = tanh(tanh(tanh(A[b,i]) * B1[b,i]) * B2[b,i]) * B3[b,i]",
+        {"A": (B, I), "B1": (B, I), "B2": (B, I), "B3": (B, I)},
+    ),
+    "max_chain": Case(
+        "y[b,i] = max(min(max(A[b,i], B1[b,i]), B2[b,i]), 0.5 * B3[b,i])",
+        {"A": (B, I), "B1": (B, I), "B2": (B, I), "B3": (B, I)},
+    ),
+    "nested_in_a_sum": Case(
+        "y[b,i] = sum(sin(cos(A[b,i,k]) * W[k,i]), k)", {"A": (B, I, K), "W": (K, I)}
+    ),
+    "nested_over_a_total": Case("y[b] = A[b] * exp(tanh(sum(w[k], k)))", {"A": (B,), "w": (K,)}),
+    "nested_broadcast": Case(
+        "y[b,i,j] = sigmoid(tanh(A[b,i]) * C[b,j])", {"A": (B, I), "C": (B, J)}
+    ),
 }
 
 

@@ -191,3 +191,69 @@ def test_gradient_where_a_distance_is_exactly_zero(name, tmp_path):
         loss = tf.reduce_sum(module.forward(*tensors) * grad)
     for taped, want_grad in zip(tape.gradient(loss, tensors), want_grads, strict=True):
         np.testing.assert_allclose(taped, want_grad, rtol=1e-9, atol=1e-9)
+
+
+# -- float16: no worse than TensorFlow's own ops -----------------------------------------
+
+HALF = {
+    "product_of_softmaxes": (
+        "y[b,i] = exp(B[b,i] + A[b,i] - log(sum(exp(A[b,k]), k)) - log(sum(exp(B[b,m]), m)))",
+        lambda A, B: tf.nn.softmax(A) * tf.nn.softmax(B),
+    ),
+    "softmax_of_log_softmax": (
+        (
+            "y[b,i] = exp(A[b,i] - log(sum(exp(A[b,k]), k)))"
+            " / sum(exp(A[b,m] - log(sum(exp(A[b,k]), k))), m)"
+        ),
+        lambda A, B: tf.nn.softmax(tf.nn.log_softmax(A)),
+    ),
+    "log_softmax": (
+        "y[b,i] = A[b,i] - log(sum(exp(A[b,k]), k))",
+        lambda A, B: tf.nn.log_softmax(A),
+    ),
+    "log_softmax_sum": (
+        "y[b,i] = A[b,i] - log(sum(exp(A[b,k]), k)) + B[b,i] - log(sum(exp(B[b,m]), m))",
+        lambda A, B: tf.nn.log_softmax(A) + tf.nn.log_softmax(B),
+    ),
+}
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", sorted(HALF))
+@pytest.mark.parametrize("offset", [0.0, 10.0, 30.0])
+def test_float16_is_as_accurate_as_tensorflow(name, offset, tmp_path):
+    """Error against the float64 truth on the same float16 inputs: within 2x of what
+    TF's own ops (and their autodiff) lose in float16, plus about two float16 roundings."""
+    formula, reference = HALF[name]
+    case = Case(formula, {"A": (64, 7), "B": (64, 7)})
+    module = generate(case, tmp_path, prefix="Half")
+    program = build(op_spec(case, "Probe"))
+    rng = np.random.default_rng(8)
+    values = {n: (rng.standard_normal((64, 7)) * 2 + offset).astype(np.float16) for n in "AB"}
+    grad = rng.standard_normal((64, 7)).astype(np.float16)
+
+    def tf_run(dtype):
+        A, B = (tf.constant(values[n], dtype) for n in "AB")
+        with tf.GradientTape() as tape:
+            tape.watch([A, B])
+            y = reference(A, B)
+        grads = tape.gradient(y, [A, B], output_gradients=tf.constant(grad, dtype))
+        grads = [tf.zeros_like(A) if g is None else g for g in grads]
+        return y.numpy().astype(np.float64), {"A": grads[0].numpy(), "B": grads[1].numpy()}
+
+    want, want_grads = tf_run(tf.float64)
+    tf_y, tf_grads = tf_run(tf.float16)
+    tensors = [tf.constant(values[n]) for n in program.inputs]
+    got = module.forward(*tensors).numpy()
+    got_grads = dict(zip(program.inputs, module.vjp(*tensors, tf.constant(grad)), strict=True))
+    allowance = 2 * relative_error(tf_y, want) + 1e-3
+    assert relative_error(got, want) <= allowance, (relative_error(got, want), allowance)
+    for n in program.inputs:
+        # Gradients also sum softmax weights in float16 (Σ y = 1 ± 1e-3, cancelling in
+        # softmax_of_log_softmax): one more rounding allowed.
+        allowance = 2 * relative_error(tf_grads[n], want_grads[n]) + 2e-3
+        error = relative_error(got_grads[n].numpy(), want_grads[n])
+        assert error <= allowance, (n, error, allowance)
