@@ -390,7 +390,7 @@ class Lowerer:
         Expanded, `x² + z² - 2xz` cancels catastrophically for points far from the
         origin (float32 at offset 100 gives negative squared distances). Every access
         is shifted by the same center `c` over the indices all accesses share -- the
-        mean of the first access over its other indices -- which changes nothing in
+        mean of one set of points over its other indices -- which changes nothing in
         exact arithmetic: the polynomial is checked to be invariant under `u -> u + t`.
         """
         found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
@@ -400,10 +400,11 @@ class Lowerer:
         if sp.expand(factor.xreplace({a: a + shift for a in found}) - factor) != 0:
             return None
         common = set.intersection(*(set(a.indices) for a in found))
-        first = found[0]
-        axes = [n for n, i in enumerate(first.indices) if i not in common]
-        if not axes:
+        spread = [a for a in found if not set(a.indices) <= common]
+        if not spread:
             return None
+        first = spread[0]  # a set of points: an access with indices the others lack
+        axes = [n for n, i in enumerate(first.indices) if i not in common]
         center_labels = tuple(i for i in first.indices if i in common)
         points = ir.Var(body.tensors[first.base.label.name])
         center = ir.Var(
