@@ -280,6 +280,9 @@ class _Builder:
             return [Term(base**exponent, ())]
         if isinstance(node, Call):
             args = [self.pointwise(arg, scope) for arg in node.args]
+            value = fn.apply(node.function, args)
+            if log_space(value) != value:  # log(1 + exp(x)): one softplus, nothing nested
+                return [Term(value, ())]
             args = [self.share_nested(arg, node, scope) for arg in args]
             return [Term(fn.apply(node.function, args), ())]
         raise AssertionError(f"unexpected node {node!r}")  # parse only builds the above

@@ -196,6 +196,8 @@ CORPUS = {
         "y[b,i] = exp(A[b,i]) / (1 + sum(exp(A[b,k]), k))", {"A": (B, K)}
     ),
     "reciprocal_of_sum_exp": Case("y[b] = 1 / sum(exp(A[b,k]), k)", {"A": (B, K)}),
+    "softplus_written_out": Case("y[b] = log(1 + exp(A[b,k]))", {"A": (B, K)}),
+    "sigmoid_written_out_nested": Case("y[b,i] = tanh(1 / (1 + exp(A[b,i])))", {"A": (B, I)}),
     "log_of_constants_and_mean_exp": Case(
         "y[b] = log(2 + 3 * mean(exp(A[b,k]), k))", {"A": (B, K)}
     ),

@@ -63,6 +63,8 @@ LOG_SPACE = {
     "ratio_of_sums": "y[b] = sum(exp(A[b,k]), k) / sum(exp(C[b,j]), j)",
     "factor_times_inverse": "y[b,i] = exp(A[b,i]) * (1 / sum(exp(A[b,k]), k))",
     "log_softmax": "y[b,i] = A[b,i] - log(sum(exp(A[b,k]), k))",
+    "softplus_written_out": "y[b] = log(1 + exp(A[b,k]))",
+    "sigmoid_written_out": "y[b,i] = 1 / (1 + exp(A[b,i]))",
 }
 
 
