@@ -259,3 +259,15 @@ def test_float16_is_as_accurate_as_tensorflow(name, offset, tmp_path):
         allowance = 2 * relative_error(tf_grads[n], want_grads[n]) + 2e-3
         error = relative_error(got_grads[n].numpy(), want_grads[n])
         assert error <= allowance, (n, error, allowance)
+
+
+def test_clamp_only_where_the_expansion_is_a_sum_of_squares(tmp_path):
+    """A weighted sum of squares can be negative: it is centered but never clamped."""
+    case = Case("y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2 * w[k], k)", {"x": (2, 4, 16), "w": (16,)})
+    module = generate(case, tmp_path, prefix="Weighted")
+    x = np.random.default_rng(9).standard_normal((2, 4, 16)) + 100
+    w = -np.ones(16)
+    got = module.forward(tf.constant(x, tf.float32), tf.constant(w, tf.float32)).numpy()
+    want = evaluate(case.equations[0], {"x": tf.constant(x), "w": tf.constant(w)}, {}).numpy()
+    assert (want < -1).sum() == 2 * 4 * 3  # every pair of distinct points
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
