@@ -169,6 +169,8 @@ class Evaluator:
         """`X[positions]` over the grid of the indices the positions use; zero outside X."""
         tensor = self.inputs[node.tensor]
         if node.plain and len(set(node.indices)) == len(node.indices):
+            wanted = [self.size(i) for i in node.indices]
+            assert list(tensor.shape) == wanted, f"{node.tensor}: {tensor.shape} vs {wanted}"
             return Dense(tensor, node.indices)
         labels = tuple(dict.fromkeys(node.indices))
         coords = []

@@ -1,0 +1,149 @@
+"""Random windowed formulas: affine positions `s*i + d*k + o` (coefficients 1-3, offsets
+-2..2), output ranges from the spec, from a plain use or by default (the largest range that
+keeps every access in bounds at its upper end), reductions (sum, mean, max, min) over a
+window index, and `where` masks on index comparisons or values. Each one is either refused
+with a clear one-line error, or its generated gradient matches TF autodiff over the
+reference evaluator. A window index with no range at all must be refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from dataclasses import dataclass
+
+from harness import Case, check, generate, op_spec
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from symgrad.errors import SymgradError
+from symgrad.model import build
+
+BATCH = 2
+
+
+@dataclass(frozen=True)
+class Drawn:
+    formula: str
+    shapes: dict
+    ranges: dict
+    sizes: dict
+    k_has_range: bool
+
+
+def _affine(s: int, d: int, o: int) -> str:
+    terms = ["i" if s == 1 else f"{s}*i"]
+    if d:
+        terms.append("k" if d == 1 else f"{d}*k")
+    text = " + ".join(terms)
+    return f"{text} + {o}" if o > 0 else f"{text} - {-o}" if o < 0 else text
+
+
+@st.composite
+def windows(draw) -> Drawn:
+    length = draw(st.integers(9, 14))  # x's second axis: read only through affine positions
+    window = draw(st.integers(3, 5))
+    kind = draw(st.sampled_from(["sum", "mean", "max", "min", "none"]))
+    uses_k = kind != "none"
+
+    # One or two accesses of x; each uses i, and k when there is a window.
+    accesses = []
+    for _ in range(draw(st.integers(1, 2))):
+        s, o = draw(st.integers(1, 3)), draw(st.integers(-2, 2))
+        d = draw(st.integers(1, 3)) if uses_k else 0
+        accesses.append((s, d, o, f"x[b, {_affine(s, d, o)}]"))
+    texts = [a[3] for a in accesses]
+    body = texts[0] if len(texts) == 1 else f"{texts[0]} {draw(st.sampled_from('+*'))} {texts[1]}"
+
+    shapes = {"x": (BATCH, length)}
+    k_source = (
+        draw(st.sampled_from(["ranges", "plain", "ranges", "plain", "none"]))
+        if uses_k
+        else "unused"
+    )
+    if k_source == "plain":  # a weight over the window gives k its range
+        body = f"({body}) * w[k]"
+        shapes["w"] = (window,)
+
+    # A mask: comparisons on indices (with k only inside a window), or on a value.
+    conditions = [f"i >= {draw(st.integers(0, 2))}", f"{texts[0]} > 0"]
+    if uses_k:
+        o = draw(st.integers(-2, 2))
+        conditions += [
+            f"k <= i + {o}" if o >= 0 else f"k <= i - {-o}",
+            f"{o} <= i - k <= {o + 2}",
+            "i != k",
+            "not (2*k > i)",
+            f"k < i or k == {abs(o)}",
+            f"k >= 1 and {texts[0]} < 0.5",
+        ]
+    if draw(st.booleans()):
+        otherwise = draw(st.sampled_from(["0", texts[-1], "-2"]))
+        body = f"where({draw(st.sampled_from(conditions))}, {body}, {otherwise})"
+    rhs = f"{kind}({body}, k)" if uses_k else body
+
+    # Where i's range comes from.
+    ranges: dict[str, str] = {}
+    plain = any((s, d, o) == (1, 0, 0) for s, d, o, _ in accesses)  # `x[b, i]`
+    i_source = "x" if plain else draw(st.sampled_from(["default", "shape", "literal", "plain"]))
+    if i_source == "x":  # a plain use: i runs over x's axis, and the shifted reads pad
+        size_i = length
+    elif i_source == "shape":
+        cut = draw(st.integers(0, 3))
+        ranges["i"] = "x.shape[1]" + (f" - {cut}" if cut else "")
+        size_i = length - cut
+    elif i_source == "literal":
+        size_i = draw(st.integers(3, 8))
+        ranges["i"] = str(size_i)
+    elif i_source == "plain":
+        size_i = draw(st.integers(4, 8))
+        shapes["v"] = (BATCH, size_i)
+        rhs = f"{rhs} + v[b, i]"
+    else:  # every access in bounds at the upper ends of i and k
+        upper = window - 1 if uses_k else 0
+        size_i = min((length - 1 - o - d * upper) // s + 1 for s, d, o, _ in accesses)
+        size_i = max(size_i, 0)
+    if k_source == "ranges":
+        ranges["k"] = str(window)
+
+    assume(size_i >= 2)
+    sizes = [BATCH, size_i, *([window] if uses_k else [])]
+    assume(len(set(sizes)) == len(sizes))  # a different size for every index
+    return Drawn(
+        f"y[b,i] = {rhs}",
+        shapes,
+        ranges,
+        {"i": size_i, **({"k": window} if uses_k else {})},
+        k_source != "none",
+    )
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(drawn=windows())
+def test_random_window_is_refused_or_correct(drawn, tmp_path_factory):
+    case = Case(
+        drawn.formula,
+        drawn.shapes,
+        ranges=drawn.ranges,
+        sizes=drawn.sizes,
+        rtol=1e-8,
+        finite_differences=False,
+    )
+    try:
+        build(op_spec(case, "Probe"))
+    except SymgradError as error:
+        message = error.render().splitlines()[0]
+        assert message.startswith("error: ") and len(message) < 300, message
+        if not drawn.k_has_range:
+            assert "'k'" in message, message
+        return
+    assert drawn.k_has_range, f"accepted a window index without a range: {drawn.formula}"
+    module = generate(case, tmp_path_factory.mktemp("window"), prefix="Window")
+    check(case, module)
