@@ -10,7 +10,7 @@ differences). Sizes differ per index wherever the operation allows it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -407,7 +407,7 @@ def test_reference_dilated_conv_against_convolution():
 
 @pytest.mark.parametrize("name", sorted(KNOWN))
 def test_generated_module(name, tmp_path):
-    case = KNOWN[name].case
+    case = replace(KNOWN[name].case, fd_directions=4)
     check(case, generate(case, tmp_path, prefix="Indexing"))
 
 
@@ -635,3 +635,58 @@ def test_index_tensor_used_as_value_in_another_formula_is_refused():
     case = Case(("y[b,i] = W[ids[b,i]]", "z[b,i] = ids[b,i] * 2"), {"W": (5,)}, index_inputs={})
     with pytest.raises(SymgradError, match="ids"):
         build(op_spec(case, "Refused"))
+
+
+# ----------------------------------------------------------------------------- more
+
+
+def test_zero_padding_takes_part_in_max(tmp_path):
+    """Padding is zero, not -inf: a window of negative values at the border has max 0,
+    and that output sends no gradient into x."""
+    case = Case(
+        "y[b,i] = max(x[b, i + k - 1], k)", {"x": (2, 5)}, ranges={"i": "x.shape[1]", "k": "3"}
+    )
+    module = generate(case, tmp_path, prefix="PadMax")
+    x = tf.constant(-np.arange(1.0, 11.0).reshape(2, 5))  # all negative, decreasing
+    y = module.forward(x)
+    want = np.maximum.reduce([np.pad(x.numpy(), ((0, 0), (1, 1)))[:, k : k + 5] for k in range(3)])
+    np.testing.assert_array_equal(y.numpy(), want)
+    assert np.all(y.numpy()[:, [0, -1]] == 0)
+    (g,) = module.vjp(x, tf.ones((2, 5), tf.float64))
+    # The first and last windows take the padding; window i in between takes x[b, i - 1].
+    np.testing.assert_array_equal(g.numpy(), [[1, 1, 1, 0, 0]] * 2)
+
+
+@pytest.mark.parametrize("name", ["conv1d_same_stride2", "shift_right", "max_pool_2x3", "gather"])
+def test_ranges_follow_the_shapes_of_each_call(name, tmp_path):
+    """One module, inputs of other sizes: ranges are evaluated from the actual shapes."""
+    case = replace(KNOWN[name].case, fd_directions=1)
+    module = generate(case, tmp_path, prefix="Resized")
+    resized = {
+        "conv1d_same_stride2": ({"x": (3, 8, 4), "w": (3, 4, 5)}, {}, {"i": 4}),
+        "shift_right": ({"x": (2, 4)}, {}, {"i": 4}),
+        "max_pool_2x3": ({"x": (1, 9, 7, 2)}, {}, {"u": 2, "v": 3, "i": 4, "j": 2}),
+        "gather": ({"W": (6, 3)}, {"ids": ((4, 2), 0, 6)}, {}),
+    }
+    shapes, index_inputs, sizes = resized[name]
+    case = replace(case, shapes=shapes, index_inputs=index_inputs or case.index_inputs, sizes=sizes)
+    check(case, module, seed=5)
+
+
+def test_directional_differences_catch_a_wrong_gradient():
+    """The harness's cheap finite differences fail on a gradient that is off by 1%."""
+    from harness import _directional_differences
+
+    @tf.custom_gradient
+    def almost_sin(x):
+        return tf.sin(x), lambda g: g * tf.cos(x) * 1.01
+
+    x = tf.constant(np.random.default_rng(0).uniform(-1, 1, (3, 4)))
+    case = Case("y[i] = x[i]", {"x": (3, 4)}, fd_directions=2)
+    with pytest.raises(AssertionError, match="random direction"):
+        _directional_differences(
+            case, lambda t: tf.reduce_sum(almost_sin(t)), x, "x", np.random.default_rng(1)
+        )
+    _directional_differences(
+        case, lambda t: tf.reduce_sum(tf.sin(t)), x, "x", np.random.default_rng(1)
+    )
