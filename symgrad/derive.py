@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from . import functions as fn
 from .model import Index, Level, Program, accesses, tensor
 
 P_PREFIX = "_p"
@@ -52,6 +53,15 @@ class Contribution:
 
 
 @dataclass(frozen=True)
+class Scatter:
+    """grad_X += the transpose of a gather of X: its incoming gradient added back at the
+    positions it read (a scatter-add; reads out of bounds add nothing)."""
+
+    target: str  # X, an input
+    level: str  # the gather level
+
+
+@dataclass(frozen=True)
 class Backward:
     """Everything lowering needs to emit the backward pass."""
 
@@ -60,6 +70,7 @@ class Backward:
     contributions: tuple[Contribution, ...]
     partials: tuple[Partial, ...]
     targets: tuple[str, ...]  # inputs that get a gradient, in op input order
+    scatters: tuple[Scatter, ...] = ()
 
 
 def grad_name(level: str) -> str:
@@ -77,6 +88,8 @@ def _differentiable(program: Program) -> set[str]:
     live = {name for name in program.inputs if name not in program.no_gradient}
     for level in program.intermediates:
         reads = {a.base.label.name for t in level.terms for a in accesses(t.expr)}
+        if level.gather is not None:
+            reads.add(level.gather.source)
         if reads & live:
             live.add(level.name)
     return live
@@ -92,6 +105,12 @@ def partial_derivative(level: Level, expr: sp.Expr, access: sp.Indexed) -> sp.Ex
         # ∂/∂u log Σ exp(u) = exp(u - L): the softmax weight, in the stable form.
         weight = sp.exp(plain - tensor(level.name)[level.indices])
         derivative = weight * derivative
+    elif level.kind in ("max", "min"):
+        # As TF's reduce_max: the gradient goes to the entries that attain the extremum,
+        # split equally among ties.
+        value = tensor(level.name)[level.indices]
+        ties = tensor(level.count)[level.indices]
+        derivative = fn.step_eq(plain, value) / ties * derivative
     back = {symbol: a for a, symbol in placeholders.items()}
     return derivative.xreplace(back)
 
@@ -116,6 +135,7 @@ def eliminate(
 
 def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
     """Forward results a derivative may contain: (pointwise formula, output access)."""
+    extrema = {lv.name for lv in program.intermediates if lv.kind in ("max", "min")}
     patterns = []
     for output in program.outputs:
         level = output.level
@@ -126,6 +146,11 @@ def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
         expr = level.terms[0].expr
         if isinstance(expr, sp.Indexed) and expr.base.label.name in program.inputs:
             continue  # y = X[...] is a copy; reading X is as cheap
+        if isinstance(expr, sp.Indexed) and expr.base.label.name in extrema:
+            # The tie mask compares each entry with the extremum, and its count must be
+            # at least 1: compare with the extremum recomputed from the same entries, not
+            # with an output a compiled kernel may have rounded differently.
+            continue
         if not expr.atoms(sp.Indexed):
             continue
         patterns.append((expr, tensor(level.name)[level.indices]))
@@ -207,6 +232,7 @@ def derive(program: Program) -> Backward:
     levels: list[Level] = [o.level for o in program.outputs]
     levels += list(reversed(program.intermediates))
     contributions: list[Contribution] = []
+    scatters: list[Scatter] = []
     partials: list[Partial] = []
     order: list[str] = []
     reached = {o.level.name for o in program.outputs}
@@ -215,6 +241,11 @@ def derive(program: Program) -> Backward:
             continue  # no gradient flows into this intermediate
         order.append(level.name)
         grad = tensor(grad_name(level.name))[level.indices]
+        if level.gather is not None:
+            if level.gather.source in live:
+                scatters.append(Scatter(level.gather.source, level.name))
+                reached.add(level.gather.source)
+            continue
         for term in level.terms:
             for access in accesses(term.expr):
                 target = access.base.label.name
@@ -247,4 +278,6 @@ def derive(program: Program) -> Backward:
                 reached.add(target)
     targets = tuple(name for name in program.inputs if name in live)
     grads = tuple((name, grad_name(name)) for name in order)
-    return Backward(grads, tuple(order), tuple(contributions), tuple(partials), targets)
+    return Backward(
+        grads, tuple(order), tuple(contributions), tuple(partials), targets, tuple(scatters)
+    )

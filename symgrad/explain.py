@@ -26,7 +26,7 @@ from . import ir
 from .derive import Contribution, Partial, derive, grad_name
 from .lower import lower
 from .model import Level, Program
-from .notation import axis_names, display_indices, gradient_line, rename, show
+from .notation import axis_names, display_indices, gradient_line, gradient_lines, rename, show
 from .render import code
 
 FORMATS = ("text", "markdown", "latex")
@@ -70,6 +70,9 @@ class _TextMath:
 
     def logsumexp(self, indices: list[str], body: str) -> str:
         return f"log Σ_{','.join(indices)} exp({body})"
+
+    def extremum(self, kind: str, indices: list[str], body: str) -> str:
+        return f"{kind}_{','.join(indices)} {body}"
 
     none = "None (no_gradient)"
 
@@ -156,6 +159,9 @@ class _TexMath:
     def logsumexp(self, indices: list[str], body: str) -> str:
         return rf"\log \sum_{{{','.join(indices)}}} \exp\left({body}\right)"
 
+    def extremum(self, kind: str, indices: list[str], body: str) -> str:
+        return rf"\{kind}_{{{','.join(indices)}}} {body}"
+
     none = r"\text{None (no\_gradient)}"
 
 
@@ -224,6 +230,14 @@ class _Explainer:
         if level.kind == "logsumexp":
             (term,) = level.terms
             right = self.p.logsumexp([self.p.index(s) for s in term.summed], self.p.expr(term.expr))
+        if level.kind in ("max", "min"):
+            (term,) = level.terms
+            indices = [self.p.index(s) for s in term.summed]
+            right = self.p.extremum(level.kind, indices, self.p.expr(term.expr))
+        if level.gather is not None:
+            gather = level.gather
+            right = self.p.tensor(gather.source, [self.p.expr(q) for q in gather.positions])
+            right += f" (0 outside {gather.source})"
         return Equation(self.level_access(level.name), right)
 
     def primed(self, target: str, partials: list[Partial]) -> tuple[sp.Symbol, ...]:
@@ -286,7 +300,15 @@ class _Explainer:
     def result(self, target: str, contributions: list[Contribution]) -> Equation:
         """The gradient after elimination; in text exactly the generated docstring's line."""
         if isinstance(self.p, _TextMath):
-            left, right = gradient_line(target, contributions, self.names).split(" = ", 1)
+            line = next(
+                (
+                    line
+                    for line in gradient_lines(self.program, self.backward)
+                    if line.startswith(f"{grad_name(target)}[")
+                ),
+                gradient_line(target, contributions, self.names),
+            )
+            left, right = line.split(" = ", 1)
             return Equation(left, right)
         shown = display_indices(self.names[target])
         terms = [self.contribution(c, shown) for c in contributions]
@@ -330,6 +352,12 @@ class _Explainer:
         by_target: dict[str, list[Contribution]] = {}
         for c in self.backward.contributions:
             by_target.setdefault(c.target, []).append(c)
+        scattered = {s.target for s in self.backward.scatters}
+        lines = dict(
+            line.split("[", 1)[0:1] + [line]
+            for line in gradient_lines(program, self.backward)
+            if line.startswith("grad_")
+        )
         intermediates = [n for n in self.backward.order if n in by_target and n not in self.outputs]
         for name in [*intermediates, *program.inputs]:
             title = f"Gradient of {name}" + (" (intermediate)" if name in intermediates else "")
@@ -338,9 +366,21 @@ class _Explainer:
                 result = Equation(self.p.tensor(grad_name(name), shown), self.p.none)
                 out.append(Section(title, name, result=result))
                 continue
-            if name not in by_target:
+            if name not in by_target and name not in scattered:
                 result = Equation(self.p.tensor(grad_name(name), shown), "0")
                 out.append(Section(title, name, result=result))
+                continue
+            if name not in by_target:  # read only at computed positions: a scatter-add
+                left, right = lines[grad_name(name)].split(" = ", 1)
+                out.append(
+                    Section(
+                        title,
+                        name,
+                        result=Equation(left, right),
+                        notes=("the transpose of a gather: a scatter-add of its gradient",),
+                        code=tuple(_code_for(self.module, grad_name(name))),
+                    )
+                )
                 continue
             partials = [p for p in self.backward.partials if p.target == name]
             primed = self.primed(name, partials)

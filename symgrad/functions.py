@@ -83,6 +83,44 @@ class step_le(_Step):
         return bool(x <= y)
 
 
+class step_eq(_Step):
+    """1 where x == y, else 0: which entries attain a max/min over indices (its ties)."""
+
+    @staticmethod
+    def holds(x, y) -> bool:
+        return bool(x == y)
+
+
+# -inf, for masked logits: `where(c, exp(u), 0)` is `exp(where(c, u, -inf))`, so a masked
+# sum of exponentials stays a logsumexp (finite at logits in the hundreds). A plain symbol,
+# not SymPy's -oo, so that algebra treats it as an opaque number.
+NEG_INF = sp.Symbol("_neg_inf", real=True)
+
+
+class select(sp.Function):
+    """`where(cond, a, b)`: a where the condition holds, else b.
+
+    The condition gets no gradient, and the derivative is the select of the derivatives,
+    so a nan or inf in the branch not taken never reaches the gradient (unlike
+    `cond*a + (1-cond)*b`)."""
+
+    is_real = True
+
+    @classmethod
+    def eval(cls, cond, a, b):
+        if cond is sp.true:
+            return a
+        if cond is sp.false:
+            return b
+        if a == b:
+            return a
+        return None
+
+    def _eval_derivative(self, s):
+        cond, a, b = self.args
+        return select(cond, sp.diff(a, s), sp.diff(b, s))
+
+
 class _Extremum(sp.Function):
     """max or min with TensorFlow's tie rule: the gradient goes to x where `mask` is 1."""
 

@@ -99,7 +99,16 @@ class Shape:
     dims: tuple[tuple[str, ...], ...]  # each dim is a product of size variables
 
 
-Expr = Lit | Var | DType | AxisSize | FloatSize | View | Call | Einsum | Binary | Negate | Shape
+@dataclass(frozen=True)
+class List:
+    """A Python list of expressions, `[1, _int_s, 1]` (strides, paddings, slice bounds)."""
+
+    items: tuple[Expr, ...]
+
+
+Expr = (
+    Lit | Var | DType | AxisSize | FloatSize | View | Call | Einsum | Binary | Negate | Shape | List
+)
 
 
 # ----------------------------------------------------------------------------- statements
@@ -155,6 +164,12 @@ class Module:
     saved: tuple[str, ...]  # forward intermediates the backward reads
     recompute: Block  # inputs, outputs, attrs -> saved (for `gradient(op, ...)`)
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
+    index_inputs: tuple[str, ...] = ()  # integer index tensors (no gradient, int dtype)
+
+    @property
+    def value_inputs(self) -> tuple[str, ...]:
+        """The inputs that hold values: the first one sets the computation dtype."""
+        return tuple(n for n in self.inputs if n not in self.index_inputs)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -176,6 +191,8 @@ def names_in(e: Expr) -> set[str]:
         return names_in(e.left) | names_in(e.right)
     if isinstance(e, Einsum):
         return set().union(*(names_in(a) for a in e.operands))
+    if isinstance(e, List):
+        return set().union(set(), *(names_in(a) for a in e.items))
     if isinstance(e, Call):
         parts = [*e.args, *(v for _, v in e.keywords)]
         return set().union(*(names_in(a) for a in parts))

@@ -26,8 +26,9 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import ir
-from .derive import Backward, Contribution, derive, grad_name
+from . import indexing, ir, patterns
+from .derive import Backward, Contribution, Scatter, derive, fresh_indices, grad_name
+from .indexing import IOTA
 from .model import Index, Level, Program, index_of_size, tensor
 from .notation import gradient_lines
 
@@ -51,7 +52,22 @@ UNARY = {
     fn.softplus: "tf.nn.softplus",
 }
 BINARY = {fn.maximum: "tf.maximum", fn.minimum: "tf.minimum"}
-MASKS = {fn.step_ge: ">=", fn.step_le: "<="}
+MASKS = {fn.step_ge: ">=", fn.step_le: "<=", fn.step_eq: "=="}
+RELATIONS = {
+    sp.Lt: "<",
+    sp.Le: "<=",
+    sp.Gt: ">",
+    sp.Ge: ">=",
+    sp.Eq: "==",
+    sp.Ne: "!=",
+    sp.StrictLessThan: "<",
+    sp.LessThan: "<=",
+    sp.StrictGreaterThan: ">",
+    sp.GreaterThan: ">=",
+    sp.Equality: "==",
+    sp.Unequality: "!=",
+}
+LOGIC = {sp.And: "tf.logical_and", sp.Or: "tf.logical_or"}
 
 
 @dataclass
@@ -95,14 +111,19 @@ class Lowerer:
     def __init__(self, program: Program, backward: Backward | None = None) -> None:
         self.program = program
         self.backward = backward if backward is not None else derive(program)
-        # Where each index's size can be read: index -> (input, axis).
-        self.size_of: dict[Index, tuple[str, int]] = {
+        # Where each index's size can be read: index -> (input, axis), or an integer
+        # expression (an extent: from `ranges`, or inferred).
+        self.size_of: dict[Index, tuple[str, int] | sp.Expr] = {
             index: sources[0] for index, sources in program.dims if sources
         }
+        for index, extent in program.extents:
+            self.size_of.setdefault(index, extent)
         self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}
         for output in program.outputs:
             self.levels[output.level.name] = output.level
         self.preferred = _preferred_letters(program, self.backward)
+        # Gathers that are exactly a convolution with the one term reading them.
+        self.convolutions = patterns.convolutions(program)
         self.is_output: set[str] = {o.level.name for o in program.outputs}
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
@@ -128,7 +149,20 @@ class Lowerer:
         name = index.name if not index.name.startswith("_") else self.preferred.get(index, "")
         var = f"_n_{_plain(name.rstrip(chr(39)))}" if name else ""
         if not name or var in body.sizes:
-            var = f"_n_{source[0]}_{source[1]}"
+            if isinstance(source, tuple):
+                var = f"_n_{source[0]}_{source[1]}"
+            else:
+                var = f"_n_{len(body.sizes) + 1}"
+        body.sizes[var] = source
+        return var
+
+    def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
+        """The variable holding the size of one axis of an input."""
+        source = (tensor_name, axis)
+        for var, known in body.sizes.items():
+            if known == source:
+                return var
+        var = f"_n_{tensor_name}_{axis}"
         body.sizes[var] = source
         return var
 
@@ -138,7 +172,7 @@ class Lowerer:
         for label, source in zip(labels, axes, strict=True):
             self.size_of.setdefault(label, source)
 
-    def axis_sources(self, tensor_name: str) -> tuple[tuple[str, int], ...]:
+    def axis_sources(self, tensor_name: str) -> tuple:
         if tensor_name in self.program.inputs:
             return tuple((tensor_name, a) for a in range(self.program.rank(tensor_name)))
         level = self.levels[tensor_name]
@@ -154,12 +188,15 @@ class Lowerer:
             return ir.Lit(str(int(e)))
         if e.is_number:  # 1/2, pi, sqrt(pi): a Python float takes the tensors' dtype
             return ir.Lit(repr(float(e)))
+        if e == fn.NEG_INF:
+            body.uses_dtype = True
+            return ir.Call("tf.cast", (ir.Lit('float("-inf")'), ir.Var("dtype")))
         if isinstance(e, sp.Symbol):
             index = index_of_size(e)
             if index is not None:
                 body.uses_dtype = True
                 return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
-            return ir.Var(e.name)  # an attr
+            return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
             terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
             result = self.expr(body, terms[0], target)
@@ -204,6 +241,19 @@ class Lowerer:
             softmax = self.softmax(body, e, target)
             if softmax is not None:
                 return softmax
+        if isinstance(e, fn.select):
+            cond, then, otherwise = e.args
+            if then == 1 and otherwise == 0:  # a mask
+                body.uses_dtype = True
+                return ir.Call("tf.cast", (self.condition(body, cond, target), ir.Var("dtype")))
+            return ir.Call(
+                "tf.where",
+                (
+                    self.condition(body, cond, target),
+                    self.value(body, then, target),
+                    self.value(body, otherwise, target),
+                ),
+            )
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
@@ -215,6 +265,34 @@ class Lowerer:
                 body.uses_dtype = True
                 return ir.Call("tf.cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
         raise AssertionError(f"cannot lower {e!r}")
+
+    def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
+        """A pointwise value where TF wants a tensor of the computation dtype (a branch
+        of tf.where): constants are cast, since a Python number would become int32 or
+        float32."""
+        result = self.expr(body, e, target)
+        if not ir.names_in(result) or e.is_number:
+            body.uses_dtype = True
+            return ir.Call("tf.cast", (result, ir.Var("dtype")))
+        return result
+
+    def condition(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
+        """A condition as a boolean tensor over (a subset of) `target`'s axes."""
+        if cond is sp.true or cond is sp.false:
+            return ir.Lit(repr(bool(cond)))
+        if isinstance(cond, sp.Not):
+            return ir.Call("tf.logical_not", (self.condition(body, cond.args[0], target),))
+        for kind, function in LOGIC.items():
+            if isinstance(cond, kind):
+                parts = [self.condition(body, a, target) for a in cond.args]
+                parts.sort(key=repr)  # SymPy's argument order is canonical but unstable
+                result = parts[0]
+                for part in parts[1:]:
+                    result = ir.Call(function, (result, part))
+                return result
+        op = RELATIONS[type(cond)]
+        left, right = cond.args
+        return ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target))
 
     def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr) -> ir.Expr:
         """log Σ exp over the last axis, step by step, keeping exp(u - max) / Σ as the
@@ -264,7 +342,17 @@ class Lowerer:
     def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
         """`X[i, j]` aligned to `target` axes (diagonals read with a one-operand einsum)."""
         labels = tuple(access.indices)
-        operand: ir.Expr = ir.Var(body.tensors[access.base.label.name])
+        name = access.base.label.name
+        if name == IOTA:  # the value of an index: 0, 1, ..., size - 1
+            (label,) = labels
+            operand = ir.Var(
+                body.bind(ir.Call("tf.range", (ir.Var(self.index_size(body, label)),)))
+            )
+            return align(operand, labels, target)
+        if name in self.program.index_inputs:  # compared with tf.range values
+            operand = ir.Var(body.bind(ir.Call("tf.cast", (ir.Var(name), ir.Lit("tf.int32")))))
+            return align(operand, labels, target)
+        operand: ir.Expr = ir.Var(body.tensors[name])
         if len(set(labels)) != len(labels):
             unique = tuple(dict.fromkeys(labels))
             letters = _letters([labels, unique], self.preferred)
@@ -284,6 +372,12 @@ class Lowerer:
         eyes: tuple[tuple[Index, Index], ...] = (),
     ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
         """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
+        convolution = self.convolution_term(body, e, out)
+        if convolution is not None:
+            return [convolution]
+        prefix = self.prefix_sum(body, e, summed, out, eyes)
+        if prefix is not None:
+            return [prefix]
         factors = sp.Mul.make_args(e)
         operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
         for factor in factors:
@@ -301,6 +395,213 @@ class Lowerer:
                         pieces += self.term(body, part, summed, out, eyes)
                     return pieces
         return [self.contract(body, e, summed, out, eyes)]
+
+    # -- convolutions ---------------------------------------------------------------------
+
+    def convolution_term(self, body: _Body, e: sp.Expr, out: tuple[Index, ...]):
+        """The term of a recognised convolution (forward), or its filter gradient
+        `Σ grad_y · window` (backward), as TF's convolution kernels."""
+        reads = [a for a in e.atoms(sp.Indexed) if a.base.label.name in self.convolutions]
+        if len(reads) != 1:
+            return None
+        conv = self.convolutions[reads[0].base.label.name]
+        factors = sp.Mul.make_args(e)
+        if len(factors) != 2:
+            return None
+        (other,) = [f for f in factors if f != reads[0]]
+        if not isinstance(other, sp.Indexed):
+            return None
+        if other.base.label.name == conv.filter:  # the forward term
+            value = ir.Call(
+                "tf.nn.convolution",
+                (self.window(body, conv), ir.Var(body.tensors[conv.filter])),
+                (
+                    ("strides", self.strides(conv, full=False)),
+                    ("padding", ir.Lit('"VALID"')),
+                ),
+            )
+            return value, conv.indices
+        if other.base.label.name == grad_name(conv.consumer):  # ∂L/∂w
+            grad = self.conv_grad(body, conv, other)
+            window = ir.Var(body.bind(self.window(body, conv)))
+            weights = ir.Var(body.tensors[conv.filter])
+            flat = len(conv.spatial) == 1  # 1-D runs as 2-D with a height of one
+            if flat:
+                window = ir.View(window, None, (0, None, 1, 2))
+                weights = ir.View(weights, None, (None, 0, 1, 2))
+                grad = ir.View(grad, None, (0, None, 1, 2))
+            kernel = (
+                "tf.raw_ops.Conv3DBackpropFilterV2"
+                if len(conv.spatial) == 3
+                else ("tf.raw_ops.Conv2DBackpropFilter")
+            )
+            value: ir.Expr = ir.Call(
+                kernel,
+                (),
+                (
+                    ("input", window),
+                    ("filter_sizes", ir.Call("tf.shape", (weights,))),
+                    ("out_backprop", grad),
+                    ("strides", self.strides(conv, full=True)),
+                    ("padding", ir.Lit('"VALID"')),
+                ),
+            )
+            if flat:
+                value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit("0")),))
+            return value, out
+        return None
+
+    def conv_grad(self, body: _Body, conv, grad: sp.Indexed | None = None) -> ir.Expr:
+        """The consumer's incoming gradient on the convolution's axes (b, i.., o)."""
+        name = grad_name(conv.consumer)
+        labels = tuple(grad.indices) if grad is not None else self.levels[conv.consumer].indices
+        if grad is not None:  # the contribution renamed the consumer's indices
+            mapping = dict(zip(self.levels[conv.consumer].indices, labels, strict=True))
+            target = tuple(mapping[i] for i in conv.indices)
+        else:
+            target = conv.indices
+        value = align(ir.Var(body.tensors[name]), labels, target)
+        return value if _is_simple(value) else ir.Var(body.bind(value))
+
+    def strides(self, conv, *, full: bool) -> ir.Expr:
+        """`[s1, s2]` for tf.nn.convolution; `[1, s1, s2, 1]` for the raw kernels (1-D
+        as 2-D: `[1, 1, s, 1]`)."""
+        strides = [integer(s.stride) for s in conv.spatial]
+        if not full:
+            return ir.List(tuple(strides))
+        if len(strides) == 1:
+            strides = [ir.Lit("1"), *strides]
+        return ir.List((ir.Lit("1"), *strides, ir.Lit("1")))
+
+    def window_bounds(self, body: _Body, conv):
+        """Per spatial axis: (padding below, padding above, start, length, size) of the
+        window of x the outputs read, as code: after padding, the window starts at
+        `start` and has length = stride*(n_i - 1) + K. Worked out in SymPy, so literal
+        offsets and strides fold to numbers."""
+
+        def var(name: str) -> sp.Symbol:
+            return sp.Symbol(name, integer=True, nonnegative=True)
+
+        bounds = []
+        for axis, spatial in enumerate(conv.spatial, start=1):
+            size = var(self.axis_size(body, conv.source, axis))
+            taps = var(self.axis_size(body, conv.filter, axis - 1))
+            count = var(self.index_size(body, spatial.output))
+            length = spatial.stride * (count - 1) + taps
+            low = sp.Max(-spatial.offset, 0)
+            high = sp.Max(spatial.offset + length - size, 0)
+            start = spatial.offset + low
+            parts = [self.bind_integer(body, e) for e in (low, high, start, length)]
+            after = self.bind_integer(body, size + low + high - start - length)
+            bounds.append((*parts, integer(size), after))
+        return bounds
+
+    def bind_integer(self, body: _Body, e: sp.Expr) -> ir.Expr:
+        value = integer(e)
+        return value if isinstance(value, ir.Lit | ir.Var) else ir.Var(body.bind(value))
+
+    def window(self, body: _Body, conv) -> ir.Expr:
+        """x padded with zeros (or cropped) to exactly the window the outputs read."""
+        bounds = self.window_bounds(body, conv)
+        zero = ir.List((ir.Lit("0"), ir.Lit("0")))
+        paddings = ir.List((zero, *(ir.List((lo, hi)) for lo, hi, *_ in bounds), zero))
+        padded = ir.Var(body.bind(ir.Call("tf.pad", (ir.Var(body.tensors[conv.source]), paddings))))
+        begin = ir.List((ir.Lit("0"), *(b[2] for b in bounds), ir.Lit("0")))
+        size = ir.List((ir.Lit("-1"), *(b[3] for b in bounds), ir.Lit("-1")))
+        return ir.Call("tf.slice", (padded, begin, size))
+
+    def convolution_input_gradient(self, body: _Body, conv) -> ir.Expr:
+        """∂L/∂x: TF's input backprop kernel on the window, then the window's transpose
+        (the crop becomes zero padding, the zero padding is cut away)."""
+        grad = self.conv_grad(body, conv)
+        window = ir.Var(body.bind(self.window(body, conv)))
+        weights: ir.Expr = ir.Var(body.tensors[conv.filter])
+        flat = len(conv.spatial) == 1
+        if flat:
+            window = ir.View(window, None, (0, None, 1, 2))
+            weights = ir.View(weights, None, (None, 0, 1, 2))
+            grad = ir.View(grad, None, (0, None, 1, 2))
+        kernel = (
+            "tf.raw_ops.Conv3DBackpropInputV2"
+            if len(conv.spatial) == 3
+            else ("tf.raw_ops.Conv2DBackpropInput")
+        )
+        value: ir.Expr = ir.Call(
+            kernel,
+            (),
+            (
+                ("input_sizes", ir.Call("tf.shape", (window,))),
+                ("filter", weights),
+                ("out_backprop", grad),
+                ("strides", self.strides(conv, full=True)),
+                ("padding", ir.Lit('"VALID"')),
+            ),
+        )
+        if flat:
+            value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit("1")),))
+        value = ir.Var(body.bind(value))
+        bounds = self.window_bounds(body, conv)
+        zero = ir.List((ir.Lit("0"), ir.Lit("0")))
+        paddings = [ir.List((start, after)) for _, _, start, _, _, after in bounds]
+        padded = ir.Var(body.bind(ir.Call("tf.pad", (value, ir.List((zero, *paddings, zero))))))
+        begin = ir.List((ir.Lit("0"), *(b[0] for b in bounds), ir.Lit("0")))
+        size = ir.List((ir.Lit("-1"), *(b[4] for b in bounds), ir.Lit("-1")))
+        return ir.Call("tf.slice", (padded, begin, size))
+
+    def prefix_sum(self, body, e, summed, out, eyes):
+        """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n
+        mask. Also `<` (exclusive) and `>=`, `>` (reversed); the gradient of a prefix sum
+        is a reversed one, so the same rule serves the backward pass."""
+        if eyes:
+            return None
+        factors = sp.Mul.make_args(e)
+        masks = [f for f in factors if isinstance(f, fn.select) and f.args[2] == 0]
+        if len(masks) != 1:
+            return None
+        (mask,) = masks
+        cond = mask.args[0]
+        if type(cond) not in RELATIONS or RELATIONS[type(cond)] in ("==", "!="):
+            return None
+        sides = cond.args
+        if not all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in sides):
+            return None
+        left, right = (a.indices[0] for a in sides)
+        op = RELATIONS[type(cond)]
+        if left in summed and right in out and right not in summed:
+            k, i = left, right
+        elif right in summed and left in out and left not in summed:
+            k, i = right, left
+            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+        else:
+            return None
+        rest = mask.args[1] * sp.Mul(*[f for f in factors if f is not mask])
+        if i in _index_set(rest) or k not in _index_set(rest) or not self.same_size(i, k):
+            return None
+        out_k = tuple(k if j == i else j for j in out)
+        inner = tuple(j for j in summed if j != k)
+        value, axes = self.contract(body, rest, inner, out_k, ())
+        if k not in axes:
+            return None
+        if not _is_simple(value):
+            value = ir.Var(body.bind(value))
+        keywords = [("axis", ir.Lit(str(axes.index(k))))]
+        if op in ("<", ">"):
+            keywords.append(("exclusive", ir.Lit("True")))
+        if op in (">", ">="):
+            keywords.append(("reverse", ir.Lit("True")))
+        total = ir.Call("tf.cumsum", (value,), tuple(keywords))
+        return total, tuple(i if j == k else j for j in axes)
+
+    def same_size(self, i: Index, k: Index) -> bool:
+        """Whether two indices are known to have the same size."""
+
+        def key(index):
+            source = self.size_of.get(index)
+            if isinstance(source, tuple):
+                return indexing.shape_symbol(*source)
+            return source
+
+        return key(i) is not None and key(i) == key(k)
 
     def contract(
         self,
@@ -520,8 +821,139 @@ class Lowerer:
 
     # -- levels -------------------------------------------------------------------------
 
+    # -- computed positions -------------------------------------------------------------
+
+    def position(self, body: _Body, e: sp.Expr, axes: tuple[Index, ...]) -> ir.Expr:
+        """An affine position (index values, index tensors, int attrs) over `axes`, int32."""
+        return self.expr(body, as_index_values(e), axes)
+
+    def gather_plan(self, body: _Body, level: Level):
+        """The positions of a gather: (flat position P over the inner indices, the mask of
+        reads in bounds or None, the inner indices)."""
+        gather = level.gather
+        computed = gather.computed
+        inner = tuple(
+            i
+            for i in level.indices
+            if any(i in indexing.index_symbols(gather.positions[n]) for n in computed)
+        )
+        shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
+        flat: ir.Expr | None = None
+        valid: ir.Expr | None = None
+        for axis, bounded in zip(computed, gather.bounded, strict=True):
+            position = self.position(body, gather.positions[axis], inner)
+            if not _is_simple(position):
+                position = ir.Var(body.bind(position))
+            if not bounded:
+                size = ir.Var(self.axis_size(body, gather.source, axis))
+                inside = ir.Call(
+                    "tf.logical_and",
+                    (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
+                )
+                valid = inside if valid is None else ir.Call("tf.logical_and", (valid, inside))
+            if flat is None:
+                flat = position
+            else:
+                size = ir.Var(self.axis_size(body, gather.source, axis))
+                flat = ir.Binary("+", ir.Binary("*", flat, size), position)
+        flat = ir.Var(body.bind(ir.Call("tf.broadcast_to", (flat, shape))))
+        if valid is not None:
+            valid = ir.Var(body.bind(ir.Call("tf.broadcast_to", (valid, shape))))
+        return flat, valid, inner
+
+    def rows(self, body: _Body, gather) -> tuple[str, ...]:
+        """The sizes of the computed axes (their product is the number of rows read)."""
+        return tuple(self.axis_size(body, gather.source, n) for n in gather.computed)
+
+    def gather(self, body: _Body, level: Level) -> ir.Expr:
+        """`X` read at computed positions: one `tf.gather` (several computed axes are
+        flattened into one first); reads out of bounds are zero."""
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
+        flat, valid, inner = self.gather_plan(body, level)
+        index = flat
+        if valid is not None:
+            index = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
+        source: ir.Expr = ir.Var(body.tensors[gather.source])
+        if len(computed) == 1:
+            axis = computed[0]
+        elif computed == tuple(range(computed[0], computed[-1] + 1)):  # adjacent: merge
+            axis = computed[0]
+            dims = [(self.axis_size(body, gather.source, n),) for n in range(axis)]
+            dims.append(self.rows(body, gather))
+            dims += [
+                (self.axis_size(body, gather.source, n),) for n in range(computed[-1] + 1, rank)
+            ]
+            source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
+        else:
+            order = (*computed, *plain)
+            if order != tuple(range(rank)):
+                source = ir.Call("tf.transpose", (source, ir.Lit(repr(list(order)))))
+            dims = [self.rows(body, gather)]
+            dims += [(self.axis_size(body, gather.source, n),) for n in plain]
+            source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
+            axis = 0
+        value = ir.Call("tf.gather", (source, index), (("axis", ir.Lit(str(axis))),))
+        if valid is None:
+            return value
+        value = ir.Var(body.bind(value))
+        mask = align(valid, inner, level.indices)
+        body.uses_dtype = True
+        zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+        return ir.Call("tf.where", (mask, value, zero))
+
+    def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
+        """The transpose of a gather: its gradient added back where it read (reads out of
+        bounds add nothing), shaped like the source with axes `indices`."""
+        if scatter.level in self.convolutions:
+            return self.convolution_input_gradient(body, self.convolutions[scatter.level])
+        level = self.levels[scatter.level]
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
+        flat, valid, inner = self.gather_plan(body, level)
+        rows = self.rows(body, gather)
+        ids = flat
+        if valid is not None:  # dropped by unsorted_segment_sum
+            ids = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("-1")))))
+        grad = ir.Var(body.tensors[grad_name(level.name)])
+        rest = tuple(i for i in level.indices if i not in inner)
+        grad = align(grad, level.indices, (*inner, *rest))
+        if not _is_simple(grad):
+            grad = ir.Var(body.bind(grad))
+        count: ir.Expr = ir.Var(rows[0])
+        for row in rows[1:]:
+            count = ir.Binary("*", count, ir.Var(row))
+        total = ir.Var(body.bind(ir.Call("tf.math.unsorted_segment_sum", (grad, ids, count))))
+        # `total` has the computed axes (flattened) first, then the plain ones in order.
+        if len(computed) == 1:
+            order = (computed[0], *plain)
+            value: ir.Expr = total
+        else:
+            dims = [(self.axis_size(body, gather.source, n),) for n in (*computed, *plain)]
+            value = ir.Call("tf.reshape", (total, ir.Shape(tuple(dims))))
+            order = (*computed, *plain)
+        if order != tuple(range(rank)):
+            inverse = [order.index(n) for n in range(rank)]
+            value = ir.Call("tf.transpose", (value, ir.Lit(repr(inverse))))
+        return value
+
     def level(self, body: _Body, level: Level) -> ir.Expr:
         """The value of an intermediate or an output over its own indices."""
+        if level.kind == "gather":
+            return self.gather(body, level)
+        if level.kind in ("max", "min"):
+            (term,) = level.terms
+            order = (*level.indices, *term.summed)
+            operand = self.expr(body, term.expr, order)
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
+            function = "tf.reduce_max" if level.kind == "max" else "tf.reduce_min"
+            return ir.Call(function, (operand,), (("axis", axes),))
         if level.kind == "logsumexp":
             (term,) = level.terms
             order = (*level.indices, *term.summed)
@@ -542,11 +974,20 @@ class Lowerer:
         value, axes = self.sum_terms(body, pieces, level.indices)
         return self.full(body, value, axes, level.indices)
 
-    def gradient(self, body: _Body, target: str, contributions: list[Contribution]) -> ir.Expr:
+    def gradient(
+        self,
+        body: _Body,
+        target: str,
+        contributions: list[Contribution],
+        scatters: list[Scatter] = (),
+    ) -> ir.Expr:
         """Σ of contributions to one tensor's gradient, shaped like that tensor."""
-        indices = contributions[0].indices
+        if contributions:
+            indices = contributions[0].indices
+        else:
+            indices = fresh_indices(target, self.program.rank(target))
         self.register_axes(target, indices)
-        pieces = []
+        pieces = [(self.scatter(body, s, indices), indices) for s in scatters]
         # Pointwise contributions add up into one expression with common factors pulled
         # out: softmax's `grad*y + s*y` becomes `(grad + s) * y`, two passes, not four.
         pointwise = [c for c in contributions if not c.summed and not c.diagonal]
@@ -704,6 +1145,8 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
     for c in backward.contributions:
         by_target.setdefault(c.target, []).append(c)
     for name in backward.order:
+        if name in lowerer.convolutions:
+            continue  # TF's convolution backprop kernels read the consumer's gradient
         if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
             level = lowerer.levels[name]
             gname = grad_name(name)
@@ -718,12 +1161,13 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         if name not in backward.targets:
             returns.append(None)
             continue
-        contributions = by_target.get(name)
+        contributions = by_target.get(name, [])
+        scatters = [s for s in backward.scatters if s.target == name]
         gname = grad_name(name)
-        if not contributions:
+        if not contributions and not scatters:
             bwd.bind(ir.Call("tf.zeros_like", (ir.Var(name),)), name=gname)
         else:
-            bwd.bind(lowerer.gradient(bwd, name, contributions), name=gname)
+            bwd.bind(lowerer.gradient(bwd, name, contributions, scatters), name=gname)
         returns.append(gname)
     backward_block = _finish(bwd, tuple(returns))
 
@@ -768,6 +1212,7 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         saved=saved,
         recompute=recompute,
         backward=backward_block,
+        index_inputs=program.index_inputs,
     )
 
 
@@ -775,10 +1220,66 @@ def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
     """Prepend the size and dtype definitions the steps use."""
     prelude = []
     if body.uses_dtype:
-        prelude.append(ir.Assign("dtype", ir.DType(body.program.inputs[0])))
-    for var, (tensor_name, axis) in sorted(body.sizes.items()):
-        prelude.append(ir.Assign(var, ir.AxisSize(tensor_name, axis)))
+        prelude.append(ir.Assign("dtype", ir.DType(value_inputs(body.program)[0])))
+    for var, source in sorted(body.sizes.items()):
+        if isinstance(source, tuple):
+            prelude.append(ir.Assign(var, ir.AxisSize(*source)))
+        else:
+            prelude.append(ir.Assign(var, integer(source)))
     return ir.Block(tuple(prelude + body.steps), returns)
+
+
+def integer(e: sp.Expr) -> ir.Expr:
+    """An integer SymPy expression (an extent) as code: sizes, int attrs, //, max."""
+    if e.is_Integer:
+        return ir.Lit(str(int(e)))
+    if isinstance(e, sp.Symbol):
+        shape = indexing.parse_shape_symbol(e)
+        if shape is not None:
+            return ir.AxisSize(*shape)
+        return ir.Var(e.name)
+    if isinstance(e, sp.floor):
+        numerator, denominator = sp.fraction(sp.together(e.args[0]))
+        return ir.Binary("//", integer(numerator), integer(denominator))
+    if isinstance(e, sp.Max | sp.Min):
+        function = "tf.maximum" if isinstance(e, sp.Max) else "tf.minimum"
+        args = sorted(e.args, key=lambda a: (not a.is_Integer, sp.default_sort_key(a)))
+        result = integer(args[-1])
+        for arg in reversed(args[:-1]):
+            result = ir.Call(function, (result, integer(arg)))
+        return result
+    if isinstance(e, sp.Add):
+        terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
+        result = integer(terms[0])
+        for term in terms[1:]:
+            if term.could_extract_minus_sign():
+                result = ir.Binary("-", result, integer(-term))
+            else:
+                result = ir.Binary("+", result, integer(term))
+        return result
+    if isinstance(e, sp.Mul):
+        if e.could_extract_minus_sign():
+            return ir.Negate(integer(-e))
+        factors = sorted(sp.Mul.make_args(e), key=_print_order)
+        result = integer(factors[0])
+        for factor in factors[1:]:
+            result = ir.Binary("*", result, integer(factor))
+        return result
+    raise AssertionError(f"cannot lower the integer expression {e!r}")
+
+
+def as_index_values(e: sp.Expr) -> sp.Expr:
+    """`2*i + ids[b, t]` -> `2*_iota[i] + ids[b, t]`: indices outside accesses read as
+    their values, so lowering aligns them like tensors."""
+    hidden = {a: sp.Dummy(real=True) for a in e.atoms(sp.Indexed)}
+    plain = e.xreplace(hidden)
+    mapping = {s: tensor(IOTA)[s] for s in plain.free_symbols if indexing.is_plain(s)}
+    return plain.xreplace(mapping).xreplace({d: a for a, d in hidden.items()})
+
+
+def value_inputs(program: Program) -> tuple[str, ...]:
+    """The inputs that hold values (not integer index tensors): they set the dtype."""
+    return tuple(n for n in program.inputs if n not in program.index_inputs)
 
 
 _PRELUDE_NAMES = ("dtype",)
@@ -812,6 +1313,8 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
             return ir.Binary(e.op, walk(e.left), walk(e.right))
         if isinstance(e, ir.Negate):
             return ir.Negate(walk(e.operand))
+        if isinstance(e, ir.List):
+            return ir.List(tuple(walk(a) for a in e.items))
         return e
 
     steps = []

@@ -20,20 +20,29 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
+from . import indexing
 from .errors import SymgradError
+from .indexing import IOTA, Gather
 from .parse import (
     MAX_INDICES,
+    REDUCTIONS,
     Access,
     AttrRef,
     BinOp,
     Call,
+    Condition,
     Constant,
     Equation,
+    IndexRef,
+    Logic,
     Neg,
     Node,
     Num,
     Reduce,
+    ShapeRef,
+    Where,
     parse_equation,
+    parse_range,
 )
 from .spec import OpSpec
 
@@ -56,12 +65,17 @@ class Level:
     kind "sum":       value[indices] = Σ_terms Σ_{term.summed} term.expr
     kind "logsumexp": value[indices] = log Σ_{summed} exp(expr) for its single term;
                       the stable form of `log(sum(exp(u)))`, created for any `sum(exp(u))`.
+    kind "max"/"min": value[indices] = max (min) over `summed` of expr, its single term;
+                      `count` names the level counting the ties (for the gradient).
+    kind "gather":    value[indices] = gather.source read at gather.positions; no terms.
     """
 
     name: str
     indices: tuple[Index, ...]
     terms: tuple[Term, ...]
     kind: str = "sum"
+    gather: Gather | None = None
+    count: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,10 @@ class Program:
     outputs: tuple[Output, ...]
     intermediates: tuple[Level, ...]  # in dependency order
     dims: tuple[tuple[Index, tuple[tuple[str, int], ...]], ...]  # index -> (input, axis)s
+    # Sizes of indices that are no plain index of an input axis: integer expressions over
+    # input sizes (`indexing.shape_symbol`) and int attrs, evaluated at call time.
+    extents: tuple[tuple[Index, sp.Expr], ...] = ()
+    index_inputs: tuple[str, ...] = ()  # integer index tensors: no gradient
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -104,6 +122,11 @@ def tensor(name: str) -> sp.IndexedBase:
 def size_of(index: Index) -> sp.Symbol:
     """The size of an index's dimension as a symbol (`|k|`), used by `mean`."""
     return sp.Symbol(f"|{index.name}|", positive=True)
+
+
+def index_attr(name: str) -> sp.Symbol:
+    """An int attr used in index arithmetic (a position, a range, an index comparison)."""
+    return sp.Symbol(f"_int_{name}", integer=True)
 
 
 def index_of_size(symbol: sp.Symbol) -> str | None:
@@ -141,6 +164,9 @@ class _Builder:
     def __init__(self, op: OpSpec) -> None:
         self.op = op
         self.attrs = {name: sp.Symbol(name, real=True) for name, _ in op.attrs}
+        # Int attrs in index arithmetic stay Python ints in generated code (`_int_s`),
+        # apart from the attr cast to the value dtype for arithmetic on values.
+        self.int_attrs = {name: index_attr(name) for name, kind in op.attrs if kind == "int"}
         self.ranks: dict[str, int] = {}
         self.first_access: dict[str, tuple[str, int]] = {}
         self.input_order: list[str] = []
@@ -150,6 +176,11 @@ class _Builder:
         self.by_key: dict[str, tuple[Level, tuple[Index, ...]]] = {}
         self.equation: Equation | None = None
         self.sizes = dict(op.sizes)
+        self.index_inputs: dict[str, int] = {}  # read inside brackets -> column
+        self.value_inputs: dict[str, int] = {}  # read as values -> column
+        # Reads at computed positions: (position, source, axis), for inferring ranges.
+        self.reads: list[tuple[sp.Expr, str, int]] = []
+        self.index_uses: dict[Index, int] = {}  # indices used at computed positions -> col
 
     # -- errors -----------------------------------------------------------------------
 
@@ -194,6 +225,12 @@ class _Builder:
                 for index in n.indices:
                     if index not in scope and index not in bound:
                         found.setdefault(index, None)
+            elif isinstance(n, Where):
+                for index in _condition_indices(n.cond):
+                    if index not in scope and index not in bound:
+                        found.setdefault(index, None)
+                walk(n.then, bound)
+                walk(n.otherwise, bound)
             elif isinstance(n, Reduce):
                 walk(n.body, bound | set(n.indices))
             elif isinstance(n, Neg):
@@ -220,6 +257,10 @@ class _Builder:
             return [Term(self.access(node, scope), ())]
         if isinstance(node, Neg):
             return [Term(-t.expr, t.summed) for t in self.factor(node.operand, scope)]
+        if isinstance(node, Where):
+            return [Term(self.where(node, scope), ())]
+        if isinstance(node, Reduce) and node.kind not in REDUCTIONS:
+            return [Term(self.extremum(node, scope), ())]
         if isinstance(node, Reduce):
             inner = dict(scope)
             bound = []
@@ -233,7 +274,7 @@ class _Builder:
                 for symbol in bound:
                     scale /= size_of(symbol)
             for symbol in bound:
-                if not self.dims.get(symbol):  # its size is unknowable
+                if not self.dims.get(symbol) and not self.sized_elsewhere(symbol):
                     raise self.fail(
                         f"{node.kind}() over {symbol.name.rstrip(chr(39))!r}, "
                         "which no tensor in it uses",
@@ -356,34 +397,209 @@ class _Builder:
             out.append(Term(expr, summed))
         return out
 
-    def access(self, node: Access, scope: dict[str, Index]) -> sp.Indexed:
+    def sized_elsewhere(self, symbol: Index) -> bool:
+        """Whether an index without a plain input axis may still get a size: a range in
+        the spec, or (checked once every formula is read) a range inferred from reads."""
+        return _base(symbol) in dict(self.op.ranges) or symbol in self.index_uses
+
+    # -- computed positions -----------------------------------------------------------
+
+    def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
+        if not node.plain:
+            return self.gather(node, scope)
+        self.mark(self.value_inputs, node.tensor, node.col)
+        return self.plain_access(node, scope)
+
+    def mark(self, uses: dict[str, int], name: str, col: int) -> None:
+        """Record how a tensor is read; one read as an index tensor and as a value is
+        refused: an index tensor holds integers and gets no gradient."""
+        uses.setdefault(name, col)
+        if name in self.index_inputs and name in self.value_inputs:
+            raise self.fail(
+                f"tensor {name!r} is used both as an index tensor (inside brackets) and as "
+                "a value; an index tensor holds integers and has no gradient",
+                col,
+            )
+
+    def position(self, node: Node, scope: dict[str, Index], lookups: list) -> sp.Expr:
+        """An index expression as SymPy: index symbols, int attrs, index-tensor reads."""
+        if isinstance(node, IndexRef):
+            symbol = scope[node.name]
+            self.index_uses.setdefault(symbol, node.col)
+            return symbol
+        if isinstance(node, Num):
+            return _number(node.value)
+        if isinstance(node, AttrRef):
+            return self.int_attrs[node.name]
+        if isinstance(node, Neg):
+            return -self.position(node.operand, scope, lookups)
+        if isinstance(node, BinOp):
+            left = self.position(node.left, scope, lookups)
+            right = self.position(node.right, scope, lookups)
+            return {"+": left + right, "-": left - right, "*": left * right}[node.op]
+        if isinstance(node, Access):  # an index tensor
+            self.mark(self.index_inputs, node.tensor, node.col)
+            lookups.append(node)
+            return self.plain_access(node, scope)
+        raise AssertionError(f"unexpected index node {node!r}")  # parse builds only these
+
+    def gather(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
+        """A read at computed positions: an intermediate over the indices it uses."""
         name = node.tensor
+        self.mark(self.value_inputs, name, node.col)
+        self.register(name, len(node.positions), node.col)
+        lookups: list[Access] = []
+        positions = tuple(self.position(p, scope, lookups) for p in node.positions)
+        written = [scope[i] for i in node.indices]
+        computed, grid = indexing.layout(positions, written)
+        for axis, position in enumerate(positions):
+            if axis not in computed:  # a plain axis: its index takes the axis size
+                self.add_dim(position, name, axis)
+            elif not position.atoms(sp.Indexed):
+                self.reads.append((position, name, axis))
+        key = ("gather", name, tuple(sp.srepr(p) for p in positions), tuple(map(str, grid)))
+        found = self.by_key.get(repr(key))
+        if found is not None:
+            return tensor(found[0].name)[grid]
+        level = Level(
+            f"_g{len(self.intermediates) + 1}",
+            grid,
+            (),
+            "gather",
+            gather=Gather(name, positions, computed, tuple(False for _ in computed)),
+        )
+        self.intermediates.append(level)
+        self.ranks[level.name] = len(grid)
+        self.by_key[repr(key)] = (level, grid)
+        return tensor(level.name)[grid]
+
+    # -- conditions and extrema -------------------------------------------------------
+
+    def where(self, node: Where, scope: dict[str, Index]) -> sp.Expr:
+        cond = self.condition(node.cond, scope)
+        then = self.pointwise(node.then, scope)
+        otherwise = self.pointwise(node.otherwise, scope)
+        # A masked exponential is the exponential of masked logits: sums of it stay in
+        # log space (a causal softmax is as stable as the unmasked one).
+        if isinstance(then, sp.exp) and otherwise == 0:
+            return sp.exp(fn.select(cond, then.args[0], fn.NEG_INF))
+        if isinstance(otherwise, sp.exp) and then == 0:
+            return sp.exp(fn.select(cond, fn.NEG_INF, otherwise.args[0]))
+        return fn.select(cond, then, otherwise)
+
+    def condition(self, node: Condition, scope: dict[str, Index]) -> sp.Basic:
+        if isinstance(node, Logic):
+            args = [self.condition(a, scope) for a in node.args]
+            if node.op == "not":
+                return sp.Not(args[0])
+            return sp.And(*args) if node.op == "and" else sp.Or(*args)
+        relation = {
+            "<": sp.Lt,
+            "<=": sp.Le,
+            ">": sp.Gt,
+            ">=": sp.Ge,
+            "==": sp.Eq,
+            "!=": sp.Ne,
+        }
+        if node.on_indices:
+            values = [self.index_value(o, scope) for o in node.operands]
+        else:
+            values = [self.pointwise(o, scope) for o in node.operands]
+        parts = [
+            relation[op](left, right, evaluate=False)
+            for op, left, right in zip(node.ops, values, values[1:], strict=False)
+        ]
+        return parts[0] if len(parts) == 1 else sp.And(*parts)
+
+    def index_value(self, node: Node, scope: dict[str, Index]) -> sp.Expr:
+        """An index expression compared as a number: index i reads as `_iota[i]`, so
+        lowering sees which axes the comparison varies over."""
+        lookups: list[Access] = []
+        hidden = {}
+        position = self.position(node, scope, lookups)
+        for access in position.atoms(sp.Indexed):
+            hidden[access] = sp.Dummy(real=True)
+        plain = position.xreplace(hidden)
+        mapping = {s: tensor(IOTA)[s] for s in plain.free_symbols if indexing.is_plain(s)}
+        return plain.xreplace(mapping).xreplace({d: a for a, d in hidden.items()})
+
+    def extremum(self, node: Reduce, scope: dict[str, Index]) -> sp.Expr:
+        """`max(expr, k, ...)`: an intermediate over the free indices, with a companion
+        level counting the ties (TF's reduce_max gradient splits ties equally)."""
+        inner = dict(scope)
+        bound = []
+        for name in node.indices:
+            symbol = self.bind(name)
+            inner[name] = symbol
+            bound.append(symbol)
+        body = self.pointwise(node.body, inner)
+        for symbol in bound:
+            if not self.dims.get(symbol) and not self.sized_elsewhere(symbol):
+                raise self.fail(
+                    f"{node.kind}() over {_base(symbol)!r}, which no tensor in it uses",
+                    node.col,
+                )
+        used = _indices_of(body) | {s for s in body.free_symbols if indexing.is_plain(s)}
+        if not any(s in used for s in bound):
+            return body  # the extremum of a constant over k is the constant
+        written = [scope[n] for n in _written_indices(node.body) if n in scope]
+        free = [s for s in dict.fromkeys(written) if s in used and s not in bound]
+        free += [s for s in indices_in_order(body) if s not in free and s not in bound]
+        summed = tuple(s for s in bound if s in used)
+        key, canonical_free = _canonical_key(node.kind, [Term(body, summed)], free)
+        if key in self.by_key:
+            level, level_free = self.by_key[key]
+            mapping = dict(zip(canonical_free, free, strict=True))
+            return tensor(level.name)[tuple(mapping[c] for c in level_free)]
+        number = len(self.intermediates) + 1
+        name = f"_{node.kind}{number}"
+        count_name = f"_ties{number}"
+        value = tensor(name)[tuple(free)]
+        count = Level(count_name, tuple(free), (Term(fn.step_eq(body, value), summed),), "sum")
+        level = Level(name, tuple(free), (Term(body, summed),), node.kind, count=count_name)
+        self.intermediates += [level, count]
+        self.ranks[name] = self.ranks[count_name] = len(free)
+        self.by_key[key] = (level, tuple(canonical_free))
+        if not free:
+            raise self.fail(
+                f"{node.kind}() over every index is not supported inside a formula",
+                node.col,
+            )
+        return value
+
+    def register(self, name: str, rank: int, col: int) -> None:
         if name in self.attrs:
-            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices", node.col)
+            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices", col)
         if self.equation and name == self.equation.output:
-            raise self.fail(f"output {name!r} cannot be used on the right side", node.col)
-        rank = len(node.indices)
+            raise self.fail(f"output {name!r} cannot be used on the right side", col)
         if rank == 0:
-            raise self.fail(f"tensor {name!r} needs at least one index", node.col)
+            raise self.fail(f"tensor {name!r} needs at least one index", col)
         known = self.ranks.get(name)
         if known is None:
             self.ranks[name] = rank
-            self.first_access[name] = (self.equation.text if self.equation else "", node.col)
+            self.first_access[name] = (self.equation.text if self.equation else "", col)
             self.input_order.append(name)
         elif known != rank:
             raise self.fail(
                 f"tensor {name!r} is used with {_count(rank, 'index')} here but "
                 f"{_count(known, 'index')} elsewhere",
-                node.col,
+                col,
             )
+
+    def add_dim(self, symbol: Index, name: str, axis: int) -> None:
+        self.dims.setdefault(symbol, [])
+        if (name, axis) not in self.dims[symbol]:
+            self.dims[symbol].append((name, axis))
+
+    def plain_access(self, node: Access, scope: dict[str, Index]) -> sp.Indexed:
+        name = node.tensor
+        self.register(name, len(node.indices), node.col)
         symbols = []
         for axis, index in enumerate(node.indices):
             if index not in scope:  # pragma: no cover - implicit_indices binds all
                 raise self.fail(f"index {index!r} is not bound", node.col)
             symbol = scope[index]
-            self.dims.setdefault(symbol, [])
-            if (name, axis) not in self.dims[symbol]:
-                self.dims[symbol].append((name, axis))
+            self.add_dim(symbol, name, axis)
             symbols.append(symbol)
         return tensor(name)[tuple(symbols)]
 
@@ -448,7 +664,7 @@ class _Builder:
         terms = [Term(_simplify(t.expr), t.summed) for t in terms if t.expr != 0]
         terms = self.chain(terms, tuple(scope[i] for i in indices))
         for index in indices:
-            if not self.dims.get(scope[index]):
+            if not self.dims.get(scope[index]) and not self.sized_elsewhere(scope[index]):
                 raise self.fail(
                     f"output index {index!r} is not used by any input, so its size is unknown",
                     equation.index_col(index),
@@ -519,10 +735,43 @@ def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | No
     return first, second
 
 
+def _base(symbol: Index) -> str:
+    """The name the user wrote for an index symbol (bound copies are primed)."""
+    return symbol.name.rstrip("'")
+
+
+def _condition_indices(node: Condition) -> list[str]:
+    """Index names a condition uses (as numbers or inside index tensors), written order."""
+    if isinstance(node, Logic):
+        return [name for a in node.args for name in _condition_indices(a)]
+    names: list[str] = []
+    for operand in node.operands:
+        names += _written_indices(operand) if not node.on_indices else _index_expr_names(operand)
+    return names
+
+
+def _index_expr_names(node: Node) -> list[str]:
+    if isinstance(node, IndexRef):
+        return [node.name]
+    if isinstance(node, Access):
+        return list(node.indices)
+    if isinstance(node, Neg):
+        return _index_expr_names(node.operand)
+    if isinstance(node, BinOp):
+        return _index_expr_names(node.left) + _index_expr_names(node.right)
+    return []
+
+
 def _written_indices(node: Node) -> list[str]:
     """Index names of the accesses under `node`, in written order."""
     if isinstance(node, Access):
         return list(node.indices)
+    if isinstance(node, Where):  # the values' indices first: they fix the axis order
+        return (
+            _written_indices(node.then)
+            + _written_indices(node.otherwise)
+            + _condition_indices(node.cond)
+        )
     if isinstance(node, Reduce):
         return _written_indices(node.body)
     if isinstance(node, Neg):
@@ -582,10 +831,11 @@ def build(op: OpSpec) -> Program:
     """Validate an op's formulas and bring them into canonical form."""
     builder = _Builder(op)
     attrs = frozenset(builder.attrs)
+    int_attrs = frozenset(name for name, kind in op.attrs if kind == "int")
     equations = []
     for text in op.formulas:
         try:
-            equations.append(parse_equation(text, attrs))
+            equations.append(parse_equation(text, attrs, int_attrs))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None
     # Output indices name one dimension across all equations; a sum in one equation
@@ -642,15 +892,22 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     for index, _ in op.sizes:
         if index not in index_names:
             raise fail(f"`sizes` names index {index!r}, which no formula uses")
-    unused = [
-        a
-        for a in builder.attrs
-        if not any(
-            builder.attrs[a] in t.expr.free_symbols
-            for level in (*[o.level for o in outputs], *builder.intermediates)
-            for t in level.terms
-        )
-    ]
+    used_symbols: set[sp.Basic] = set()
+    for level in (*[o.level for o in outputs], *builder.intermediates):
+        for t in level.terms:
+            used_symbols |= t.expr.free_symbols
+        if level.gather is not None:
+            for position in level.gather.positions:
+                used_symbols |= position.free_symbols
+    int_attrs = frozenset(builder.int_attrs)
+    for _, text in op.ranges:
+        try:
+            used_symbols |= {builder.attrs[n] for n in _range_attrs(parse_range(text, int_attrs))}
+        except SymgradError:
+            pass  # reported with its place by _extents
+    used_symbols |= {builder.attrs[n] for n, s in builder.int_attrs.items() if s in used_symbols}
+
+    unused = [a for a in builder.attrs if builder.attrs[a] not in used_symbols]
     if unused:
         raise fail(f"attr {unused[0]!r} is declared but no formula uses it")
     ranks = tuple(
@@ -660,6 +917,12 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         (index, tuple((t, a) for t, a in sources if not t.startswith("_")))
         for index, sources in builder.dims.items()
     )
+    index_inputs = tuple(n for n in inputs if n in builder.index_inputs)
+    if index_inputs and all(n in builder.index_inputs for n in inputs):
+        raise fail("every input is an index tensor; the op needs a value input")
+    extents = _extents(builder, outputs, fail)
+    intermediates = tuple(_bounded(level, extents, builder) for level in builder.intermediates)
+    no_gradient = (*op.no_gradient, *(n for n in index_inputs if n not in op.no_gradient))
     return Program(
         op=op.name,
         source=where,
@@ -667,8 +930,169 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         inputs=tuple(inputs),
         ranks=ranks,
         attrs=op.attrs,
-        no_gradient=op.no_gradient,
+        no_gradient=tuple(no_gradient),
         outputs=tuple(outputs),
-        intermediates=tuple(builder.intermediates),
+        intermediates=intermediates,
         dims=dims,
+        extents=tuple(extents.items()),
+        index_inputs=index_inputs,
     )
+
+
+def _all_indices(builder: _Builder, outputs: list[Output]) -> list[Index]:
+    """Every index symbol of the op, in a deterministic order."""
+    found: dict[Index, None] = {}
+    for level in (*(o.level for o in outputs), *builder.intermediates):
+        for index in level.indices:
+            found.setdefault(index, None)
+        for term in level.terms:
+            for index in (*indices_in_order(term.expr), *term.summed):
+                found.setdefault(index, None)
+    return [i for i in found if indexing.is_plain(i)]
+
+
+def _range_attrs(node: Node) -> set[str]:
+    if isinstance(node, AttrRef):
+        return {node.name}
+    if isinstance(node, Neg):
+        return _range_attrs(node.operand)
+    if isinstance(node, BinOp):
+        return _range_attrs(node.left) | _range_attrs(node.right)
+    return set()
+
+
+def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
+    """A `ranges` entry as an integer SymPy expression over input sizes and int attrs."""
+    if isinstance(node, Num):
+        return _number(node.value)
+    if isinstance(node, AttrRef):
+        return builder.int_attrs[node.name]
+    if isinstance(node, ShapeRef):
+        rank = builder.ranks.get(node.tensor)
+        if rank is None or node.tensor.startswith("_"):
+            raise fail(
+                f"range of {index!r} reads {node.tensor}.shape, but no formula uses "
+                f"a tensor {node.tensor!r}"
+            )
+        if not 0 <= node.axis < rank:
+            raise fail(
+                f"range of {index!r} reads {node.tensor}.shape[{node.axis}], but "
+                f"{node.tensor!r} has rank {rank}"
+            )
+        return indexing.shape_symbol(node.tensor, node.axis)
+    if isinstance(node, Neg):
+        return -_range_expr(node.operand, builder, index, fail)
+    if isinstance(node, BinOp):
+        left = _range_expr(node.left, builder, index, fail)
+        right = _range_expr(node.right, builder, index, fail)
+        if node.op == "//":
+            if right == 0:
+                raise fail(f"range of {index!r} divides by zero")
+            return sp.floor(left / right)
+        return {"+": left + right, "-": left - right, "*": left * right}[node.op]
+    raise AssertionError(f"unexpected range node {node!r}")
+
+
+def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.Expr]:
+    """Sizes of the indices that no plain input axis gives: from `ranges`, else inferred
+    (output indices only) as the largest range whose reads stay in bounds at the top."""
+    op = builder.op
+    int_attrs = frozenset(name for name, kind in op.attrs if kind == "int")
+    symbols = _all_indices(builder, outputs)
+    known: dict[Index, sp.Expr] = {}
+    for symbol in symbols:
+        sources = [(t, a) for t, a in builder.dims.get(symbol, []) if not t.startswith("_")]
+        if sources:
+            known[symbol] = indexing.shape_symbol(*sources[0])
+    extents: dict[Index, sp.Expr] = {}
+    names = {_base(s) for s in symbols}
+    for name, text in op.ranges:
+        if name not in names:
+            raise fail(f"`ranges` names index {name!r}, which no formula uses")
+        try:
+            node = parse_range(text, int_attrs)
+        except SymgradError as exc:
+            raise SymgradError(
+                f"range of index {name!r}: {exc.message}",
+                where=op.source,
+                formula=exc.formula,
+                column=exc.column,
+            ) from None
+        value = _range_expr(node, builder, name, fail)
+        for symbol in symbols:
+            if _base(symbol) != name:
+                continue
+            if symbol in known:
+                tensor_name, axis = indexing.parse_shape_symbol(known[symbol])
+                raise fail(
+                    f"index {name!r} is a plain index of {tensor_name} (axis {axis}) and "
+                    "takes its size from there; remove it from `ranges`"
+                )
+            extents[symbol] = value
+    sized = {**known, **extents}
+    output_indices = {i for o in outputs for i in o.level.indices}
+    pending = [s for s in symbols if s not in sized]
+    while pending:
+        progress = False
+        for symbol in list(pending):
+            if symbol not in output_indices:
+                continue
+            bounds = []
+            blocked = False
+            for position, source, axis in builder.reads:
+                if symbol not in position.free_symbols:
+                    continue
+                size = indexing.shape_symbol(source, axis)
+                bound = indexing.upper_bound(position, symbol, size, sized)
+                if bound is None:
+                    blocked = True
+                    break
+                bounds.append(bound)
+            if blocked or not bounds:
+                continue
+            value = sp.Max(0, sp.Min(*bounds)) if len(bounds) > 1 else sp.Max(0, bounds[0])
+            extents[symbol] = sized[symbol] = value
+            pending.remove(symbol)
+            progress = True
+        if not progress:
+            break
+    # A summed index can never be inferred: name it first, it is the one to fix.
+    pending.sort(key=lambda symbol: symbol in output_indices)
+    for symbol in pending:
+        kind = "output index" if symbol in output_indices else "index"
+        raise fail(
+            f"{kind} {_base(symbol)!r} has no range: no input axis is read at it plainly"
+            f"{'' if symbol in output_indices else ' and it is summed'}; give it one in "
+            f'`ranges`, e.g. ranges = {{ {_base(symbol)} = "A.shape[1]" }}'
+        )
+    return extents
+
+
+def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> Level:
+    """Mark the computed axes of a gather whose reads are provably in bounds: no mask.
+
+    Below: the smallest position is a non-negative number. Above: an index of the
+    position has an inferred range, which by construction keeps every read of it in
+    bounds (ranges from the spec promise nothing)."""
+    if level.gather is None:
+        return level
+    inferred = {s for s in extents if _base(s) not in dict(builder.op.ranges)}
+    flags = []
+    for axis in level.gather.computed:
+        position = level.gather.positions[axis]
+        if position.atoms(sp.Indexed):
+            flags.append(False)
+            continue
+        ranges = {s: sp.Integer(2) for s in position.free_symbols if indexing.is_plain(s)}
+        low = indexing.extreme(position, ranges, upper=False)
+        below = low is not None and low.is_number and low >= 0
+        above = any(
+            s in inferred and not (c.is_number and c < 0)
+            for s in position.free_symbols
+            if (c := indexing.coefficient(position, s)) != 0
+        )
+        flags.append(bool(below and above))
+    gather = Gather(
+        level.gather.source, level.gather.positions, level.gather.computed, tuple(flags)
+    )
+    return Level(level.name, level.indices, level.terms, level.kind, gather, level.count)

@@ -9,17 +9,15 @@ from __future__ import annotations
 import sympy as sp
 from sympy.printing.str import StrPrinter
 
-from .derive import Backward, Contribution, grad_name
-from .model import Index, Program, accesses, size_of
+from . import indexing
+from .derive import Backward, Contribution, Scatter, grad_name
+from .model import Index, Level, Program, accesses, size_of
 
 
 class IndexPrinter(StrPrinter):
     """SymPy's str printer with `A[b,i,k]` accesses and `[x >= y]` masks."""
 
     printmethod = "_symgrad_str"  # not `_sympystr`, which Indexed defines for itself
-
-    def _print_Indexed(self, expr):
-        return f"{expr.base.label}[{','.join(self._print(i) for i in expr.indices)}]"
 
     def _print_step_ge(self, expr):
         return f"[{self._print(expr.args[0])} >= {self._print(expr.args[1])}]"
@@ -32,6 +30,32 @@ class IndexPrinter(StrPrinter):
 
     def _print_minimum(self, expr):
         return f"min({self._print(expr.args[0])}, {self._print(expr.args[1])})"
+
+    def _print_step_eq(self, expr):
+        return f"[{self._print(expr.args[0])} == {self._print(expr.args[1])}]"
+
+    def _print_select(self, expr):
+        cond, then, otherwise = (self._print(a) for a in expr.args)
+        return f"where({cond}, {then}, {otherwise})"
+
+    def _print_Symbol(self, expr):
+        if expr.name == "_neg_inf":
+            return "-inf"
+        return expr.name.removeprefix("_int_")  # an int attr in index arithmetic
+
+    def _print_Indexed(self, expr):  # `_iota[i]` is the index i itself
+        if expr.base.label.name == indexing.IOTA:
+            return self._print(expr.indices[0])
+        return f"{expr.base.label}[{','.join(self._print(i) for i in expr.indices)}]"
+
+    def _print_And(self, expr):
+        return " and ".join(self._print(a) for a in sorted(expr.args, key=str))
+
+    def _print_Or(self, expr):
+        return " or ".join(f"({self._print(a)})" for a in sorted(expr.args, key=str))
+
+    def _print_Not(self, expr):
+        return f"not ({self._print(expr.args[0])})"
 
 
 def show(expr: sp.Expr) -> str:
@@ -121,25 +145,101 @@ def gradient_line(target: str, contributions: list[Contribution], names) -> str:
     return f"{left} = {right}"
 
 
+def show_position(e: sp.Expr) -> str:
+    """An affine position with its positive terms first: `i + u - r`, not `-r + i + u`."""
+    if not isinstance(e, sp.Add):
+        return show(e)
+    terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), not t.free_symbols))
+    text = show(terms[0])
+    for term in terms[1:]:
+        text += f" - {show(-term)}" if term.could_extract_minus_sign() else f" + {show(term)}"
+    return text
+
+
+def gather_line(level: Level) -> str:
+    """`_g1[b,i,k,c] = A[b,2*i + k - 1,c]`: what a gather reads (0 outside A)."""
+    gather = level.gather
+    positions = ", ".join(show_position(p) for p in gather.positions)
+    left = f"{level.name}[{','.join(show(i) for i in level.indices)}]"
+    return f"{left} = {gather.source}[{positions}]  (0 outside {gather.source})"
+
+
+def scatter_text(level: Level, shown: tuple[Index, ...]) -> str:
+    """`Σ_{i,k: 2*i + k - 1 = p} _grad_g1[b,i,k,c]`: the transpose of a gather, with the
+    index equations it solves visible."""
+    gather = level.gather
+    inner = [
+        i
+        for i in level.indices
+        if any(i in indexing.index_symbols(gather.positions[n]) for n in gather.computed)
+    ]
+    mapping = {gather.positions[n]: shown[n] for n in range(len(shown)) if n not in gather.computed}
+    equations = [f"{show_position(gather.positions[n])} = {shown[n]}" for n in gather.computed]
+    grad = tensor_text(grad_name(level.name), [mapping.get(i, i) for i in level.indices])
+    return f"Σ_{{{','.join(show(i) for i in inner)}: {', '.join(equations)}}} {grad}"
+
+
+def tensor_text(name: str, indices) -> str:
+    return f"{name}[{','.join(show(i) for i in indices)}]"
+
+
 def gradient_lines(program: Program, backward: Backward) -> tuple[str, ...]:
-    """One line per gradient: intermediates' (in the order computed), then inputs'."""
+    """One line per gradient: intermediates' (in the order computed), then inputs'.
+    Gathers come first, as definitions: the gradients read them."""
     names = axis_names(program)
     by_target: dict[str, list[Contribution]] = {}
     for c in backward.contributions:
         by_target.setdefault(c.target, []).append(c)
-    lines = []
+    scatters: dict[str, list[Scatter]] = {}
+    for s in backward.scatters:
+        scatters.setdefault(s.target, []).append(s)
+    levels = {lv.name: lv for lv in program.intermediates}
+    lines = [gather_line(lv) for lv in program.intermediates if lv.gather is not None]
     outputs = {o.level.name for o in program.outputs}
     for name in backward.order:
         if name not in outputs and name in by_target:
             lines.append(gradient_line(name, by_target[name], names))
     for name in program.inputs:
-        if name in program.no_gradient:
+        if name in program.index_inputs:
+            lines.append(f"{grad_name(name)} = None  (index tensor)")
+        elif name in program.no_gradient:
             lines.append(f"{grad_name(name)} = None  (no_gradient)")
-        elif name in by_target:
-            lines.append(gradient_line(name, by_target[name], names))
+        elif name in by_target or name in scatters:
+            line = ""
+            if name in by_target:
+                line = gradient_line(name, by_target[name], names)
+            shown = _scatter_names(program, name, names)
+            for s in scatters.get(name, []):
+                text = scatter_text(levels[s.level], shown)
+                left = f"{grad_name(name)}[{','.join(i.name for i in shown)}]"
+                line = f"{line} + {text}" if line else f"{left} = {text}"
+            lines.append(line)
         else:
             lines.append(f"{grad_name(name)} = 0")
     return tuple(lines)
+
+
+def _scatter_names(program: Program, name: str, names) -> tuple[Index, ...]:
+    """Display indices of an input's axes: the names its plain reads give them, else
+    p, q, ... for axes only read at computed positions."""
+    rank = program.rank(name)
+    given = names.get(name)
+    if given is not None:
+        return display_indices(given)
+    taken = {str(i) for lv in program.intermediates for i in lv.indices}
+    taken |= {name for name, _ in program.attrs} | {str(i) for i, _ in program.dims}
+    taken |= {str(i) for i, _ in program.extents}
+    for level in program.intermediates:
+        if level.gather is not None and level.gather.source == name:
+            chosen: list[str] = []
+            spare = iter(c for c in "pqrstuvwxyz" if c not in taken)
+            for n, position in enumerate(level.gather.positions):
+                if n in level.gather.computed:
+                    chosen.append(next(spare))
+                else:
+                    chosen.append(str(position))
+            return display_indices(tuple(chosen))
+    return display_indices(tuple(f"p{n}" for n in range(rank)))
 
 
 def level_line(name: str, indices, terms, kind: str = "sum") -> str:

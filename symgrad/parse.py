@@ -390,6 +390,12 @@ class _Walker:
                 groups.append(tuple(self.index_name(e) for e in element.elts))
                 cols.extend(e.col_offset for e in element.elts)
             else:
+                if not isinstance(element, ast.Name):
+                    self.fail(
+                        "the left side takes plain indices (`y[b, i]`); index expressions "
+                        "such as `2*i` belong inside an input's brackets on the right",
+                        element,
+                    )
                 groups.append((self.index_name(element),))
                 cols.append(element.col_offset)
         self.output_indices = frozenset(index for group in groups for index in group)

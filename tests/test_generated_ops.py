@@ -34,8 +34,84 @@ def layer_norm(x, eps):
     return (x - mean) / tf.sqrt(variance + eps)
 
 
+def strided_conv1d(x, w, s, d, p):
+    """Direct loops over the taps: x read at s*i + d*k - p, zero outside."""
+    length, taps = x.shape[1], w.shape[0]
+    out = (length - 1 + p - d * (taps - 1)) // s + 1
+    columns = []
+    for i in range(out):
+        total = 0
+        for k in range(taps):
+            at = s * i + d * k - p
+            if 0 <= at < length:
+                total += tf.linalg.matmul(x[:, at, :], w[k])
+        columns.append(total)
+    return tf.stack(columns, axis=1)
+
+
+def correlation(f1, f2, r):
+    """FlowNet's cost volume by padding and stacking shifted copies of f2."""
+    padded = tf.pad(f2, [[0, 0], [r, r], [r, r], [0, 0]])
+    height, width = f1.shape[1], f1.shape[2]
+    rows = []
+    for u in range(2 * r + 1):
+        row = []
+        for v in range(2 * r + 1):
+            shifted = padded[:, u : u + height, v : v + width, :]
+            row.append(tf.reduce_mean(f1 * shifted, axis=-1))
+        rows.append(tf.stack(row, axis=-1))
+    return tf.stack(rows, axis=-2)
+
+
+def causal_softmax(A):
+    n = A.shape[-1]
+    keep = tf.linalg.band_part(tf.ones((n, n), tf.bool), -1, 0)
+    return tf.nn.softmax(tf.where(keep, A, tf.constant(-np.inf, A.dtype)), axis=-1)
+
+
+def chamfer(x, z):
+    return tf.reduce_min(tf.reduce_sum(tf.square(x[:, :, None] - z[:, None]), -1), -1)
+
+
+IDS = tf.constant([[0, 3, 3, 5], [6, 1, 0, 2]], tf.int32)
+
+
+def separated(*shape):
+    """Values at least 0.01 apart: finite differences never cross a tie of a max."""
+    values = RNG.permutation(int(np.prod(shape))).reshape(shape) * 0.01 - 0.5
+    return tf.constant(values, dtype=tf.float64)
+
+
 # module -> (inputs, attrs, reference returning a tuple of outputs)
 OPS = {
+    "strided_conv1d": (
+        (rand(2, 13, 3), rand(3, 3, 4)),
+        {"s": 2, "d": 2, "p": 1},
+        lambda x, w, s, d, p: (strided_conv1d(x, w, s, d, p),),
+    ),
+    "conv2d_same": (
+        (rand(2, 5, 6, 3), rand(3, 3, 3, 4)),
+        {},
+        lambda x, w: (tf.nn.conv2d(x, w, 1, "SAME"),),
+    ),
+    "correlation": (
+        (rand(2, 4, 5, 3), rand(2, 4, 5, 3)),
+        {"r": 1},
+        lambda f1, f2, r: (correlation(f1, f2, r),),
+    ),
+    "embedding_lookup": ((rand(7, 3), IDS), {}, lambda W, ids: (tf.gather(W, ids),)),
+    "max_pool2x2": (
+        (separated(2, 6, 4, 3),),
+        {},
+        lambda x: (tf.nn.max_pool2d(x, 2, 2, "VALID"),),
+    ),
+    "causal_softmax": ((rand(2, 5, 5),), {}, lambda A: (causal_softmax(A),)),
+    "prefix_sum": ((rand(3, 7),), {}, lambda x: (tf.cumsum(x, axis=1),)),
+    "chamfer_distance": (
+        (separated(2, 5, 3), separated(2, 4, 3)),
+        {},
+        lambda x, z: (chamfer(x, z),),
+    ),
     "batched_mat_mul": ((rand(2, 3, 4), rand(2, 4, 5)), {}, lambda A, B: (tf.linalg.matmul(A, B),)),
     "batch_kron": ((rand(2, 2, 2), rand(2, 3, 3)), {}, lambda A, B: (kron(A, B),)),
     "sin_diag_outer": (
@@ -89,7 +165,7 @@ def _tuple(value):
 def test_generated_module_matches_tensorflow(name):
     module = importlib.import_module(f"generated.{name}")
     inputs, attrs, reference = OPS[name]
-    no_gradient = {"masked": {"M"}}.get(name, set())
+    no_gradient = {"masked": {"M"}}.get(name, set()) | set(getattr(module, "_INDEX_INPUTS", ()))
     want_out = reference(*inputs, **attrs)
     got_out = _tuple(module.forward(*inputs, **attrs))
     for got, want in zip(got_out, want_out, strict=True):
@@ -97,7 +173,7 @@ def test_generated_module_matches_tensorflow(name):
 
     grads = [rand(*o.shape.as_list()) for o in want_out]
     with tf.GradientTape() as tape:
-        tape.watch(inputs)
+        tape.watch([x for x in inputs if x.dtype.is_floating])
         outs = reference(*inputs, **attrs)
     want = tape.gradient(outs, list(inputs), output_gradients=grads)
     fake = FakeOp(inputs, got_out, attrs)
@@ -110,7 +186,11 @@ def test_generated_module_matches_tensorflow(name):
                 assert g is None, f"{how}: {input_name} is no_gradient"
                 continue
             np.testing.assert_allclose(
-                g.numpy(), w.numpy(), rtol=1e-9, atol=1e-12, err_msg=f"{how}: grad of {input_name}"
+                g.numpy(),
+                tf.convert_to_tensor(w).numpy(),  # TF's Gather gradient is IndexedSlices
+                rtol=1e-9,
+                atol=1e-12,
+                err_msg=f"{how}: grad of {input_name}",
             )
 
 
@@ -121,6 +201,8 @@ def test_generated_module_finite_differences(name):
     weights = [rand(*o.shape.as_list()) for o in reference(*inputs, **attrs)]
     for index, input_name in enumerate(module.INPUTS):
         if name == "masked" and input_name == "M":
+            continue
+        if input_name in getattr(module, "_INDEX_INPUTS", ()):
             continue
 
         def scalar(x, index=index):

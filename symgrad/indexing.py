@@ -1,0 +1,163 @@
+"""Reads at computed positions: affine index expressions, index tensors, index ranges.
+
+An access whose positions are not all plain indices (`A[b, 2*i + k - 1, c]`,
+`W[ids[b, t], d]`) is a *gather*: the tensor of the values it reads over the grid of
+the indices it uses. The model turns each one into an intermediate (a `Gather` level) that
+the rest of the pipeline reads like an input, so contractions, pointwise functions and
+derivation need no new rules: the gradient of the source is the transpose of the gather,
+a scatter-add (`tf.math.unsorted_segment_sum`), exactly what TF's own `Gather` gradient
+does. A read outside the source's bounds is zero (zero padding).
+
+The sizes of indices that are no plain index of an input axis (an output index only used
+at computed positions, a window offset) are `Extent`s: integer SymPy expressions over the
+input sizes (`A.shape[1]`) and int attrs, from the spec's `ranges` or inferred as the
+largest range whose reads stay in bounds at the upper end (TF's `VALID`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+Index = sp.Symbol
+
+IOTA = "_iota"  # `_iota[i]` is the value of index i (0, 1, ...) in a condition
+
+
+@dataclass(frozen=True)
+class Gather:
+    """`source[positions]` over `grid` (the level's indices, in the layout lowering uses).
+
+    Each position is an integer-linear SymPy expression in index symbols, int attrs and
+    index-tensor accesses (`ids[b, t]`). `computed` lists the source axes read at a
+    computed position; the other axes are plain (one index used nowhere else in the access)
+    and are carried through. `bounded` is per computed axis: whether every read is known to
+    be in bounds, so no mask is needed.
+    """
+
+    source: str
+    positions: tuple[sp.Expr, ...]
+    computed: tuple[int, ...]
+    bounded: tuple[bool, ...]
+
+
+def shape_symbol(tensor: str, axis: int) -> sp.Symbol:
+    """The size of axis `axis` of input `tensor`, as it appears in extents."""
+    return sp.Symbol(f"{tensor}.shape[{axis}]", integer=True, nonnegative=True)
+
+
+def parse_shape_symbol(symbol: sp.Symbol) -> tuple[str, int] | None:
+    name = symbol.name
+    if ".shape[" not in name or not name.endswith("]"):
+        return None
+    tensor, axis = name[:-1].split(".shape[")
+    return tensor, int(axis)
+
+
+def index_symbols(expr: sp.Expr) -> list[Index]:
+    """The index symbols of a position (outside and inside index-tensor accesses), in a
+    deterministic order: SymPy's print order is not the written order, so callers that
+    care about written order track it themselves."""
+    found: dict[Index, None] = {}
+    for atom in sp.preorder_traversal(expr):
+        if isinstance(atom, sp.Indexed):
+            for index in atom.indices:
+                for s in sorted(index.free_symbols, key=sp.default_sort_key):
+                    found.setdefault(s, None)
+    for s in sorted(expr.free_symbols, key=sp.default_sort_key):
+        if _is_index(s):
+            found.setdefault(s, None)
+    return list(found)
+
+
+def _is_index(symbol: sp.Basic) -> bool:
+    return isinstance(symbol, sp.Symbol) and not symbol.is_real and not symbol.is_integer
+
+
+def is_plain(position: sp.Expr) -> bool:
+    return isinstance(position, sp.Symbol) and _is_index(position)
+
+
+def layout(
+    positions: tuple[sp.Expr, ...], written: list[Index]
+) -> tuple[tuple[int, ...], tuple[Index, ...]]:
+    """Which axes are computed, and the gathered tensor's axes in the order lowering
+    produces them: with one computed axis, `tf.gather(X, P, axis=c)` puts the indices of
+    P where axis c was; adjacent computed axes are merged into one first and gathered in
+    place the same way; otherwise they are moved to the front and flattened, so the
+    indices of P come first and the plain axes follow."""
+    uses: dict[Index, int] = {}
+    for position in positions:
+        for index in index_symbols(position):
+            uses[index] = uses.get(index, 0) + 1
+    computed = tuple(
+        n for n, position in enumerate(positions) if not is_plain(position) or uses[position] > 1
+    )
+    inner = [i for i in written if any(i in index_symbols(positions[n]) for n in computed)]
+    plain = [(n, positions[n]) for n in range(len(positions)) if n not in computed]
+    if computed and computed == tuple(range(computed[0], computed[-1] + 1)):
+        # One computed axis, or adjacent ones merged into one (the spatial axes of
+        # NHWC): gathered in place, so batch and channels keep their positions.
+        axis = computed[0]
+        grid = (
+            *[p for n, p in plain if n < axis],
+            *inner,
+            *[p for n, p in plain if n > axis],
+        )
+    else:
+        grid = (*inner, *[p for _, p in plain])
+    return computed, tuple(grid)
+
+
+def coefficient(position: sp.Expr, index: Index) -> sp.Expr:
+    """The coefficient of `index` in an affine position (0 when absent)."""
+    return sp.expand(position).coeff(index)
+
+
+def upper_bound(
+    position: sp.Expr,
+    index: Index,
+    size: sp.Expr,
+    extents: dict[Index, sp.Expr],
+) -> sp.Expr | None:
+    """The largest range of `index` for which `position` stays below `size` (every other
+    index over its whole range), or None when this read says nothing about it.
+
+    Int attrs that scale an index are taken as positive (strides, dilations)."""
+    expanded = sp.expand(position)
+    c = expanded.coeff(index)
+    if c == 0:
+        return None
+    rest = expanded - c * index
+    high = extreme(rest, extents, upper=True)
+    low = extreme(rest, extents, upper=False)
+    if high is None or low is None:
+        return None
+    if c.is_number and c < 0:
+        # position = c*i + rest >= 0  for i up to n-1:  n <= low // (-c) + 1
+        return sp.floor(low / -c) + 1
+    return sp.floor((size - 1 - high) / c) + 1
+
+
+def extreme(expr: sp.Expr, extents: dict[Index, sp.Expr], *, upper: bool) -> sp.Expr | None:
+    """max (or min) of an affine expression over the known ranges of its indices."""
+    total = sp.Integer(0)
+    for term in sp.Add.make_args(sp.expand(expr)):
+        symbols = [s for s in term.free_symbols if _is_index(s)]
+        if not symbols:
+            total += term
+            continue
+        if len(symbols) != 1 or term.atoms(sp.Indexed):
+            return None
+        (index,) = symbols
+        if index not in extents:
+            return None
+        c = term.coeff(index)
+        top = c * (extents[index] - 1)
+        negative = c.is_number and c < 0
+        if upper:
+            total += 0 if negative else top
+        else:
+            total += top if negative else 0
+    return total

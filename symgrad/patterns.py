@@ -1,0 +1,136 @@
+"""Recognised patterns: formulas that are exactly an op TensorFlow has a fast kernel for.
+
+Derivation stays general (a gather, an einsum, a scatter-add); lowering asks this module
+whether a gather and the one term that reads it are a convolution, and if so emits
+`tf.nn.convolution` forward and TF's own backprop kernels backward instead of the
+gathered window. Only exact matches count; anything else lowers generally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from . import indexing
+from .model import Index, Level, Program, accesses
+
+
+@dataclass(frozen=True)
+class Spatial:
+    """One spatial axis: the source is read at `stride*i + k + offset`."""
+
+    output: Index  # i: an index of the result
+    window: Index  # k: summed, a plain index of the filter
+    stride: sp.Expr  # a positive int literal or int attr
+    offset: sp.Expr  # an int literal or int-attr expression (minus the zero padding)
+
+
+@dataclass(frozen=True)
+class Convolution:
+    """`y[b,i..,o] = Σ_{k..,c} x[b, s*i + k + off, .., c] * w[k.., c, o]` (NHWC, HWIO):
+    `tf.nn.convolution` on x padded or cropped to the window the outputs read."""
+
+    gather: str  # the gather level it replaces
+    consumer: str  # the level whose term it is
+    source: str  # x
+    filter: str  # w
+    batch: Index
+    channel: Index  # c, summed
+    out_channel: Index  # o
+    spatial: tuple[Spatial, ...]
+
+    @property
+    def indices(self) -> tuple[Index, ...]:
+        """The axes of what `tf.nn.convolution` returns."""
+        return (self.batch, *(s.output for s in self.spatial), self.out_channel)
+
+
+def convolutions(program: Program) -> dict[str, Convolution]:
+    """The gathers that, with the one term reading them, are exactly a convolution."""
+    levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
+    readers: dict[str, list[tuple[Level, int]]] = {}
+    for level in levels:
+        for n, term in enumerate(level.terms):
+            for access in accesses(term.expr):
+                readers.setdefault(access.base.label.name, []).append((level, n))
+    found = {}
+    for level in program.intermediates:
+        if level.gather is None or len(readers.get(level.name, [])) != 1:
+            continue
+        consumer, n = readers[level.name][0]
+        conv = _match(program, level, consumer, n)
+        if conv is not None:
+            found[level.name] = conv
+    return found
+
+
+def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolution | None:
+    g = gather.gather
+    rank = len(g.positions)
+    spatial_rank = rank - 2
+    if not 1 <= spatial_rank <= 3 or g.source in program.index_inputs:
+        return None
+    if g.computed != tuple(range(1, rank - 1)):
+        return None
+    batch, channel = g.positions[0], g.positions[-1]
+    if not (indexing.is_plain(batch) and indexing.is_plain(channel)):
+        return None
+    term = consumer.terms[n]
+    factors = sp.Mul.make_args(term.expr)
+    if len(factors) != 2 or not all(isinstance(f, sp.Indexed) for f in factors):
+        return None
+    mine = [f for f in factors if f.base.label.name == gather.name]
+    others = [f for f in factors if f.base.label.name != gather.name]
+    if len(mine) != 1 or len(others) != 1:
+        return None
+    read, weights = mine[0], others[0]
+    filter_name = weights.base.label.name
+    if filter_name not in program.inputs or filter_name in program.index_inputs:
+        return None
+    if filter_name == g.source or tuple(read.indices) != gather.indices:
+        return None
+    w = tuple(weights.indices)
+    if len(w) != rank or len(set(w)) != rank or w[-2] != channel:
+        return None
+    out_channel = w[-1]
+    spatial = []
+    for axis in range(1, rank - 1):
+        position = sp.expand(g.positions[axis])
+        window = w[axis - 1]
+        if position.coeff(window) != 1:
+            return None  # dilated: TF's CPU backprop kernels refuse dilations > 1
+        rest = position - window
+        outputs = [s for s in rest.free_symbols if indexing.is_plain(s)]
+        if len(outputs) != 1 or rest.atoms(sp.Indexed):
+            return None
+        (output,) = outputs
+        stride = rest.coeff(output)
+        offset = rest - stride * output
+        if offset.free_symbols & set(outputs) or any(
+            indexing.is_plain(s) for s in offset.free_symbols
+        ):
+            return None
+        if not (stride.is_Integer and stride > 0) and not _int_attr(stride):
+            return None
+        spatial.append(Spatial(output, window, stride, offset))
+    windows = {s.window for s in spatial}
+    if set(term.summed) != windows | {channel} or len(windows) != spatial_rank:
+        return None
+    expected = {batch, out_channel, *(s.output for s in spatial)}
+    if set(consumer.indices) != expected or len(consumer.indices) != rank:
+        return None
+    return Convolution(
+        gather.name,
+        consumer.name,
+        g.source,
+        filter_name,
+        batch,
+        channel,
+        out_channel,
+        tuple(spatial),
+    )
+
+
+def _int_attr(e: sp.Expr) -> bool:
+    return isinstance(e, sp.Symbol) and e.name.startswith("_int_")

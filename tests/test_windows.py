@@ -1,0 +1,131 @@
+"""Claims README's "Windows, shifts, gathers and extrema" makes that no TF op comparison
+covers: the docstring excerpt, select semantics, robustness of the tie mask, int attrs
+used both as numbers and in positions, dtypes and call-time checks of index tensors."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, FakeOp, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+RNG = np.random.default_rng(11)
+
+
+def rand(*shape, low=-1.0, high=1.0, dtype=tf.float64):
+    return tf.constant(RNG.uniform(low, high, shape), dtype=dtype)
+
+
+def test_readme_shows_the_docstring_of_the_strided_dilated_convolution():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Windows, shifts, gathers and extrema", 1)[1]
+    excerpt = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    module = (ROOT / "generated" / "strided_conv1d.py").read_text(encoding="utf-8")
+    assert excerpt.strip() and excerpt in module
+
+
+def test_where_keeps_nan_and_inf_of_the_branch_not_taken_out_of_the_gradient(tmp_path):
+    module = generate(Case("y[b,i] = where(x[b,i] > 0, log(x[b,i]), 0)", {}), tmp_path, "Log")
+    x = tf.constant([[-1.0, 0.0, 2.0, 0.5]], tf.float64)
+    y = module.forward(x)
+    np.testing.assert_array_equal(y.numpy(), [[0.0, 0.0, np.log(2.0), np.log(0.5)]])
+    (grad,) = module.vjp(x, tf.ones_like(x))
+    np.testing.assert_array_equal(grad.numpy(), [[0.0, 0.0, 0.5, 2.0]])
+
+
+def test_a_chained_band_condition_matches_a_band_mask(tmp_path):
+    case = Case("y[b,i,j] = where(i - w <= j <= i + w, A[b,i,j], 0)", {}, attrs={"w": 1})
+    module = generate(case, tmp_path, "Band")
+    A = rand(2, 5, 6)
+    want = A * tf.linalg.band_part(tf.ones((5, 6), tf.float64), 1, 1)
+    np.testing.assert_array_equal(module.forward(A, w=1).numpy(), want.numpy())
+    (grad,) = module.vjp(A, tf.ones_like(A), w=1)
+    np.testing.assert_array_equal(
+        grad.numpy(), tf.linalg.band_part(tf.ones((2, 5, 6), tf.float64), 1, 1)
+    )
+
+
+def test_an_int_attr_can_be_a_value_and_a_shift(tmp_path):
+    module = generate(Case("y[b,i] = n * x[b, i + n]", {}, attrs={"n": 2}), tmp_path, "Shift")
+    x = rand(2, 7)
+    y = module.forward(x, n=2)
+    np.testing.assert_allclose(y.numpy(), 2 * x.numpy()[:, 2:], rtol=0, atol=0)
+    (grad,) = module.vjp(x, tf.ones_like(y), n=2)
+    np.testing.assert_array_equal(grad.numpy(), [[0, 0, 2, 2, 2, 2, 2]] * 2)
+
+
+def test_registered_gradient_of_a_max_does_not_trust_the_output_bits():
+    """A compiled kernel may round the extremum differently from the generated forward;
+    the tie mask compares with the recomputed extremum, so the gradient stays finite."""
+    module = importlib.import_module("generated.chamfer_distance")
+    x, z = rand(2, 5, 3), rand(2, 4, 3)
+    y = module.forward(x, z)
+    nudged = y * (1 + 1e-12)  # as a kernel summing in another order might
+    exact = module.gradient(FakeOp([x, z], [y], {}), tf.ones_like(y))
+    got = module.gradient(FakeOp([x, z], [nudged], {}), tf.ones_like(y))
+    for g, e in zip(got, exact, strict=True):
+        assert np.all(np.isfinite(g.numpy()))
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12)
+
+
+def test_max_over_indices_splits_ties_like_reduce_max(tmp_path):
+    module = generate(Case("y[b,i] = max(A[b,i,k], k)", {}), tmp_path, "Ties")
+    A = tf.constant([[[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]]], tf.float64)
+    (grad,) = module.vjp(A, tf.ones((1, 2), tf.float64))
+    with tf.GradientTape() as tape:
+        tape.watch(A)
+        out = tf.reduce_max(A, axis=2)
+    np.testing.assert_array_equal(grad.numpy(), tape.gradient(out, A).numpy())
+    np.testing.assert_array_equal(grad.numpy()[0, 0], [0, 0.5, 0.5, 0])
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
+def test_gathers_work_in_every_float_dtype_and_both_index_dtypes(dtype, index_dtype):
+    module = importlib.import_module("generated.embedding_lookup")
+    W = tf.cast(rand(6, 3), dtype)
+    ids = tf.constant([[0, 5, 2], [2, 2, 9]], index_dtype)  # 9 is out of range: zeros
+    y = module.forward(W, ids)
+    assert y.dtype == dtype
+    want = tf.gather(tf.concat([W, tf.zeros((4, 3), dtype)], 0), ids)
+    np.testing.assert_array_equal(y.numpy(), want.numpy())
+    grad_W, grad_ids = module.vjp(W, ids, tf.ones_like(y))
+    assert grad_ids is None and grad_W.dtype == dtype
+    np.testing.assert_array_equal(grad_W.numpy()[:, 0], [1, 0, 3, 0, 0, 1])
+
+
+def test_a_float_index_tensor_is_refused_at_call_time():
+    module = importlib.import_module("generated.embedding_lookup")
+    with pytest.raises(TypeError, match="EmbeddingLookup: index tensor ids has dtype float64"):
+        module.forward(rand(6, 3), tf.constant([[0.0, 1.0]], tf.float64))
+
+
+def test_convolution_under_tf_function_with_unknown_dims_and_under_xla():
+    module = importlib.import_module("generated.strided_conv1d")
+    x, w = rand(2, 13, 3), rand(3, 3, 4)
+    attrs = {"s": 2, "d": 2, "p": 1}
+    eager = module.forward(x, w, **attrs)
+    specs = [tf.TensorSpec([None, None, None], tf.float64)] * 2
+
+    def step(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            loss = tf.reduce_sum(module.forward(x, w, **attrs) ** 2)
+        return module.forward(x, w, **attrs), tape.gradient(loss, [x, w])
+
+    _, want = step(x, w)
+    for compiled in (
+        tf.function(step, input_signature=specs),
+        tf.function(step, jit_compile=True),
+    ):
+        y, grads = compiled(x, w)
+        np.testing.assert_allclose(y.numpy(), eager.numpy(), rtol=1e-12, atol=1e-12)
+        for g, e in zip(grads, want, strict=True):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)
