@@ -13,7 +13,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness import Case, check, generate, op_spec
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +32,7 @@ class Drawn:
     ranges: dict
     sizes: dict
     k_has_range: bool
+    attrs: dict = field(default_factory=dict)
 
 
 def _affine(s: int, d: int, o: int) -> str:
@@ -151,4 +152,89 @@ def test_random_window_is_refused_or_correct(drawn, tmp_path_factory):
         return
     assert drawn.k_has_range, f"accepted a window index without a range: {drawn.formula}"
     module = generate(case, tmp_path_factory.mktemp("window"), prefix="Window")
+    check(case, module)
+
+
+# ----------------------------------------------------------------------------- convolutions
+
+
+def draw_convolution(rng: random.Random) -> Drawn:
+    """A random 1-d or 2-d convolution `sum(x[b, s*i + k + o, .., c] * w[k, .., c, q], ..)`
+    with literal or int-attr strides and offsets (padding or cropping), any output range,
+    and the output axes in either channel order: the recognised pattern and its edges."""
+    while True:
+        drawn = _convolution(rng)
+        if drawn is not None:
+            return drawn
+
+
+def _convolution(rng: random.Random) -> Drawn | None:
+    rank = rng.choice([1, 1, 2])
+    outs, wins = ["i", "j"][:rank], ["u", "v"][:rank]
+    channels, filters = rng.randint(1, 4), rng.randint(1, 5)
+    positions, ranges, sizes, attrs, shape, kernel = [], {}, {}, {}, [], []
+    for axis, (i, u) in enumerate(zip(outs, wins, strict=True), start=1):
+        length, width = rng.randint(5, 11), rng.randint(1, 4)
+        stride, offset = rng.randint(1, 3), rng.randint(-3, 3)
+        s = str(stride)
+        if rng.random() < 0.3:
+            s = f"s{axis}"
+            attrs[s] = stride
+        o = f" + {offset}" if offset > 0 else f" - {-offset}" if offset < 0 else ""
+        if offset and rng.random() < 0.3:
+            o = f" - p{axis}"
+            attrs[f"p{axis}"] = -offset
+        positions.append(f"{s}*{i} + {u}{o}")
+        choice = rng.choice(["default", "shape", "same", "literal"])
+        if choice == "default":
+            size = max((length - 1 - offset - (width - 1)) // stride + 1, 0)
+        elif choice == "shape":
+            cut = rng.randint(-2, 2)
+            ranges[i] = f"x.shape[{axis}]" + (
+                f" - {cut}" if cut > 0 else f" + {-cut}" if cut else ""
+            )
+            size = length - cut
+        elif choice == "same":
+            ranges[i] = f"(x.shape[{axis}] + {stride - 1}) // {stride}"
+            size = (length + stride - 1) // stride
+        else:
+            size = rng.randint(1, 6)
+            ranges[i] = str(size)
+        sizes[i] = size
+        shape.append(length)
+        kernel.append(width)
+    all_sizes = [BATCH, channels, filters, *sizes.values(), *kernel]
+    if min(sizes.values()) < 1 or len(set(all_sizes)) != len(all_sizes):
+        return None
+    read = f"x[b, {', '.join(positions)}, c] * w[{', '.join(wins)}, c, q]"
+    body = f"sum({read}, {', '.join(wins)}, c)"
+    out = ["b", *outs, "q"] if rng.random() < 0.7 else ["b", "q", *outs]
+    if rng.random() < 0.2:
+        body = f"tanh({body} + beta[q])"
+    shapes = {"x": (BATCH, *shape, channels), "w": (*kernel, channels, filters)}
+    if "beta" in body:
+        shapes["beta"] = (filters,)
+    formula = f"y[{','.join(out)}] = {body}"
+    return Drawn(formula, shapes, ranges, sizes, True, attrs)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(drawn=st.integers(0, 2**32 - 1).map(lambda seed: draw_convolution(random.Random(seed))))
+def test_random_convolution_matches_the_reference(drawn, tmp_path_factory):
+    """Every drawn convolution is in the language, so none may be refused."""
+    case = Case(
+        drawn.formula,
+        drawn.shapes,
+        attrs=drawn.attrs,
+        ranges=drawn.ranges,
+        sizes=drawn.sizes,
+        rtol=1e-8,
+        finite_differences=False,
+    )
+    module = generate(case, tmp_path_factory.mktemp("conv"), prefix="Conv")
     check(case, module)

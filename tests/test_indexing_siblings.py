@@ -5,6 +5,7 @@ through the generated module (`harness.check`), float64, with a size per index."
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -354,3 +355,32 @@ def test_conv3d_against_tensorflow(tmp_path):
     np.testing.assert_allclose(module.forward(*tensors).numpy(), want.numpy(), rtol=1e-10)
     for g, e in zip(module.vjp(*tensors, grad), expected, strict=True):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("stride", [0, -1, 2])
+@pytest.mark.parametrize(
+    "formula",
+    [
+        "y[b,i,q] = sum(x[b, s*i + u + 4, c] * w[u,c,q], u, c)",  # the convolution pattern
+        "y[b,i] = max(x[b, s*i + u + 4, c] * w[u,c], u, c)",  # general lowering
+    ],
+)
+def test_int_attr_stride_of_any_sign_with_explicit_range(formula, stride, tmp_path):
+    """With `ranges` given, `s*i + u + 4` is well defined for s = 0 (every i reads the
+    same window) and s < 0 (windows run backwards into the padding). The generated module
+    computes it, or refuses at call time with an error that names the attr, never a
+    kernel's internal message."""
+    shapes = {"x": (2, 9, 3), "w": (4, 3, 5) if "q" in formula else (4, 3)}
+    case = Case(
+        formula,
+        shapes,
+        attrs={"s": stride},
+        ranges={"i": "6"},
+        sizes={"i": 6},
+        finite_differences=False,
+    )
+    module = generate(case, tmp_path, prefix="Stride")
+    try:
+        check(case, module)
+    except (ValueError, tf.errors.InvalidArgumentError) as error:
+        assert re.search(r"\bs\b", str(error).splitlines()[0]), str(error)[:300]
