@@ -690,3 +690,97 @@ def test_directional_differences_catch_a_wrong_gradient():
     _directional_differences(
         case, lambda t: tf.reduce_sum(tf.sin(t)), x, "x", np.random.default_rng(1)
     )
+
+
+# ----------------------------------------------------------------------------- TF contexts
+
+
+CONTEXT_CASES = [
+    "conv1d_strided_dilated_padded",
+    "depthwise_conv2d",
+    "max_pool_2x3",
+    "cumsum_reverse_exclusive",
+    "causal_softmax",
+    "correlation",
+    "gather_window",
+    "pointnet_weighted",
+    "gather_out_of_range",
+]
+
+
+def _float_names(case: Case, module) -> list[int]:
+    return [n for n, name in enumerate(module.INPUTS) if name in case.shapes]
+
+
+@pytest.mark.parametrize("name", CONTEXT_CASES)
+@pytest.mark.parametrize("context", ["unknown_dims", "xla"])
+def test_forward_and_tape_in_tf_contexts(name, context, tmp_path):
+    """The same numbers eagerly (reference), in a tf.function with every dim unknown, and
+    compiled by XLA (where TF's own gather clamps instead of failing: the zero rule must
+    still hold)."""
+    case = KNOWN[name].case
+    module = generate(case, tmp_path, prefix=f"Context{context.title().replace('_', '')}")
+    tensors = _module_inputs(case, module, seed=7)
+    floats = _float_names(case, module)
+    named = dict(zip(module.INPUTS, tensors, strict=True))
+    with tf.GradientTape() as tape:
+        tape.watch([tensors[n] for n in floats])
+        (want,) = reference(case, named)
+    grad = tf.constant(np.random.default_rng(8).standard_normal(want.shape.as_list()))
+    expected = tape.gradient(want, [tensors[n] for n in floats], output_gradients=grad)
+
+    def run(*args):
+        with tf.GradientTape() as tape:
+            watched = [args[n] for n in floats]
+            tape.watch(watched)
+            y = module.forward(*args, **case.attrs)
+            loss = tf.reduce_sum(y * grad)
+        return y, tape.gradient(loss, watched)
+
+    if context == "xla":
+        function = tf.function(run, jit_compile=True)
+    else:
+        function = tf.function(run, input_signature=_signature(module, tensors, {}))
+    y, grads = function(*tensors)
+    np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+    for g, e in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(g).numpy(),
+            tf.convert_to_tensor(e).numpy(),
+            rtol=1e-12,
+            atol=1e-12,
+        )
+
+
+@pytest.mark.parametrize("name", ["conv1d_same_stride2", "max_pool_2x3", "gather", "cumsum"])
+def test_second_order_gradients(name, tmp_path):
+    """d/dx <d<y, g>/dx, h> through the generated gradient, against the reference."""
+    case = KNOWN[name].case
+    module = generate(case, tmp_path, prefix="Second")
+    tensors = _module_inputs(case, module, seed=3)
+    floats = _float_names(case, module)
+    named = dict(zip(module.INPUTS, tensors, strict=True))
+    (y,) = reference(case, named)
+    rng = np.random.default_rng(4)
+    grad = tf.constant(rng.standard_normal(y.shape.as_list()))
+    directions = [tf.constant(rng.standard_normal(tensors[n].shape)) for n in floats]
+
+    def second(forward):
+        watched = [tensors[n] for n in floats]
+        with tf.GradientTape() as outer:
+            outer.watch(watched)
+            with tf.GradientTape() as inner:
+                inner.watch(watched)
+                loss = tf.reduce_sum(forward() * grad)
+            firsts = inner.gradient(loss, watched)
+            dot = tf.add_n(
+                [tf.reduce_sum(tf.convert_to_tensor(f) * h) for f, h in zip(firsts, directions)]
+            )
+        return [
+            tf.convert_to_tensor(g).numpy() for g in outer.gradient(dot, watched) if g is not None
+        ] or [np.zeros(())]
+
+    got = second(lambda: module.forward(*tensors, **case.attrs))
+    want = second(lambda: reference(case, named)[0])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
