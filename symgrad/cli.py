@@ -11,11 +11,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from . import __version__
 from .emit import diff, generate, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
 from .model import build
-from .spec import OpSpec, load_spec
+from .spec import OpSpec, load_spec, output_folder
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
 
@@ -25,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="symgrad",
         description="Generate TensorFlow gradient modules from elementwise formulas.",
     )
+    parser.add_argument("--version", action="version", version=f"symgrad {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser(
         "generate",
@@ -48,30 +50,40 @@ def _parser() -> argparse.ArgumentParser:
     exp = commands.add_parser(
         "explain",
         help="show what the gradient function must return, and why",
-        description="For each input: the partial derivatives (with Kronecker deltas), the "
-        "contraction with grad once the deltas are eliminated, and the TensorFlow code.",
+        usage="symgrad explain (FORMULA | --op NAME [--spec SPEC]) [--format FORMAT]",
+        description="Explain a FORMULA, or the op NAME of a spec: the forward code, then for "
+        "each input the partial derivatives (with Kronecker deltas), the contraction with "
+        "grad once the deltas are eliminated, and the TensorFlow code.",
     )
     exp.add_argument(
         "formula",
         nargs="?",
         metavar="FORMULA",
-        help='e.g. "y[b,i,j] = A[b,i,k] * B[b,k,j]"; with --op: the spec file',
+        help='the formula, e.g. "y[b,i,j] = A[b,i,k] * B[b,k,j]" (names without indices '
+        "are taken as float attrs)",
     )
-    exp.add_argument("--op", metavar="NAME", help="explain this op from the spec instead")
+    exp.add_argument("--op", metavar="NAME", help="explain the op NAME of a spec instead")
     exp.add_argument(
-        "--spec", dest="spec_file", metavar="SPEC", help="spec file for --op (symgrad.toml)"
+        "--spec",
+        dest="spec_file",
+        metavar="SPEC",
+        help="the spec file of --op (default: symgrad.toml)",
     )
-    exp.add_argument("--format", choices=FORMATS, default="text")
+    exp.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        metavar="FORMAT",
+        help="text (the default), markdown, or latex (a fragment for a document that "
+        "loads amsmath)",
+    )
     exp.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 
 def _generate(args) -> int:
     spec = load_spec(args.spec)
-    if args.out:
-        out = Path(args.out)
-    else:
-        out = Path(args.spec).parent / (spec.out or "generated")
+    out = Path(args.out) if args.out else output_folder(spec)
     files = generate(spec)
     changes = plan(files, out)
     if args.check or args.diff:
@@ -97,7 +109,10 @@ STATES = {"create": "missing", "update": "stale", "delete": "orphaned (op no lon
 def _report(changes, out: Path, count: int, *, show_diff: bool) -> int:
     """Check mode: name every file that is not as symgrad would write it; write nothing."""
     for change in changes.changes:
-        edited = " and edited by hand (needs --force)" if change.name in changes.edited else ""
+        edited = ""
+        if change.name in changes.edited:
+            verb = "deletes" if change.action == "delete" else "overwrites"
+            edited = f" and edited by hand (`symgrad generate --force` {verb} it)"
         print(f"{out / change.name}: {STATES[change.action]}{edited}")
         if show_diff:
             sys.stdout.write(diff(change, out))
@@ -112,6 +127,9 @@ def _report(changes, out: Path, count: int, *, show_diff: bool) -> int:
 
 def _explain(args) -> int:
     if args.op:
+        if args.formula and "=" in args.formula:
+            raise SymgradError("explain takes a FORMULA or --op NAME, not both")
+        # `explain --op NAME SPEC` (the spec as the positional argument) still works.
         if args.formula and args.spec_file:
             raise SymgradError("give the spec file once: as SPEC or as --spec")
         spec_file = args.spec_file or args.formula or "symgrad.toml"

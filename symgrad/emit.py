@@ -26,6 +26,8 @@ from .render import HEADER, content_hash, render
 from .spec import Spec, snake_case
 
 HASH_LINE = re.compile(r"^# hash: (sha256:[0-9a-f]+)$", re.MULTILINE)
+# The spec a generated file came from: `# source: a.toml [ops.X]`, or `# source: a.toml`.
+SOURCE_LINE = re.compile(r"^# source: (.*?)(?: \[ops\.[A-Za-z0-9_]+\])?$", re.MULTILINE)
 PLACEHOLDER = "{content_hash}"
 INIT = "__init__.py"
 
@@ -158,8 +160,16 @@ class Plan:
     edited: tuple[str, ...]  # generated files whose content no longer matches their hash
 
 
+def source_spec(text: str) -> str | None:
+    """The name of the spec a generated file says it came from (its `# source:` line)."""
+    match = SOURCE_LINE.search(text.split("\n", 3)[1] if text.count("\n") >= 2 else "")
+    return match.group(1) if match else None
+
+
 def plan(files: dict[str, str], out: Path) -> Plan:
-    """Compare the wanted files with the folder; refuse to clobber files symgrad did not write."""
+    """Compare the wanted files with the folder; refuse to clobber files symgrad did not write,
+    or wrote from another spec (those are never deleted either: only this spec's orphans)."""
+    this_spec = source_spec(files[INIT]) if INIT in files else None
     changes: list[Change] = []
     edited: list[str] = []
     existing: dict[str, str] = {}
@@ -187,12 +197,21 @@ def plan(files: dict[str, str], out: Path) -> Plan:
                 "refusing to overwrite it: move it away, rename the op, or choose another --out",
                 where=str(out / name),
             )
+        other_spec = source_spec(old)
+        if this_spec is not None and other_spec != this_spec:
+            other = other_spec or "another spec"
+            raise SymgradError(
+                f"{name} was generated from {other}, not from {this_spec}; refusing to "
+                "overwrite it: give each spec its own output folder (`out` or --out), or, if "
+                f"{other} was renamed, delete the files generated from it",
+                where=str(out / name),
+            )
         if old != text:
             if not intact(old):
                 edited.append(name)
             changes.append(Change(name, "update", old, text))
     for name, old in existing.items():
-        if name not in files and old.startswith(HEADER):
+        if name not in files and old.startswith(HEADER) and source_spec(old) == this_spec:
             if not intact(old):
                 edited.append(name)
             changes.append(Change(name, "delete", old, None))

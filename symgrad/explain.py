@@ -30,6 +30,7 @@ from .notation import axis_names, display_indices, gradient_line, gradient_lines
 from .render import code
 
 FORMATS = ("text", "markdown", "latex")
+FORWARD = "forward, in TensorFlow (the body of the generated _compute):"
 
 
 # ------------------------------------------------------------------------------ printers
@@ -347,6 +348,9 @@ class _Explainer:
                     [self.level_equation(o.level) for o in program.outputs]
                     + [self.level_equation(lv) for lv in program.intermediates]
                 ),
+                # What the forward computes can differ in form from the formula (a
+                # polynomial expanded, a sum in log space): show it.
+                code=tuple(f"{s.target} = {code(s.value)}" for s in self.module.forward.steps),
             )
         ]
         by_target: dict[str, list[Contribution]] = {}
@@ -494,6 +498,7 @@ def _text(program: Program, explainer: _Explainer, sections: list[Section]) -> s
     if program.intermediates:
         lines.append("  where (intermediates symgrad computes once):")
         lines += [f"    {e.left} = {e.right}" for e in formula.partials[len(program.outputs) :]]
+    lines += [f"  {FORWARD}", *(f"    {c}" for c in formula.code)]
     lines += [
         "",
         f"{explainer.signature()}, the vector-Jacobian product:",
@@ -521,6 +526,12 @@ def _markdown(program: Program, explainer: _Explainer, sections: list[Section]) 
         lines.append("where (intermediates symgrad computes once):")
         lines += [f"  {e.left} = {e.right}" for e in formula.partials[len(program.outputs) :]]
     lines += [
+        "```",
+        "",
+        FORWARD[0].upper() + FORWARD[1:],
+        "",
+        "```python",
+        *formula.code,
         "```",
         "",
         f"`{explainer.signature()}`, the vector-Jacobian product:",
@@ -554,6 +565,10 @@ def _latex(program: Program) -> str:
         "% A LaTeX fragment; the document needs \\usepackage{amsmath}.",
         r"\paragraph{Formula}",
         *_align([*formula.partials]),
+        _tex_text(FORWARD[0].upper() + FORWARD[1:]),
+        r"\begin{verbatim}",
+        *formula.code,
+        r"\end{verbatim}",
         LEGEND,
         "",
     ]

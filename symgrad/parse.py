@@ -25,6 +25,8 @@ _ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 MAX_FORMULA_LENGTH = 2000
 MAX_DEPTH = 40  # nesting of brackets and of the walked expression tree
+MAX_OPERATIONS = 400  # operators and calls in one formula: a bound on its total size
+MAX_FACTORS = 41  # of one product chain: each factor's gradient multiplies all the others
 MAX_INTEGER = 10**9
 MAX_EXPONENT = 64
 MAX_INDICES = 52  # einsum has 52 letters
@@ -383,7 +385,10 @@ class _Walker:
             self.fail(problem, target)
         groups: list[tuple[str, ...]] = []
         cols: list[int] = []
-        for element in _slice_elements(target.slice):
+        # `y[(b,i,j)]` has the syntax tree of `y[b,i,j]`; only the text shows that the whole
+        # subscript is one composite axis.
+        elements = [target.slice] if self.parenthesised(target.slice) else None
+        for element in elements or _slice_elements(target.slice):
             if isinstance(element, ast.Tuple):
                 if len(element.elts) < 2:
                     self.fail("a composite output index needs two or more indices", element)
@@ -409,6 +414,19 @@ class _Walker:
             )
         return Equation(output, tuple(groups), rhs, self.text, target.col_offset, tuple(cols))
 
+    def parenthesised(self, node: ast.AST) -> bool:
+        """Whether a subscript tuple is wrapped in its own parentheses: `[(b,i)]`, not `[b,i]`
+        or `[(b,i),j]`."""
+        segment = ast.get_source_segment(self.text, node) or ""
+        if not isinstance(node, ast.Tuple) or not segment.startswith("("):
+            return False
+        depth = 0
+        for position, char in enumerate(segment):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                return position == len(segment) - 1
+        return False  # pragma: no cover - the segment of a parsed tuple is balanced
+
     def index_name(self, node: ast.AST) -> str:
         if not isinstance(node, ast.Name):
             self.fail("an index must be a plain name such as `i`", node)
@@ -433,8 +451,20 @@ class _Walker:
             ops = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
             op = ops.get(type(node.op))
             if op is None:
-                self.fail(f"operator {_op_symbol(node.op)} is not supported", node)
-            left = self.expr(node.left, depth + 1)
+                hint = "; powers are `**`" if isinstance(node.op, ast.BitXor) else ""
+                self.fail(
+                    f"operator {_op_symbol(node.op)} is not supported{hint}",
+                    col=_operator_col(self.text, node),
+                )
+            # `a + b + c` is a left-deep tree, but a chain, not nesting: the left operand of
+            # an operator of the same precedence stays at this depth.
+            if op in "*/" and _chain_length(node) > MAX_FACTORS:
+                self.fail(
+                    f"a product of {_chain_length(node)} factors; the limit is {MAX_FACTORS}",
+                    node,
+                )
+            chained = isinstance(node.left, ast.BinOp) and _same_chain(node.op, node.left.op)
+            left = self.expr(node.left, depth if chained else depth + 1)
             right = self.expr(node.right, depth + 1)
             if op == "/" and isinstance(right, Num) and right.value == 0:
                 self.fail("division by zero", node.right)
@@ -475,6 +505,10 @@ class _Walker:
             problem = check_name(name, "tensor")
             if problem:
                 self.fail(problem, node)
+            if self.parenthesised(node.slice):
+                self.fail(
+                    "composite indices `(i, k)` are only allowed on the left side", node.slice
+                )
             elements = _slice_elements(node.slice)
             positions = tuple(self.position(e, depth + 1) for e in elements)
             return Access(name, positions, col)
@@ -527,7 +561,10 @@ class _Walker:
                     f"operator {_op_symbol(node.op)} is not allowed in an index expression{hint}",
                     node,
                 )
-            left = self.index_expr(node.left, depth + 1, inside=inside)
+            chained = isinstance(node.left, ast.BinOp) and op in "+-" and (
+                type(node.left.op) in (ast.Add, ast.Sub)
+            )  # `a + b + c` is a flat chain, not nesting
+            left = self.index_expr(node.left, depth if chained else depth + 1, inside=inside)
             right = self.index_expr(node.right, depth + 1, inside=inside)
             if op == "*" and _varies_by_index(left) and _varies_by_index(right):
                 self.fail(
@@ -868,8 +905,44 @@ def _shorten(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
+_CHAINS = {ast.Add: "+", ast.Sub: "+", ast.Mult: "*", ast.Div: "*"}
+
+
+def _same_chain(op: ast.AST, left_op: ast.AST) -> bool:
+    """`a - b + c` and `a / b * c` are chains; `a ** b ** c` nests (it groups to the right)."""
+    chain = _CHAINS.get(type(op))
+    return chain is not None and chain == _CHAINS.get(type(left_op))
+
+
+def _chain_length(node: ast.BinOp) -> int:
+    """How many operands the chain `a * b / c * ...` ending at `node` has."""
+    length = 2
+    while isinstance(node.left, ast.BinOp) and _same_chain(node.op, node.left.op):
+        node, length = node.left, length + 1
+    return length
+
+
+def _check_size(tree: ast.Module) -> None:
+    """A bound on total size, so that walking a long flat chain stays cheap and shallow."""
+    operations = sum(isinstance(n, ast.BinOp | ast.UnaryOp | ast.Call) for n in ast.walk(tree))
+    if operations > MAX_OPERATIONS:
+        raise SymgradError(
+            f"the formula has {operations} operations (operators and calls); "
+            f"the limit is {MAX_OPERATIONS}"
+        )
+
+
 def _slice_elements(node: ast.AST) -> list[ast.AST]:
     return list(node.elts) if isinstance(node, ast.Tuple) else [node]
+
+
+def _operator_col(text: str, node: ast.BinOp) -> int:
+    """The column of a binary operator: the first character between its operands that is
+    not a space or a bracket of a parenthesised operand."""
+    for col in range(node.left.end_col_offset or 0, node.right.col_offset):
+        if text[col] not in " ()":
+            return col
+    return node.col_offset  # pragma: no cover - an operator is always between its operands
 
 
 def _op_symbol(op: ast.AST) -> str:
@@ -935,6 +1008,7 @@ def parse_equation(
         raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
     except (RecursionError, MemoryError, ValueError):
         raise SymgradError("the formula is too deeply nested to read") from None
+    _check_size(tree)
     return _Walker(text, attrs, int_attrs).equation(tree)
 
 

@@ -7,6 +7,8 @@ file and the op. Nothing here looks at formulas beyond their type; `model` does 
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib.resources
 import keyword
 import re
 import tomllib
@@ -25,8 +27,47 @@ MAX_OPS = 500
 MAX_FORMULAS = 16
 MAX_OP_NAME = 100  # the module file name must stay well below the usual 255-byte limit
 MAX_SPEC_BYTES = 1_000_000
-# Module names that would shadow what generated modules import, or that `import` cannot name.
-BAD_MODULES = frozenset({*keyword.kwlist, "tensorflow", "tf"})
+# Packages that generated code and the programs using it import: a module of that name next
+# to them would shadow the real one. A fixed list (with the standard library's names, shipped
+# in data/), so that what is refused does not depend on what a machine has installed.
+PACKAGES = frozenset(
+    {
+        "tensorflow",
+        "tf",
+        "keras",
+        "tf_keras",
+        "tensorboard",
+        "numpy",
+        "np",
+        "scipy",
+        "pandas",
+        "jax",
+        "jaxlib",
+        "torch",
+        "sympy",
+        "mpmath",
+        "jinja2",
+        "markupsafe",
+        "opt_einsum",
+        "ruff",
+        "absl",
+        "google",
+        "protobuf",
+        "h5py",
+        "ml_dtypes",
+        "typing_extensions",
+        "packaging",
+        "six",
+        "wrapt",
+        "matplotlib",
+        "pytest",
+        "hypothesis",
+        "setuptools",
+        "pkg_resources",
+        "pip",
+        "symgrad",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -101,10 +142,23 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
             where=f"{path} [ops]",
         )
     module = snake_case(name)
-    if module in BAD_MODULES:
+    if keyword.iskeyword(module):
         raise SymgradError(
-            f"op name {name!r} would write {module}.py, which cannot be imported "
-            "as a module next to TensorFlow; choose another name",
+            f"op name {name!r} would write {module}.py, which `import` cannot name "
+            "(a Python keyword); choose another name",
+            where=where,
+        )
+    if module in PACKAGES or module in stdlib_modules():
+        kind = "a standard-library module" if module in stdlib_modules() else "a package"
+        raise SymgradError(
+            f"op name {name!r} would write {module}.py, which shadows {kind} of that name "
+            "wherever its folder is on the import path; choose another name",
+            where=where,
+        )
+    if name in tf_gradient_ops():
+        raise SymgradError(
+            f"op name {name!r} is a TensorFlow op that already has a gradient (registering "
+            f"another fails on import); name your op differently, e.g. 'My{name}'",
             where=where,
         )
     if not isinstance(table, dict):
@@ -258,6 +312,25 @@ def _check_out(out: object, path: str) -> None:
         )
 
 
+def output_folder(spec: Spec) -> Path:
+    """The folder `out` names (default `generated`), relative to the spec's folder; it must
+    stay inside that folder once symbolic links are resolved (`out = "link/gen"`)."""
+    base = Path(spec.path).parent
+    folder = base / (spec.out or "generated")
+    try:
+        target = folder.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise SymgradError(f"cannot resolve `out`: {exc}", where=spec.path) from None
+    if not target.is_relative_to(base.resolve()):
+        shown = _show(spec.out) if spec.out is not None else "'generated' (the default)"
+        raise SymgradError(
+            f"`out` {shown} leads outside the spec's folder through a symbolic link "
+            f"(to {_show(str(target), 80)}); use --out to write there",
+            where=spec.path,
+        )
+    return folder
+
+
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file."""
     _check_path(str(path))
@@ -275,6 +348,26 @@ def load_spec(path: str | Path) -> Spec:
     except UnicodeDecodeError:
         raise SymgradError("spec file is not UTF-8", where=str(path)) from None
     return parse_spec(text, str(path))
+
+
+@functools.cache
+def stdlib_modules() -> frozenset[str]:
+    """The standard library's top-level module names, frozen: Python 3.11's
+    `sys.stdlib_module_names` plus the public modules added since (`annotationlib`,
+    `compression`), since the running Python's own set varies by version."""
+    return _data_names("stdlib_modules.txt")
+
+
+@functools.cache
+def tf_gradient_ops() -> frozenset[str]:
+    """The op types TensorFlow registers a gradient for, frozen, so that generation never
+    imports TensorFlow and refuses the same names on every machine."""
+    return _data_names("tf_gradient_ops.txt")
+
+
+def _data_names(file: str) -> frozenset[str]:
+    text = importlib.resources.files("symgrad").joinpath("data", file).read_text("utf-8")
+    return frozenset(text.split())
 
 
 def snake_case(name: str) -> str:

@@ -7,6 +7,7 @@ checks always; a real `pdflatex` run where one is installed).
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -71,15 +72,15 @@ def test_matmul_text(capsys):
 def test_op_from_a_spec_explains_the_same(capsys, monkeypatch):
     spec = GOLDEN / "matmul" / "symgrad.toml"
     from_formula = explain(capsys, MATMUL)
-    assert explain(capsys, "--op", "BatchMatMul", "--spec", spec) == from_formula
-    assert explain(capsys, "--op", "BatchMatMul", spec) == from_formula  # SPEC positional
+    assert explain(capsys, "--op", "BatchedMatMul", "--spec", spec) == from_formula
+    assert explain(capsys, "--op", "BatchedMatMul", spec) == from_formula  # SPEC positional
     monkeypatch.chdir(spec.parent)
-    assert explain(capsys, "--op", "BatchMatMul") == from_formula  # ./symgrad.toml
+    assert explain(capsys, "--op", "BatchedMatMul") == from_formula  # ./symgrad.toml
 
 
 def test_the_eliminated_form_is_the_generated_docstring_line(capsys):
-    text = explain(capsys, "--op", "BatchMatMul", GOLDEN / "matmul" / "symgrad.toml")
-    module = (GOLDEN / "matmul" / "expected" / "batch_mat_mul.py").read_text(encoding="utf-8")
+    text = explain(capsys, "--op", "BatchedMatMul", GOLDEN / "matmul" / "symgrad.toml")
+    module = (GOLDEN / "matmul" / "expected" / "batched_mat_mul.py").read_text(encoding="utf-8")
     for line in (
         "grad_A[b,i,k] = Σ_j grad_y[b,i,j]*B[b,k,j]",
         "grad_B[b,k,j] = Σ_i grad_y[b,i,j]*A[b,i,k]",
@@ -238,3 +239,88 @@ def test_explain_formula_takes_bare_names_as_float_attrs(capsys):
     out = capsys.readouterr().out
     assert "∂y[b,i]/∂A[b',i'] = 2*alpha*A[b,i] · δ(b,b')δ(i,i')" in out
     assert main(["explain", "y[b,i] = A[b,i] + nope(A[b,i])"]) == 2
+
+
+# ------------------------------------------------------------------- the forward code
+
+
+def _assignments(source: str) -> list[str]:
+    """The assignments of Python source, normalised by the syntax tree (formatting aside)."""
+    return [ast.dump(s) for s in ast.parse(source).body if isinstance(s, ast.Assign)]
+
+
+def _forward_lines(text: str) -> list[str]:
+    block = text.split("the body of the generated _compute):\n", 1)[1].split("\n\n", 1)[0]
+    return [line.strip() for line in block.splitlines()]
+
+
+@pytest.mark.parametrize(
+    "op", re.findall(r"(?m)^\[ops\.(\w+)\]", REPO_SPEC.read_text(encoding="utf-8"))
+)
+def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
+    from symgrad.spec import snake_case
+
+    text = explain(capsys, "--op", op, REPO_SPEC)
+    module = (REPO_SPEC.parent / "generated" / f"{snake_case(op)}.py").read_text("utf-8")
+    compute = next(
+        node
+        for node in ast.parse(module).body
+        if isinstance(node, ast.FunctionDef) and node.name == "_compute"
+    )
+    attrs = {a.arg for a in compute.args.kwonlyargs}
+    want = [
+        ast.dump(s)
+        for s in compute.body
+        if isinstance(s, ast.Assign) and not (attrs & {t.id for t in s.targets})
+    ]
+    assert want, op
+    assert _assignments("\n".join(_forward_lines(text))) == want
+
+
+def test_the_forward_of_pairwise_distances_shows_the_expansion(capsys):
+    """`sum((x_i - x_j)**2, k)` is computed as x² sums and a Gram matrix: say so."""
+    lines = _forward_lines(explain(capsys, "y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2, k)"))
+    assert any(re.search(r'tf\.einsum\("(\w+),(\w+)->\w+", x, x\)', line) for line in lines)
+    assert not any(re.search(r"x\[[^\]]*\] - x\[", line) for line in lines), lines
+
+
+def test_the_forward_is_in_every_format(capsys):
+    markdown = explain(capsys, MATMUL, "--format", "markdown")
+    assert "Forward, in TensorFlow (the body of the generated _compute):" in markdown
+    assert einsum_of(markdown, "y")[0] == einsum_of('y = tf.einsum("bik,bkj->bij", A, B)', "y")[0]
+    latex = explain(capsys, MATMUL, "--format", "latex")
+    assert "Forward, in TensorFlow (the body of the generated \\_compute):" in latex
+    assert "\\begin{verbatim}\ny = tf.einsum(" in latex
+
+
+# ------------------------------------------------------------------------ command line
+
+
+def test_version(capsys):
+    import tomllib
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    version = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"symgrad {version}\n"
+
+
+def test_explain_help_has_one_usage_line_and_explains_each_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith(
+        "usage: symgrad explain (FORMULA | --op NAME [--spec SPEC]) [--format FORMAT]\n"
+    )
+    for option in ("FORMULA", "--op NAME", "--spec SPEC", "--format FORMAT"):
+        line = next(line for line in text.splitlines() if line.strip().startswith(option))
+        assert len(line.strip()) > len(option) + 10, f"no help for {option}: {line!r}"
+    assert "markdown" in text and "latex" in text
+
+
+def test_explain_takes_a_formula_or_an_op_not_both(capsys):
+    spec = GOLDEN / "matmul" / "symgrad.toml"
+    code = main(["explain", MATMUL, "--op", "BatchedMatMul", "--spec", str(spec)])
+    err = capsys.readouterr().err
+    assert code == 2 and "explain takes a FORMULA or --op NAME, not both" in err

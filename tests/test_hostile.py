@@ -131,8 +131,27 @@ CASES = [
         "matmul-operator",
         op("y[b,i] = A[b,i] @ B[b,i]"),
         "operator '@' is not supported",
-        at="A[b,i] @",
+        at="@ B",
     ),
+    Case(
+        "caret-for-power",
+        op("y[b,i] = A[b,i] ^ 2"),
+        "operator '^' is not supported; powers are `**`",
+        at="^ 2",
+    ),
+    Case(
+        "caret-after-parentheses",
+        op("y[b,i] = (A[b,i] + 1)^(B[b,i])"),
+        "operator '^' is not supported; powers are `**`",
+        at="^(B",
+    ),
+    Case(
+        "composite-on-input",
+        op("y[b,i] = A[(b,i)]"),
+        "composite indices `(i, k)` are only allowed on the left side",
+        at="(b,i)]",
+    ),
+    Case("floor-division", op("y[b,i] = A[b,i]//2"), "operator '//' is not supported", at="//2"),
     Case("second-statement", op("y[b,i] = A[b,i]; import os"), "one equation", at="y[b,i]"),
     # A comment vanishes from Python's AST but not from the text that generated docstrings
     # quote: this one would close the docstring and run `touch CANARY` on import.
@@ -167,8 +186,50 @@ CASES = [
     Case(
         "1900-unary-minus",
         op("y[b,i] = " + "-" * 1900 + "A[b,i]"),
+        "the formula has 1900 operations",
+        max_seconds=2,
+    ),
+    Case(
+        "45-unary-minus",
+        op("y[b,i] = " + "-" * 45 + "A[b,i]"),
         "nests deeper than 40 levels",
-        at="-",
+        at="----A[b,i]",
+        max_seconds=2,
+    ),
+    # A flat chain is not nesting (`a + b + c` is left-deep in Python's tree), but its size
+    # is bounded, and a product's gradient grows with the square of its factor count.
+    Case(
+        "product-of-42-factors",
+        op("y[b] = " + " * ".join(f"A{n}[b]" for n in range(42))),
+        "a product of 42 factors; the limit is 41",
+        at="A0[b] * A1[b]",
+        max_seconds=2,
+    ),
+    Case(
+        "quotient-chain-of-42",
+        op("y[b] = A[b]" + " / B[b] * C[b]" * 20 + " / D[b]"),
+        "a product of 42 factors; the limit is 41",
+        at="A[b] / B[b]",
+        max_seconds=2,
+    ),
+    Case(
+        "401-operations",
+        op("y[b] = A[b] + " + "+".join(["1"] * 401)),
+        "the formula has 401 operations (operators and calls); the limit is 400",
+        max_seconds=2,
+    ),
+    Case(
+        "power-tower-nesting",
+        op("y[b] = A[b]" + " ** 1" * 45),
+        "the expression nests deeper than 40 levels",
+        at="1 ** 1",
+        max_seconds=2,
+    ),
+    Case(
+        "right-nested-sum",
+        op("y[b] = " + "A[b] + (" * 41 + "A[b]" + ")" * 41),
+        "brackets nest deeper than 40 levels",
+        at="[b] + (",
         max_seconds=2,
     ),
     Case(
@@ -226,6 +287,42 @@ CASES = [
     ),
     Case(
         "op-keyword-module", op("y[b] = A[b]", name="Import"), "would write import.py", op="Import"
+    ),
+    # Modules that would shadow what generated code and its users import, and TF's own ops
+    # (whose second gradient registration would fail only at import).
+    Case(
+        "op-shadows-numpy",
+        op("y[b] = A[b]", name="Numpy"),
+        "'Numpy' would write numpy.py, which shadows a package of that name",
+        op="Numpy",
+    ),
+    Case(
+        "op-shadows-stdlib-abc",
+        'out = "."\n' + op("y[b] = A[b]", name="Abc"),
+        "'Abc' would write abc.py, which shadows a standard-library module",
+        op="Abc",
+        argv=(),
+    ),
+    Case(
+        "op-shadows-stdlib-test",
+        op("y[b] = A[b]", name="Typing"),
+        "would write typing.py, which shadows a standard-library module",
+        op="Typing",
+    ),
+    Case(
+        "op-shadows-tensorflow",
+        op("y[b] = A[b]", name="Tensorflow"),
+        "'Tensorflow' would write tensorflow.py, which shadows a package",
+        op="Tensorflow",
+    ),
+    *(
+        Case(
+            f"op-is-tf-op-{name}",
+            op("y[b] = A[b]", name=name),
+            f"op name '{name}' is a TensorFlow op that already has a gradient",
+            op=name,
+        )
+        for name in ("MatMul", "Softmax", "BatchMatMul", "Relu", "Sigmoid")
     ),
     Case("op-too-long", op("y[b] = A[b]", name="Op" + "x" * 300), "longer than 100", op=None),
     Case(
@@ -403,6 +500,13 @@ CASES = [
         "would both write a_bc.py",
         op=None,
     ),
+    # The output folder holds the package of seed.toml: its __init__.py is not this spec's.
+    Case(
+        "folder-of-another-spec",
+        op("y[b] = A[b]", name="Fine"),
+        "out/__init__.py: __init__.py was generated from seed.toml, not from hostile.toml",
+        op=None,
+    ),
     # All or nothing: a good op before a bad one must not be written either.
     Case(
         "good-then-bad",
@@ -538,6 +642,13 @@ NEAR_MISSES = [
     pytest.param("y[b] = (1 + e) ** A[b] + 0 ** 2 * A[b]", id="positive-base-power"),
     pytest.param("y[b] = A[k] * B[k] * C[b]", id="scalar-contraction-times-tensor"),
     pytest.param("y[b,i] = A[j,k] * B[k] * C[b,i]", id="vector-chain-times-tensor"),
+    # Flat chains are not nesting; the 42-term sum was once refused as "nests deeper than 40".
+    pytest.param("y[b,i] = " + " + ".join(["A[b,i]"] * 42), id="flat-sum-42"),
+    pytest.param(
+        "y[b,i] = " + " + ".join(f"{'ABCDE'[n % 5]}[b,i]" for n in range(200)), id="flat-sum-200"
+    ),
+    pytest.param("y[b] = A[b]" + " - B[b] + C[b]" * 100, id="flat-mixed-sum-201"),
+    pytest.param("y[b] = A[b]" + " / B[b] * C[b]" * 20, id="quotient-chain-of-41"),
 ]
 
 

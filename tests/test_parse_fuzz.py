@@ -297,7 +297,7 @@ def test_several_outputs_build(texts: list[str]) -> None:
 
 
 VALID_SPEC = (
-    'out = "generated"\n\n[ops.BatchMatMul]\nformula = "y[b,i,j] = A[b,i,k] * B[b,k,j]"\n'
+    'out = "generated"\n\n[ops.BatchedMatMul]\nformula = "y[b,i,j] = A[b,i,k] * B[b,k,j]"\n'
     'inputs = ["A", "B"]\nattrs = { alpha = "float" }\nno_gradient = ["B"]\n'
 )
 

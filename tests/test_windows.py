@@ -26,7 +26,7 @@ def rand(*shape, low=-1.0, high=1.0, dtype=tf.float64):
 def test_readme_shows_the_docstring_of_the_strided_dilated_convolution():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Windows, shifts, gathers and extrema", 1)[1]
-    excerpt = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    excerpt = re.search(r"```\n(.*?)```", section, re.DOTALL).group(1)
     module = (ROOT / "generated" / "strided_conv1d.py").read_text(encoding="utf-8")
     assert excerpt.strip() and excerpt in module
 

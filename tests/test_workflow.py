@@ -34,10 +34,10 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 # Two quick ops; tests change, add and remove ops from this.
 OPS = {
-    "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j]"',
+    "BatchedMatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j]"',
     "Scale": 'formula = "y[i] = alpha * x[i]"\nattrs = { alpha = "float" }',
 }
-MODULES = {"MatMul": "mat_mul.py", "Scale": "scale.py"}
+MODULES = {"BatchedMatMul": "batched_mat_mul.py", "Scale": "scale.py"}
 OLD_TIME = 1_000_000_000  # 2001: mtimes are set to this to see whether a file was rewritten
 
 
@@ -86,14 +86,18 @@ def project(tmp_path, capsys):
 
 def test_generate_writes_every_module_then_is_up_to_date(project, capsys):
     spec, out = project
-    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "mat_mul.py", "scale.py"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "__init__.py",
+        "batched_mat_mul.py",
+        "scale.py",
+    ]
     for path in out.iterdir():
         lines = path.read_text(encoding="utf-8").splitlines()
         assert lines[0] == HEADER
         assert lines[1].startswith("# source: symgrad.toml")
         assert re.fullmatch(r"# hash: sha256:[0-9a-f]{32}", lines[2])
         assert emit.intact(path.read_text(encoding="utf-8"))
-    assert "# source: symgrad.toml [ops.MatMul]" in (out / "mat_mul.py").read_text()
+    assert "# source: symgrad.toml [ops.BatchedMatMul]" in (out / "batched_mat_mul.py").read_text()
 
     code, stdout, _ = run(capsys, "generate", spec)
     assert code == 0 and "up to date" in stdout
@@ -106,8 +110,8 @@ def test_check_names_stale_missing_and_orphaned_modules_and_writes_nothing(proje
     write_spec(
         spec.parent,
         {
-            "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] + A[b,i,j]"',  # stale
-            "Square": 'formula = "y[i] = x[i] * x[i]"',  # missing
+            "BatchedMatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] + A[b,i,j]"',  # stale
+            "Squares": 'formula = "y[i] = x[i] * x[i]"',  # missing
         },  # Scale removed: orphaned
     )
     age(out)
@@ -115,8 +119,8 @@ def test_check_names_stale_missing_and_orphaned_modules_and_writes_nothing(proje
 
     code, stdout, stderr = run(capsys, "generate", spec, "--check")
     assert code == 1
-    assert f"{out / 'mat_mul.py'}: stale" in stdout
-    assert f"{out / 'square.py'}: missing" in stdout
+    assert f"{out / 'batched_mat_mul.py'}: stale" in stdout
+    assert f"{out / 'squares.py'}: missing" in stdout
     assert f"{out / 'scale.py'}: orphaned" in stdout
     assert f"{out / '__init__.py'}: stale" in stdout  # it lists the modules
     assert "4 file(s) out of date" in stderr and "symgrad generate" in stderr
@@ -125,15 +129,19 @@ def test_check_names_stale_missing_and_orphaned_modules_and_writes_nothing(proje
 
     code, stdout, _ = run(capsys, "generate", spec, "--diff")
     assert code == 1
-    assert f"--- a/{out / 'mat_mul.py'}\n+++ b/{out / 'mat_mul.py'}\n@@" in stdout
+    assert f"--- a/{out / 'batched_mat_mul.py'}\n+++ b/{out / 'batched_mat_mul.py'}\n@@" in stdout
     assert "+    y[b,i,j] = A[b,i,k] * B[b,k,j] + A[b,i,j]" in stdout
-    assert f"--- /dev/null\n+++ b/{out / 'square.py'}" in stdout
+    assert f"--- /dev/null\n+++ b/{out / 'squares.py'}" in stdout
     assert f"--- a/{out / 'scale.py'}\n+++ /dev/null" in stdout
     assert snapshot(out) == before
 
     code, _, _ = run(capsys, "generate", spec)
     assert code == 0
-    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "mat_mul.py", "square.py"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "__init__.py",
+        "batched_mat_mul.py",
+        "squares.py",
+    ]
     assert run(capsys, "generate", spec, "--check")[0] == 0
 
 
@@ -180,11 +188,50 @@ def test_out_flag_overrides_the_spec_and_spec_out_is_relative_to_the_spec(
     spec = write_spec(sub, OPS, out="gen")
     monkeypatch.chdir(tmp_path)
     assert run(capsys, "generate", "sub/symgrad.toml")[0] == 0
-    assert (sub / "gen" / "mat_mul.py").is_file()
+    assert (sub / "gen" / "batched_mat_mul.py").is_file()
     assert run(capsys, "generate", spec, "--out", tmp_path / "elsewhere")[0] == 0
-    assert (tmp_path / "elsewhere" / "mat_mul.py").read_bytes() == (
-        sub / "gen" / "mat_mul.py"
+    assert (tmp_path / "elsewhere" / "batched_mat_mul.py").read_bytes() == (
+        sub / "gen" / "batched_mat_mul.py"
     ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("link", "out"),
+    [("lnk", "lnk/gen"), ("gen", "gen"), ("generated", None)],
+    ids=["link-in-the-path", "link-is-the-folder", "default-folder-is-a-link"],
+)
+def test_spec_out_through_a_symlink_to_outside_is_refused(tmp_path, capsys, link, out):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / link).symlink_to(elsewhere, target_is_directory=True)
+    spec = write_spec(project, OPS, out=out) if out else project / "symgrad.toml"
+    if out is None:
+        spec.write_text("[ops.Scale]\n" + OPS["Scale"] + "\n", encoding="utf-8")
+    for flags in ([], ["--check"], ["--force"]):
+        code, _, stderr = run(capsys, "generate", spec, *flags)
+        assert code == 2, stderr
+        assert "leads outside the spec's folder through a symbolic link" in stderr
+        assert str(elsewhere.resolve()) in stderr and "--out" in stderr
+    assert list(elsewhere.iterdir()) == []
+    # Asked for explicitly, the same folder is fine.
+    assert run(capsys, "generate", spec, "--out", project / link)[0] == 0
+    assert (elsewhere / "scale.py").is_file()
+
+
+def test_spec_out_through_a_symlink_loop_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "lnk").symlink_to(tmp_path / "lnk")
+    spec = write_spec(tmp_path, OPS, out="lnk/gen")
+    code, _, stderr = run(capsys, "generate", spec)
+    assert code == 2 and "cannot resolve `out`" in stderr and "internal error" not in stderr
+
+
+def test_spec_out_through_a_symlink_that_stays_inside_is_fine(tmp_path, capsys):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "lnk").symlink_to(tmp_path / "real", target_is_directory=True)
+    spec = write_spec(tmp_path, OPS, out="lnk/gen")
+    assert run(capsys, "generate", spec)[0] == 0
+    assert (tmp_path / "real" / "gen" / "scale.py").is_file()
 
 
 # ---------------------------------------------------------------------- determinism
@@ -259,7 +306,7 @@ def test_only_changed_files_are_rewritten(project, capsys):
     code, stdout, _ = run(capsys, "generate", spec)
     assert code == 0 and stdout.split() == ["updated", str(out / "scale.py")]
     after = snapshot(out)
-    assert after["mat_mul.py"] == before["mat_mul.py"]
+    assert after["batched_mat_mul.py"] == before["batched_mat_mul.py"]
     assert after["__init__.py"] == before["__init__.py"]
     assert after["scale.py"][0] != before["scale.py"][0]
     assert after["scale.py"][1] != OLD_TIME * 10**9
@@ -271,7 +318,7 @@ def test_a_failing_op_means_no_file_is_touched(project, capsys):
     write_spec(
         spec.parent,
         {
-            "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] * 2"',  # would be updated
+            "BatchedMatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] * 2"',  # would be updated
             "Added": 'formula = "y[i] = x[i]"',  # would be created
             "Broken": 'formula = "y[i] = x[i] * unknown_function(x[i])"',
         },
@@ -284,18 +331,18 @@ def test_a_failing_op_means_no_file_is_touched(project, capsys):
 
 
 def _two_updates(project, capsys):
-    """A project whose regeneration updates mat_mul.py and scale.py (and nothing else)."""
+    """A project whose regeneration updates batched_mat_mul.py and scale.py (and nothing else)."""
     spec, out = project
     old = {p.name: p.read_bytes() for p in out.iterdir()}
     write_spec(
         spec.parent,
         {
-            "MatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] * 3"',
+            "BatchedMatMul": 'formula = "y[b,i,j] = A[b,i,k] * B[b,k,j] * 3"',
             "Scale": 'formula = "y[i] = alpha * x[i] + x[i]"\nattrs = { alpha = "float" }',
         },
     )
     new = {name: text.encode() for name, text in emit.generate(load_spec(spec)).items()}
-    assert {n for n in new if new[n] != old[n]} == {"mat_mul.py", "scale.py"}
+    assert {n for n in new if new[n] != old[n]} == {"batched_mat_mul.py", "scale.py"}
     return spec, out, old, new
 
 
@@ -354,7 +401,7 @@ def test_written_files_get_ordinary_permissions(tmp_path, capsys):
 
 def test_a_crlf_checkout_counts_as_up_to_date(project, capsys):
     spec, out = project
-    module = out / "mat_mul.py"
+    module = out / "batched_mat_mul.py"
     module.write_bytes(module.read_bytes().replace(b"\n", b"\r\n"))  # git autocrlf
     assert run(capsys, "generate", spec, "--check")[0] == 0
 
@@ -364,7 +411,7 @@ def test_a_crlf_checkout_counts_as_up_to_date(project, capsys):
 
 def test_a_hand_edited_module_is_refused_unless_forced(project, capsys):
     spec, out = project
-    module = out / "mat_mul.py"
+    module = out / "batched_mat_mul.py"
     edited = module.read_text().replace("def vjp(", "# tweaked\ndef vjp(")
     module.write_text(edited)
     before = snapshot(out)
@@ -376,6 +423,7 @@ def test_a_hand_edited_module_is_refused_unless_forced(project, capsys):
 
     code, stdout, _ = run(capsys, "generate", spec, "--check")
     assert code == 1 and f"{module}: stale and edited by hand" in stdout
+    assert "(`symgrad generate --force` overwrites it)" in stdout
     assert snapshot(out) == before
 
     code, stdout, _ = run(capsys, "generate", spec, "--force")
@@ -403,7 +451,9 @@ def test_foreign_files_in_the_output_folder_are_never_touched(project, capsys):
         n: v for n, v in snapshot(out).items() if n in ("helpers.py", "notes.txt", "data.py")
     }
 
-    write_spec(spec.parent, {"MatMul": OPS["MatMul"]})  # Scale removed: scale.py deleted
+    write_spec(
+        spec.parent, {"BatchedMatMul": OPS["BatchedMatMul"]}
+    )  # Scale removed: scale.py deleted
     assert run(capsys, "generate", spec)[0] == 0
     after = snapshot(out)
     assert "scale.py" not in after
@@ -424,18 +474,58 @@ def test_a_foreign_file_with_a_module_name_is_a_clear_error(tmp_path, capsys, fl
     assert snapshot(out) == before  # not even the other modules were written
 
 
+@pytest.mark.parametrize("flags", [[], ["--force"], ["--check"], ["--diff"]])
+def test_a_folder_generated_from_another_spec_is_refused_and_kept(tmp_path, capsys, flags):
+    """`generate a.toml --out gen` then `generate b.toml --out gen` once deleted op_a.py."""
+    out = tmp_path / "gen"
+    (tmp_path / "a.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 2"\n')
+    (tmp_path / "b.toml").write_text('[ops.OpB]\nformula = "y[b] = A[b] * 3"\n')
+    assert run(capsys, "generate", tmp_path / "a.toml", "--out", out)[0] == 0
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", tmp_path / "b.toml", "--out", out, *flags)
+    assert code == 2
+    assert stderr.splitlines()[0] == (
+        f"error: {out / '__init__.py'}: __init__.py was generated from a.toml, not from b.toml; "
+        "refusing to overwrite it: give each spec its own output folder (`out` or --out), or, "
+        "if a.toml was renamed, delete the files generated from it"
+    )
+    assert snapshot(out) == before
+
+
+def test_a_module_from_another_spec_is_never_overwritten_or_deleted(tmp_path, capsys):
+    out = tmp_path / "gen"
+    (tmp_path / "a.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 2"\n')
+    assert run(capsys, "generate", tmp_path / "a.toml", "--out", out)[0] == 0
+    (out / "__init__.py").unlink()  # without the package file, only the modules can tell
+    op_a = (out / "op_a.py").read_bytes()
+
+    # The same module name from another spec: refused, naming the file and its spec.
+    (tmp_path / "b.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 3"\n')
+    code, _, stderr = run(capsys, "generate", tmp_path / "b.toml", "--out", out, "--force")
+    assert code == 2 and f"{out / 'op_a.py'}: op_a.py was generated from a.toml" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["op_a.py"]
+
+    # Another spec's module is not an orphan of this one: left alone.
+    (tmp_path / "b.toml").write_text('[ops.OpB]\nformula = "y[b] = A[b] * 3"\n')
+    code, stdout, _ = run(capsys, "generate", tmp_path / "b.toml", "--out", out)
+    assert code == 0 and "deleted" not in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "op_a.py", "op_b.py"]
+    assert (out / "op_a.py").read_bytes() == op_a
+    assert run(capsys, "generate", tmp_path / "b.toml", "--out", out, "--check")[0] == 0
+
+
 def test_the_module_of_a_removed_op_is_deleted(project, capsys):
     spec, out = project
     write_spec(spec.parent, {"Scale": OPS["Scale"]})
     code, stdout, _ = run(capsys, "generate", spec)
-    assert code == 0 and f"deleted {out / 'mat_mul.py'}" in stdout
+    assert code == 0 and f"deleted {out / 'batched_mat_mul.py'}" in stdout
     assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "scale.py"]
-    assert "mat_mul" not in (out / "__init__.py").read_text()
+    assert "batched_mat_mul" not in (out / "__init__.py").read_text()
 
 
 def test_a_hand_edited_orphan_is_refused_unless_forced(project, capsys):
     spec, out = project
-    module = out / "mat_mul.py"
+    module = out / "batched_mat_mul.py"
     module.write_text(module.read_text() + "\nEXTRA = 1\n")
     write_spec(spec.parent, {"Scale": OPS["Scale"]})
     before = snapshot(out)
@@ -444,6 +534,7 @@ def test_a_hand_edited_orphan_is_refused_unless_forced(project, capsys):
     assert snapshot(out) == before
     code, stdout, _ = run(capsys, "generate", spec, "--check")
     assert code == 1 and f"{module}: orphaned" in stdout and "edited by hand" in stdout
+    assert "(`symgrad generate --force` deletes it)" in stdout
     assert run(capsys, "generate", spec, "--force")[0] == 0
     assert not module.exists()
 

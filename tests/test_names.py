@@ -1,0 +1,74 @@
+"""The name lists symgrad ships as data (so that generation refuses the same names on every
+machine, without importing TensorFlow) cover what the running Python and TensorFlow have."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from symgrad.errors import SymgradError
+from symgrad.spec import PACKAGES, parse_spec, snake_case, stdlib_modules, tf_gradient_ops
+
+
+def test_the_stdlib_list_covers_the_running_python():
+    missing = set(sys.stdlib_module_names) - stdlib_modules()
+    assert not missing, f"add to symgrad/data/stdlib_modules.txt: {sorted(missing)}"
+
+
+def test_the_tf_list_covers_the_installed_tensorflow():
+    """In a fresh process: the test suite itself registers gradients for its ops."""
+    pytest.importorskip("tensorflow")
+    script = (
+        "import tensorflow\n"
+        "from tensorflow.python.framework import ops\n"
+        "print('\\n'.join(ops._gradient_registry.list()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    registered = set(result.stdout.split())
+    assert len(registered) > 300  # TensorFlow was imported fully
+    missing = registered - tf_gradient_ops()
+    assert not missing, f"add to symgrad/data/tf_gradient_ops.txt: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("file", ["stdlib_modules.txt", "tf_gradient_ops.txt"])
+def test_the_lists_are_sorted_one_name_a_line(file):
+    from importlib.resources import files
+
+    lines = files("symgrad").joinpath("data", file).read_text("utf-8").splitlines()
+    assert lines == sorted(set(lines)) and all(line.isidentifier() for line in lines)
+
+
+def refusal(name: str) -> str:
+    with pytest.raises(SymgradError) as exc:
+        parse_spec(f'[ops.{name}]\nformula = "y[b] = A[b]"\n', "s.toml")
+    return exc.value.render()
+
+
+@pytest.mark.parametrize("name", ["Numpy", "Abc", "Os", "Sys", "Math", "Tensorflow", "Tf", "Jax"])
+def test_op_names_that_shadow_a_module_are_refused(name):
+    assert f"would write {snake_case(name)}.py, which shadows" in refusal(name)
+
+
+def test_every_listed_package_is_refused_as_an_op_name():
+    for module in sorted(PACKAGES):
+        name = "".join(word.capitalize() for word in module.split("_"))
+        assert snake_case(name) == module
+        assert "which shadows a package" in refusal(name), name
+
+
+@pytest.mark.parametrize("name", ["MatMul", "Softmax", "BatchMatMul", "Relu", "Sigmoid", "Exp"])
+def test_tensorflow_ops_with_a_gradient_are_refused(name):
+    assert refusal(name) == (
+        f"error: s.toml [ops.{name}]: op name '{name}' is a TensorFlow op that already has a "
+        f"gradient (registering another fails on import); name your op differently, "
+        f"e.g. 'My{name}'"
+    )
+
+
+@pytest.mark.parametrize("name", ["BatchedMatMul", "MySoftmax", "Numpyish", "Tests", "Matmul"])
+def test_near_names_are_accepted(name):
+    assert parse_spec(f'[ops.{name}]\nformula = "y[b] = A[b]"\n', "s.toml").ops[0].name == name
