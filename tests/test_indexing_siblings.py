@@ -308,6 +308,44 @@ SIBLINGS = {
         {"X": (2, 9, 3), "w": (2, 4, 5)},
         index_inputs={"idx": ((2, 4, 5), -4, 13, tf.int64)},
     ),
+    # -- conditions ----------------------------------------------------------------------
+    "where_value_vs_value": Case(
+        "y[b,i] = where(A[b,i] > B[b,i], A[b,i], 2 * B[b,i])", {"A": (3, 5), "B": (3, 5)}
+    ),
+    "where_chained_values": Case(
+        "y[b,i] = where(-0.5 < x[b,i] <= 0.5, x[b,i] ** 2, x[b,i])", {"x": (3, 7)}
+    ),
+    "where_diagonal": Case("y[b,i,j] = where(i == j, A[b,i,j], 0)", {"A": (2, 4, 5)}),
+    "where_off_diagonal": Case(
+        "y[b,i,j] = where(i == j + 1, A[b,i,j], -A[b,i,j])", {"A": (2, 4, 5)}
+    ),
+    "where_inside_exp": Case("y[b,i] = exp(where(x[b,i] < 0, x[b,i], -x[b,i]))", {"x": (3, 7)}),
+    "where_broadcast_branches": Case(
+        "y[b,i] = where(i < 2, x[b,i], z[b])", {"x": (3, 7), "z": (3,)}
+    ),
+    "where_nested": Case(
+        "y[b,i] = where(x[b,i] > 0, where(i >= 3, x[b,i], 2 * x[b,i]), 0.5 * x[b,i])",
+        {"x": (3, 7)},
+    ),
+    "where_of_sums": Case(
+        "y[b,i] = where(x[b,i] > 0, sum(A[b,i,k], k), sum(A[b,i,k] * A[b,i,k], k))",
+        {"x": (2, 3), "A": (2, 3, 4)},
+    ),
+    "where_sum_inside_condition": Case(
+        "y[b,i] = where(sum(A[b,i,k], k) > 0, x[b,i], 0)", {"x": (2, 3), "A": (2, 3, 4)}
+    ),
+    "where_max_inside_condition": Case(
+        "y[b,i] = where(max(A[b,i,k], k) > 0, x[b,i], 0)", {"x": (2, 3), "A": (2, 3, 4)}
+    ),
+    "mean_over_window": Case(
+        "y[b,i] = mean(x[b, i + k - 1], k)",
+        {"x": (3, 7)},
+        ranges={"i": L, "k": "4"},
+        sizes={"i": 7, "k": 4},
+    ),
+    "max_two_indices_masked": Case(
+        "y[b] = max(where(i <= j, A[b,i,j], -3), i, j)", {"A": (2, 3, 4)}
+    ),
     # -- extrema -------------------------------------------------------------------------
     "max_weighted": Case("y[b,i] = max(x[b,i,j] * w[j], j)", {"x": (2, 3, 4), "w": (4,)}),
     "max_of_sum": Case("y[b] = max(sum(A[b,i,j], j), i)", {"A": (2, 3, 4)}),
