@@ -64,14 +64,14 @@ class Dense:
         self.labels = tuple(labels)
 
 
-def _to(value: Dense, labels, sizes) -> tf.Tensor:
+def _to(value: Dense, labels) -> tf.Tensor:
     """Transpose and expand `value` so it broadcasts over `labels`."""
     present = [label for label in labels if label in value.labels]
     tensor = value.tensor
     if value.labels:
         perm = [value.labels.index(label) for label in present]
         tensor = tf.transpose(tensor, perm)
-    shape = [sizes[label] if label in value.labels else 1 for label in labels]
+    shape = [tensor.shape[present.index(label)] if label in value.labels else 1 for label in labels]
     return tf.reshape(tensor, shape) if labels else tensor
 
 
@@ -104,19 +104,27 @@ class Evaluator:
         self.dtype = dtype
         # Sizes given by the caller win; the rest come from plain uses of input axes.
         self.sizes: dict[str, int] = dict(sizes or {})
+        self.given = frozenset(self.sizes)
+        # Names that separate sums bind with different sizes (`sum(A[b,k], k) *
+        # sum(B[b,k], k)`): fine for plain reads and sums, which see the axes themselves,
+        # but no grid can be built for them.
+        self.ambiguous: set[str] = set()
 
     def learn_sizes(self, node) -> None:
         if isinstance(node, Access):
             shape = self.inputs[node.tensor].shape
             for axis, position in enumerate(node.positions):
                 if isinstance(position, IndexRef):
-                    self.sizes.setdefault(position.name, int(shape[axis]))
+                    size = self.sizes.setdefault(position.name, int(shape[axis]))
+                    if size != int(shape[axis]) and position.name not in self.given:
+                        self.ambiguous.add(position.name)
             for lookup in node.lookups:
                 self.learn_sizes(lookup)
         for child in _children(node):
             self.learn_sizes(child)
 
     def size(self, index: str) -> int:
+        assert index not in self.ambiguous, f"reference: index {index!r} has several sizes"
         if index not in self.sizes:
             raise KeyError(f"reference: index {index!r} needs a size (sizes={{...}})")
         return self.sizes[index]
@@ -135,11 +143,11 @@ class Evaluator:
 
     def combine(self, left: Dense, right: Dense, op) -> Dense:
         labels = tuple(dict.fromkeys((*left.labels, *right.labels)))
-        return Dense(op(_to(left, labels, self.sizes), _to(right, labels, self.sizes)), labels)
+        return Dense(op(_to(left, labels), _to(right, labels)), labels)
 
     def grid(self, value: Dense, labels) -> tf.Tensor:
         """`value` broadcast to the full grid of `labels`."""
-        return tf.broadcast_to(_to(value, labels, self.sizes), [self.size(i) for i in labels])
+        return tf.broadcast_to(_to(value, labels), [self.size(i) for i in labels])
 
     # -- index expressions: int64 tensors over the indices they use -----------------
 
@@ -169,8 +177,6 @@ class Evaluator:
         """`X[positions]` over the grid of the indices the positions use; zero outside X."""
         tensor = self.inputs[node.tensor]
         if node.plain and len(set(node.indices)) == len(node.indices):
-            wanted = [self.size(i) for i in node.indices]
-            assert list(tensor.shape) == wanted, f"{node.tensor}: {tensor.shape} vs {wanted}"
             return Dense(tensor, node.indices)
         labels = tuple(dict.fromkeys(node.indices))
         coords = []
