@@ -375,7 +375,7 @@ class _Explainer:
                 out.append(Section(title, name, result=result))
                 continue
             if name not in by_target:  # read only at computed positions: a scatter-add
-                left, right = lines[grad_name(name)].split(" = ", 1)
+                left, right = self.scatter_equation(name, lines[grad_name(name)])
                 out.append(
                     Section(
                         title,
@@ -413,6 +413,51 @@ class _Explainer:
                 )
             )
         return out
+
+    def scatter_equation(self, name: str, line: str) -> tuple[str, str]:
+        """`grad_x[b,q,c] = Σ_{i,k: s*i + k - p = q} _grad_g1[b,i,k,c]`: in text the
+        docstring's line; otherwise built with the printer."""
+        if isinstance(self.p, _TextMath):
+            left, right = line.split(" = ", 1)
+            return left, right
+        parts = []
+        shown = None
+        for scatter in self.backward.scatters:
+            if scatter.target != name:
+                continue
+            level = self.levels[scatter.level]
+            gather = level.gather
+            inner = [
+                i
+                for i in level.indices
+                if any(i in gather.positions[n].free_symbols for n in gather.computed)
+                or any(
+                    i in a.indices
+                    for n in gather.computed
+                    for a in gather.positions[n].atoms(sp.Indexed)
+                )
+            ]
+            names = display_indices(
+                tuple(
+                    f"q{n}" if n in gather.computed else str(p)
+                    for n, p in enumerate(gather.positions)
+                )
+            )
+            shown = shown or names
+            mapping = {
+                gather.positions[n]: names[n] for n in range(len(names)) if n not in gather.computed
+            }
+            equations = ", ".join(
+                f"{self.p.expr(gather.positions[n])} = {self.p.index(names[n])}"
+                for n in gather.computed
+            )
+            summed = self.p.sum([", ".join(self.p.index(i) for i in inner) + ": " + equations])
+            grad = self.p.tensor(
+                grad_name(level.name), [self.p.index(mapping.get(i, i)) for i in level.indices]
+            )
+            parts.append(summed + grad)
+        left = self.p.tensor(grad_name(name), [self.p.index(s) for s in shown])
+        return left, self.p.join(parts)
 
     def signature(self) -> str:
         """`gradient(op, grad_y) returns (grad_A, grad_B)`."""

@@ -165,6 +165,7 @@ class Module:
     recompute: Block  # inputs, outputs, attrs -> saved (for `gradient(op, ...)`)
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
     index_inputs: tuple[str, ...] = ()  # integer index tensors (no gradient, int dtype)
+    sparse_gradients: tuple[str, ...] = ()  # gradients returned as tf.IndexedSlices
 
     @property
     def value_inputs(self) -> tuple[str, ...]:

@@ -837,7 +837,6 @@ class Lowerer:
             for i in level.indices
             if any(i in indexing.index_symbols(gather.positions[n]) for n in computed)
         )
-        shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
         flat: ir.Expr | None = None
         valid: ir.Expr | None = None
         for axis, bounded in zip(computed, gather.bounded, strict=True):
@@ -856,9 +855,19 @@ class Lowerer:
             else:
                 size = ir.Var(self.axis_size(body, gather.source, axis))
                 flat = ir.Binary("+", ir.Binary("*", flat, size), position)
-        flat = ir.Var(body.bind(ir.Call("tf.broadcast_to", (flat, shape))))
-        if valid is not None:
-            valid = ir.Var(body.bind(ir.Call("tf.broadcast_to", (valid, shape))))
+        positions = [gather.positions[n] for n in computed]
+        spans = (
+            len(positions) == 1
+            and isinstance(positions[0], sp.Indexed)
+            and tuple(positions[0].indices) == inner
+        )
+        if not spans:  # an index tensor read at exactly the inner indices has their shape
+            shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
+            flat = ir.Var(body.bind(ir.Call("tf.broadcast_to", (flat, shape))))
+            if valid is not None:
+                valid = ir.Var(body.bind(ir.Call("tf.broadcast_to", (valid, shape))))
+        elif valid is not None:
+            valid = ir.Var(body.bind(valid))
         return flat, valid, inner
 
     def rows(self, body: _Body, gather) -> tuple[str, ...]:
@@ -903,6 +912,37 @@ class Lowerer:
         body.uses_dtype = True
         zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
         return ir.Call("tf.where", (mask, value, zero))
+
+    def reads_rows(self, scatter: Scatter) -> bool:
+        """Whether a gather reads whole rows (computed positions on the first axis only,
+        like `W[ids[b, t], d]`): its gradient can then be sparse, as TF's Gather's is."""
+        if scatter.level in self.convolutions:
+            return False
+        return self.levels[scatter.level].gather.computed == (0,)
+
+    def sparse_rows(self, body: _Body, scatter: Scatter) -> ir.Expr:
+        """The gradient of a row gather as `tf.IndexedSlices`: the rows read and their
+        gradients, never a dense tensor the size of the table (rows read out of bounds
+        carry zeros)."""
+        level = self.levels[scatter.level]
+        gather = level.gather
+        flat, valid, inner = self.gather_plan(body, level)
+        grad: ir.Expr = ir.Var(body.tensors[grad_name(level.name)])
+        rank = self.program.rank(gather.source)
+        if valid is not None:
+            body.uses_dtype = True
+            zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+            mask = align(valid, inner, level.indices)
+            grad = ir.Var(body.bind(ir.Call("tf.where", (mask, grad, zero))))
+            flat = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
+        rows = [
+            ir.Lit("-1"),
+            *(ir.Var(self.axis_size(body, gather.source, n)) for n in range(1, rank)),
+        ]
+        values = ir.Call("tf.reshape", (grad, ir.List(tuple(rows))))
+        ids = ir.Call("tf.reshape", (flat, ir.List((ir.Lit("-1"),))))
+        shape = ir.Call("tf.shape", (ir.Var(body.tensors[gather.source]),))
+        return ir.Call("tf.IndexedSlices", (values, ids, shape))
 
     def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
         """The transpose of a gather: its gradient added back where it read (reads out of
@@ -1166,13 +1206,15 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         gname = grad_name(name)
         if not contributions and not scatters:
             bwd.bind(ir.Call("tf.zeros_like", (ir.Var(name),)), name=gname)
+        elif not contributions and len(scatters) == 1 and lowerer.reads_rows(scatters[0]):
+            bwd.bind(lowerer.sparse_rows(bwd, scatters[0]), name=gname)
         else:
             bwd.bind(lowerer.gradient(bwd, name, contributions, scatters), name=gname)
         returns.append(gname)
     backward_block = _finish(bwd, tuple(returns))
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
-    backward_block = _borrow(backward_block, fwd.memo)
+    backward_block = _drop_unread(_borrow(backward_block, fwd.memo))
     read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs))
     keep = set(outputs) | {name for name in read if name not in program.inputs}
@@ -1213,6 +1255,11 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         recompute=recompute,
         backward=backward_block,
         index_inputs=program.index_inputs,
+        sparse_gradients=tuple(
+            step.target
+            for step in backward_block.steps
+            if isinstance(step.value, ir.Call) and step.value.function == "tf.IndexedSlices"
+        ),
     )
 
 
@@ -1283,6 +1330,20 @@ def value_inputs(program: Program) -> tuple[str, ...]:
 
 
 _PRELUDE_NAMES = ("dtype",)
+
+
+def _drop_unread(block: ir.Block) -> ir.Block:
+    """Without the dtype and size definitions nothing reads any more (after borrowing
+    forward values, a mask's cast may be gone)."""
+    needed = {name for name in block.returns if name}
+    kept = []
+    for step in reversed(block.steps):
+        prelude = step.target in _PRELUDE_NAMES or step.target.startswith("_n_")
+        if prelude and step.target not in needed:
+            continue
+        kept.append(step)
+        needed |= ir.names_in(step.value)
+    return ir.Block(tuple(reversed(kept)), block.returns)
 
 
 def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:

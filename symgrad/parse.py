@@ -561,8 +561,10 @@ class _Walker:
                     f"operator {_op_symbol(node.op)} is not allowed in an index expression{hint}",
                     node,
                 )
-            chained = isinstance(node.left, ast.BinOp) and op in "+-" and (
-                type(node.left.op) in (ast.Add, ast.Sub)
+            chained = (
+                isinstance(node.left, ast.BinOp)
+                and op in "+-"
+                and (type(node.left.op) in (ast.Add, ast.Sub))
             )  # `a + b + c` is a flat chain, not nesting
             left = self.index_expr(node.left, depth if chained else depth + 1, inside=inside)
             right = self.index_expr(node.right, depth + 1, inside=inside)
@@ -586,6 +588,8 @@ class _Walker:
                     self.fail("an index tensor is read with plain indices only", element)
             positions = tuple(IndexRef(self.index_name(e), e.col_offset) for e in elements)
             return Access(name, positions, col)
+        if isinstance(node, ast.Tuple):
+            self.fail("composite indices `(i, k)` are only allowed on the left side", node)
         where = "inside brackets" if inside else "in an index comparison"
         self.fail(f"{_describe(node)} is not allowed {where}", node)
 

@@ -41,7 +41,7 @@ def test_output_groups_follow_the_parentheses(formula, groups):
     ("formula", "message", "at"),
     [
         ("y[b,i] = A[(b,i)]", "only allowed on the left side", "(b,i)]"),
-        ("y[b,i,j] = A[((b,i)),j]", "an index must be a plain name", "(b,i)"),
+        ("y[b,i,j] = A[((b,i)),j]", "only allowed on the left side", "(b,i)"),
         ("y[((i,k),j)] = A[i,j] * B[k]", "an index must be a plain name", "(i,k),j)"),
     ],
 )

@@ -267,7 +267,9 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
         for node in ast.parse(module).body
         if isinstance(node, ast.FunctionDef) and node.name == "_compute"
     )
+    # The template's own lines: attrs cast to the dtype, int attrs kept for index arithmetic.
     attrs = {a.arg for a in compute.args.kwonlyargs}
+    attrs |= {f"_int_{a}" for a in attrs}
     want = [
         ast.dump(s)
         for s in compute.body

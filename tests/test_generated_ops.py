@@ -186,8 +186,8 @@ def test_generated_module_matches_tensorflow(name):
                 assert g is None, f"{how}: {input_name} is no_gradient"
                 continue
             np.testing.assert_allclose(
-                g.numpy(),
-                tf.convert_to_tensor(w).numpy(),  # TF's Gather gradient is IndexedSlices
+                tf.convert_to_tensor(g).numpy(),  # gathers' gradients are IndexedSlices
+                tf.convert_to_tensor(w).numpy(),
                 rtol=1e-9,
                 atol=1e-12,
                 err_msg=f"{how}: grad of {input_name}",
