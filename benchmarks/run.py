@@ -36,6 +36,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -224,16 +225,26 @@ def load_module(name: str, folder: Path | None = None):
 
 
 class FakeOp:
-    """What a registered gradient function sees of a real op."""
+    """What a registered gradient function sees of a real op: its type, its definition
+    (the names of its inputs, outputs and attrs: the module's own), tensors and attrs."""
 
-    def __init__(self, op_type, inputs, outputs, attrs=None):
-        self.type = op_type
+    def __init__(self, module, inputs, outputs, attrs=None):
+        self.type = module.OP_TYPE
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self._attrs = attrs or {}
+        self.op_def = SimpleNamespace(
+            input_arg=_args(module.INPUTS),
+            output_arg=_args(module.OUTPUTS),
+            attr=_args(module.ATTRS),
+        )
 
     def get_attr(self, name):
         return self._attrs[name]
+
+
+def _args(names):
+    return [SimpleNamespace(name=n, number_attr="", type_list_attr="") for n in names]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -327,14 +338,14 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
         def run(*args):
             inputs, g = args[:n], args[n]
             y = ref0(*inputs)
-            return y, mod.gradient(FakeOp(name, inputs, [y]), g)
+            return y, mod.gradient(FakeOp(mod, inputs, [y]), g)
 
         return run
 
     def grad_alone(mod):
         def run(*args):
             inputs, y, g = args[:n], args[n], args[n + 1]
-            return mod.gradient(FakeOp(name, inputs, [y]), g)
+            return mod.gradient(FakeOp(mod, inputs, [y]), g)
 
         return run
 
@@ -348,6 +359,11 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
         fns[f"grad@{label}"], args[f"grad@{label}"] = fn(grad_alone(mod)), (*xs, y0, G)
         fns[f"step@{label}"], args[f"step@{label}"] = fn(tape_step(mod.forward)), (*xs, G)
     fns["fwd@gen"], args["fwd@gen"] = fn(sets["gen"].forward), xs
+    # Eager training steps (no tf.function): Python and per-op dispatch costs show here.
+    fns["eager_step:tf"], args["eager_step:tf"] = tape_step(ref0), (*xs, G)
+    for label, mod in sets.items():
+        fns[f"eager_step@{label}"] = tape_step(mod.forward)
+        args[f"eager_step@{label}"] = (*xs, G)
     if jit:
         fns["xla_step@gen"] = fn(tape_step(sets["gen"].forward), jit_compile=True)
         fns["xla_step:tf"] = fn(tape_step(ref0), jit_compile=True)
@@ -388,6 +404,8 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
             "step_ms": ms[f"step@{label}"],
             "grad_ratio": {r: _ratio(bwd, tf_bwd[r]) for r in refs},
             "step_ratio": {r: _ratio(ms[f"step@{label}"], ms[f"tf_step:{r}"]) for r in refs},
+            "eager_step_ms": ms[f"eager_step@{label}"],
+            "eager_step_ratio": _ratio(ms[f"eager_step@{label}"], ms["eager_step:tf"]),
             "peak_step_mib": mib[f"step@{label}"],
             "peak_registered_mib": mib[f"reg@{label}"],
         }
@@ -404,6 +422,7 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
             for r in refs
         },
         "tf_peak_step_mib": mib[f"tf_step:{primary}"],
+        "tf_eager_step_ms": ms["eager_step:tf"],
         "gen_fwd_ms": ms["fwd@gen"],
         "variants": variants,
         "median_ms": ms,
@@ -428,7 +447,8 @@ def _ratio(a, b):
 def table(results, gen, label="gen") -> str:
     head = (
         f"{'op':<15} {'bwd gen':>8} {'bwd TF':>8} {'ratio':>6} {'step gen':>9} "
-        f"{'step TF':>8} {'ratio':>6} {'peak gen':>9} {'peak TF':>8} {'gen ms':>7}  notes"
+        f"{'step TF':>8} {'ratio':>6} {'eager gen':>9} {'eager TF':>8} {'ratio':>6} "
+        f"{'peak gen':>9} {'peak TF':>8} {'gen ms':>7}  notes"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -444,7 +464,8 @@ def table(results, gen, label="gen") -> str:
         lines.append(
             f"{r['op']:<15} {v['bwd_ms']:>8.2f} {t['bwd_ms']:>8.2f} {v['grad_ratio'][p]:>6.2f} "
             f"{v['step_ms']:>9.2f} {t['step_ms']:>8.2f} {v['step_ratio'][p]:>6.2f} "
-            f"{v['peak_step_mib']:>8.1f}M {r['tf_peak_step_mib']:>7.1f}M {g:>7.0f}  {notes}"
+            f"{v['eager_step_ms']:>9.2f} {r['tf_eager_step_ms']:>8.2f} "
+            f"{v['eager_step_ratio']:>6.2f} {v['peak_step_mib']:>8.1f}M {r['tf_peak_step_mib']:>7.1f}M {g:>7.0f}  {notes}"
         )
     return "\n".join(lines)
 
@@ -476,7 +497,7 @@ def compare_table(results, label) -> str:
         f"Modules from {label}, timed in the same rounds (vs the primary TF reference):",
         (
             f"  {'op':<15} {'bwd ms':>8} {'ratio':>6} {'(gen)':>6} {'step ms':>8} "
-            f"{'ratio':>6} {'(gen)':>6} {'peak':>8}"
+            f"{'ratio':>6} {'(gen)':>6} {'eager ms':>8} {'ratio':>6} {'(gen)':>6} {'peak':>8}"
         ),
     ]
     for r in results:
@@ -487,7 +508,8 @@ def compare_table(results, label) -> str:
             f"  {r['op']:<15} {v['bwd_ms']:>8.2f} {v['grad_ratio'][p]:>6.2f} "
             f"{g['grad_ratio'][p]:>6.2f} {v['step_ms']:>8.2f} "
             f"{v['step_ratio'][p]:>6.2f} {g['step_ratio'][p]:>6.2f} "
-            f"{v['peak_step_mib']:>7.1f}M"
+            f"{v['eager_step_ms']:>8.2f} {v['eager_step_ratio']:>6.2f} "
+            f"{g['eager_step_ratio']:>6.2f} {v['peak_step_mib']:>7.1f}M"
         )
     s = summary(results, label)
     lines.append(
@@ -509,6 +531,10 @@ def summary(results, label="gen") -> dict:
         "max_grad_ratio": max(grad, default=float("nan")),
         "geomean_step_ratio": geomean(step),
         "max_step_ratio": max(step, default=float("nan")),
+        "geomean_eager_step_ratio": geomean([r["variants"][label]["eager_step_ratio"] for r in ok]),
+        "max_eager_step_ratio": max(
+            (r["variants"][label]["eager_step_ratio"] for r in ok), default=float("nan")
+        ),
         "geomean_grad_ratio_vs_fastest_tf": geomean(
             [max(r["variants"][label]["grad_ratio"].values()) for r in ok]
         ),
@@ -558,6 +584,10 @@ def summary_text(s, gen) -> str:
         ),
     ]
     lines.append(
+        f"geomean ratio, eager training step (no tf.function): "
+        f"{s['geomean_eager_step_ratio']:.3f} (max {s['max_eager_step_ratio']:.2f})"
+    )
+    lines.append(
         f"(the same geomeans from each callable's fastest round instead of medians: "
         f"backward {s['geomean_grad_ratio_from_minima']:.3f}, step "
         f"{s['geomean_step_ratio_from_minima']:.3f})"
@@ -584,14 +614,17 @@ def summary_text(s, gen) -> str:
 
 
 METHOD = """\
-Method: float32, CPU, one process, same inputs; every callable is a tf.function (autograph
-off), called in shuffled order each round (interleaved), medians over the rounds.
+Method: float32, CPU, one process, same inputs; every callable but the eager steps is a
+tf.function (autograph off), called in shuffled order each round (interleaved), medians over
+the rounds.
 - bwd gen: median(TF reference forward + gradient(fake_op, G)) - median(TF reference forward),
   fake_op.inputs/outputs being the reference's inputs and output (what a registered gradient
   sees); bwd TF: median(TF reference forward + tape.gradient) - median(TF reference forward).
   The same subtraction on both sides, so the bias of running a backward alone cancels.
 - step: tape.gradient through the generated forward (tf.custom_gradient) vs through the TF
   reference, forward + backward, output_gradients=G (loss = sum(y * G)).
+- eager: the same training step run eagerly (no tf.function), where Python and per-op
+  dispatch costs (the custom-gradient wrapper, call-time checks, shape reads) show.
 - peak: TensorFlow's CPU allocator, tf.config.experimental.get_memory_info('CPU:0')['peak']
   after reset_memory_stats, minus the bytes in use before the call, for one training step
   (min of 3). Counts TF tensor buffers; oneDNN scratch outside TF's allocator is not counted.
@@ -679,6 +712,9 @@ def main():
     else:
         gen = generation()  # before TensorFlow is imported in this process
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TF's default CPU allocator keeps no statistics (reset_memory_stats raises); its BFC
+    # allocator does, for the peak-memory column.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import tensorflow as tf
 
     tf.get_logger().setLevel("ERROR")  # retracing notes: each tf.function here traces once

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import functions as fn
-from .model import Index, Level, Program, accesses, tensor
+from .model import Index, Level, Program, accesses, read
 
 P_PREFIX = "_p"
 
@@ -103,13 +103,13 @@ def partial_derivative(level: Level, expr: sp.Expr, access: sp.Indexed) -> sp.Ex
     derivative = sp.powsimp(sp.diff(plain, placeholders[access]))
     if level.kind == "logsumexp":
         # ∂/∂u log Σ exp(u) = exp(u - L): the softmax weight, in the stable form.
-        weight = sp.exp(plain - tensor(level.name)[level.indices])
+        weight = sp.exp(plain - read(level.name, level.indices))
         derivative = weight * derivative
     elif level.kind in ("max", "min"):
         # As TF's reduce_max: the gradient goes to the entries that attain the extremum,
         # split equally among ties.
-        value = tensor(level.name)[level.indices]
-        ties = tensor(level.count)[level.indices]
+        value = read(level.name, level.indices)
+        ties = read(level.count, level.indices)
         derivative = fn.step_eq(plain, value) / ties * derivative
     back = {symbol: a for a, symbol in placeholders.items()}
     return derivative.xreplace(back)
@@ -153,7 +153,7 @@ def output_patterns(program: Program) -> list[tuple[sp.Expr, sp.Indexed]]:
             continue
         if not expr.atoms(sp.Indexed):
             continue
-        patterns.append((expr, tensor(level.name)[level.indices]))
+        patterns.append((expr, read(level.name, level.indices)))
     return patterns
 
 
@@ -187,9 +187,11 @@ def reuse_outputs(expr: sp.Expr, patterns) -> sp.Expr:
                         for t in sp.Add.make_args(candidate_expr)
                     ]
                 )
-            if _well_conditioned(candidate_expr, replacement) and _divides_by(
-                candidate_expr
-            ) <= _divides_by(expr):
+            if (
+                _well_conditioned(candidate_expr, replacement)
+                and _divides_by(candidate_expr) <= _divides_by(expr)
+                and _splits_no_exp(expr, candidate_expr, renamed, replacement)
+            ):
                 expr = candidate_expr
     return expr
 
@@ -216,6 +218,14 @@ def _divides_by(expr: sp.Expr) -> set[sp.Expr]:
     return {p.base for p in expr.atoms(sp.Pow) if p.exp.could_extract_minus_sign()}
 
 
+def _splits_no_exp(before: sp.Expr, after: sp.Expr, pattern: sp.Expr, output: sp.Expr) -> bool:
+    """Whether reading an output left every exponential whole: `exp(A - L)` (a softmax
+    weight) as `exp(A) * y` with `y = exp(-L)` is inf·0 = nan for logits in the hundreds,
+    while `exp(A - y)` with `y = L` only renames inside the exponent."""
+    whole = {sp.exp(e.args[0].subs(pattern, output)) for e in before.atoms(sp.exp)}
+    return after.atoms(sp.exp) <= whole
+
+
 def _well_conditioned(expr: sp.Expr, output: sp.Indexed) -> bool:
     """Whether reading `output` in `expr` only takes small powers of it: `A**0.001`
     would otherwise give `y**-999`, exact algebra but ruinous rounding."""
@@ -240,7 +250,7 @@ def derive(program: Program) -> Backward:
         if level.name not in reached:
             continue  # no gradient flows into this intermediate
         order.append(level.name)
-        grad = tensor(grad_name(level.name))[level.indices]
+        grad = read(grad_name(level.name), level.indices)
         if level.gather is not None:
             if level.gather.source in live:
                 scatters.append(Scatter(level.gather.source, level.name))

@@ -157,6 +157,9 @@ class Module:
     inputs: tuple[str, ...]
     ranks: tuple[int, ...]  # per input
     outputs: tuple[str, ...]
+    # per output, per axis: the input axes whose sizes multiply to its size (several for
+    # a composite axis), to check incoming gradients against
+    output_axes: tuple[tuple[tuple[tuple[str, int], ...], ...], ...]
     attrs: tuple[Attr, ...]
     grads: tuple[str, ...]  # names of the incoming gradients, one per output
     dim_checks: tuple[DimCheck, ...]
@@ -166,6 +169,7 @@ class Module:
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
     index_inputs: tuple[str, ...] = ()  # integer index tensors (no gradient, int dtype)
     sparse_gradients: tuple[str, ...] = ()  # gradients returned as tf.IndexedSlices
+    unsized_outputs: bool = False  # an output axis is sized by a range, not an input axis
 
     @property
     def value_inputs(self) -> tuple[str, ...]:

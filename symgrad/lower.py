@@ -19,6 +19,7 @@ and the terms are added after aligning their axes. Concretely:
 
 from __future__ import annotations
 
+import itertools
 import string
 from dataclasses import dataclass, field
 
@@ -33,6 +34,10 @@ from .model import Index, Level, Program, index_of_size, tensor
 from .notation import gradient_lines
 
 LETTERS = string.ascii_lowercase + string.ascii_uppercase
+# TensorFlow's elementwise broadcasting (BCast, also behind tf.broadcast_to) handles at
+# most this many groups of adjacent axes with the same broadcast pattern; beyond it ops
+# fail with "Broadcast between ... is not supported yet". tf.tile has no such limit.
+MAX_BROADCAST_RANK = 5
 REPRESENTATIVE_SIZE = 64  # per index, for choosing contraction orders
 MAX_EXPANDED_TERMS = 32
 
@@ -178,6 +183,21 @@ class Lowerer:
         level = self.levels[tensor_name]
         return tuple(self.size_of[i] for i in level.indices)
 
+    def align(
+        self, body: _Body, operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]
+    ) -> ir.Expr:
+        """`align`, made safe for TensorFlow's broadcasting limit: beyond
+        MAX_BROADCAST_RANK target axes a broadcast operand is tiled to the full shape
+        first, so the elementwise op that reads it never broadcasts."""
+        aligned = align(operand, labels, target)
+        if len(target) <= MAX_BROADCAST_RANK or not labels or set(labels) >= set(target):
+            return aligned
+        order = tuple(i for i in target if i in labels)
+        perm = None if order == labels else tuple(labels.index(i) for i in order)
+        slots = tuple(order.index(i) if i in order else None for i in target)
+        multiples = tuple(("1",) if i in order else (self.index_size(body, i),) for i in target)
+        return ir.Call("tf.tile", (ir.View(operand, perm, slots), ir.Shape(multiples)))
+
     # -- pointwise expressions ----------------------------------------------------------
 
     def expr(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
@@ -199,6 +219,9 @@ class Lowerer:
             return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
             terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
+            groups = self.normalized_logits(terms)
+            if groups:
+                return self.sum_of_normalized(body, groups, terms, target)
             result = self.expr(body, terms[0], target)
             for term in terms[1:]:
                 coeff, _ = term.as_coeff_Mul()
@@ -257,6 +280,8 @@ class Lowerer:
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
+            if func in UNARY or func in BINARY:
+                args = tuple(_tensor_argument(body, a) for a in args)
             if func in UNARY:
                 return ir.Call(UNARY[func], args)
             if func in BINARY:
@@ -293,6 +318,61 @@ class Lowerer:
         op = RELATIONS[type(cond)]
         left, right = cond.args
         return ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target))
+
+    def normalized_logits(self, terms: list[sp.Expr]) -> list[tuple[list[sp.Expr], sp.Expr, tuple]]:
+        """In a sum, each `-L` (L = log Σ_m exp(u)) with the terms of its own logits `u`
+        and the axes of `u` (m last): `u - L <= 0` stays small, where `A + B - L_A - L_B`
+        adds the large values first (float16 loses ~2% at logits near 30)."""
+        groups = []
+        free = list(terms)
+        for term in terms:
+            coefficient, access = term.as_coeff_Mul()
+            if coefficient != -1 or not isinstance(access, sp.Indexed):
+                continue
+            level = self.logsumexp_of.get(access.base.label.name)
+            if level is None or len(set(access.indices)) != len(access.indices):
+                continue
+            (logits_term,) = level.terms
+            summed = logits_term.summed
+            mapping = dict(zip(level.indices, access.indices, strict=True))
+            present = set().union(*(_index_set(t) for t in free)) - set(access.indices)
+            for chosen in itertools.permutations(sorted(present, key=str), len(summed)):
+                mapping.update(zip(summed, chosen, strict=True))
+                logits = sp.Add.make_args(logits_term.expr.xreplace(mapping))
+                if all(part in free and not part.could_extract_minus_sign() for part in logits):
+                    groups.append((list(logits), term, (*access.indices, *chosen)))
+                    free = [t for t in free if t not in logits and t != term]
+                    break
+        return groups
+
+    def sum_of_normalized(self, body, groups, terms, target) -> ir.Expr:
+        """`(u1 - L1) + (u2 - L2) + rest`, each group as `normalized_logits` found it."""
+        used = {t for logits, term, _ in groups for t in (*logits, term)}
+        parts = []
+        for logits, term, order in groups:
+            if len(order) - len(term.as_coeff_Mul()[1].indices) == 1:
+                # One summed index: u - L is TF's log_softmax over it, which rounds once
+                # (float16: 4x closer than subtracting a rounded logsumexp).
+                operand = self.expr(body, sp.Add(*logits), order)
+                if not _is_simple(operand):
+                    operand = ir.Var(body.bind(operand))
+                call = ir.Call("tf.nn.log_softmax", (operand,), (("axis", ir.Lit("-1")),))
+                parts.append(self.align(body, ir.Var(body.bind(call)), order, target))
+            else:
+                u = self.expr(body, sp.Add(*logits), target)
+                parts.append(ir.Binary("-", u, self.expr(body, -term, target)))
+        result = parts[0]
+        for part in parts[1:]:
+            result = ir.Binary("+", result, part)
+        for term in terms:
+            if term in used:
+                continue
+            coeff, _ = term.as_coeff_Mul()
+            if coeff.is_negative:
+                result = ir.Binary("-", result, self.expr(body, -term, target))
+            else:
+                result = ir.Binary("+", result, self.expr(body, term, target))
+        return result
 
     def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr) -> ir.Expr:
         """log Σ exp over the last axis, step by step, keeping exp(u - max) / Σ as the
@@ -336,7 +416,7 @@ class Lowerer:
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
                 weights = body.bind(ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),)))
-                return align(ir.Var(weights), order, target)
+                return self.align(body, ir.Var(weights), order, target)
         return None
 
     def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
@@ -348,10 +428,10 @@ class Lowerer:
             operand = ir.Var(
                 body.bind(ir.Call("tf.range", (ir.Var(self.index_size(body, label)),)))
             )
-            return align(operand, labels, target)
+            return self.align(body, operand, labels, target)
         if name in self.program.index_inputs:  # compared with tf.range values
             operand = ir.Var(body.bind(ir.Call("tf.cast", (ir.Var(name), ir.Lit("tf.int32")))))
-            return align(operand, labels, target)
+            return self.align(body, operand, labels, target)
         operand: ir.Expr = ir.Var(body.tensors[name])
         if len(set(labels)) != len(labels):
             unique = tuple(dict.fromkeys(labels))
@@ -359,7 +439,7 @@ class Lowerer:
             subscripts = f"{_word(labels, letters)}->{_word(unique, letters)}"
             operand = ir.Var(body.bind(ir.Einsum(subscripts, (operand,))))
             labels = unique
-        return align(operand, labels, target)
+        return self.align(body, operand, labels, target)
 
     # -- terms: products summed over indices ------------------------------------------
 
@@ -387,6 +467,9 @@ class Lowerer:
             if any(needed <= s for s in operand_sets):
                 continue
             if factor.is_polynomial(*factor.atoms(sp.Indexed)):
+                centered = self.centered(body, factor)
+                if centered is not None:
+                    e = e.xreplace({factor: centered})
                 expanded = sp.expand(e, power_base=False, power_exp=False, log=False)
                 parts = sp.Add.make_args(expanded)
                 if 1 < len(parts) <= MAX_EXPANDED_TERMS:
@@ -603,6 +686,46 @@ class Lowerer:
 
         return key(i) is not None and key(i) == key(k)
 
+    def centered(self, body: _Body, factor: sp.Expr) -> sp.Expr | None:
+        """A translation-invariant polynomial (`(x[b,i,k] - z[b,j,k])**2`) over points
+        moved next to the origin, before it is expanded into monomials.
+
+        Expanded, `x² + z² - 2xz` cancels catastrophically for points far from the
+        origin (float32 at offset 100 gives negative squared distances). Every access
+        is shifted by the same center `c` over the indices all accesses share -- the
+        mean of one set of points over its other indices -- which changes nothing in
+        exact arithmetic: the polynomial is checked to be invariant under `u -> u + t`.
+        """
+        found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+        if any(len(set(a.indices)) != len(a.indices) for a in found):
+            return None
+        shift = sp.Dummy("t")
+        if sp.expand(factor.xreplace({a: a + shift for a in found}) - factor) != 0:
+            return None
+        common = set.intersection(*(set(a.indices) for a in found))
+        spread = [a for a in found if not set(a.indices) <= common]
+        if not spread:
+            return None
+        first = spread[0]  # a set of points: an access with indices the others lack
+        axes = [n for n, i in enumerate(first.indices) if i not in common]
+        center_labels = tuple(i for i in first.indices if i in common)
+        points = ir.Var(body.tensors[first.base.label.name])
+        center = ir.Var(
+            body.bind(ir.Call("tf.reduce_mean", (points,), (("axis", ir.Lit(repr(axes))),)))
+        )
+        mapping = {}
+        for access in found:
+            labels = tuple(access.indices)
+            shifted = ir.Binary(
+                "-",
+                ir.Var(body.tensors[access.base.label.name]),
+                self.align(body, center, center_labels, labels),
+            )
+            name = body.bind(shifted)
+            body.tensors[name] = name
+            mapping[access] = tensor(name)[labels]
+        return factor.xreplace(mapping)
+
     def contract(
         self,
         body: _Body,
@@ -721,7 +844,7 @@ class Lowerer:
             # a BatchMatMul of 1x1 results, far slower than multiply + reduce_sum.
             union = tuple(dict.fromkeys((*lx, *ly)))
             order = tuple(i for i in out if i in union) + tuple(i for i in union if i not in out)
-            product = ir.Binary("*", align(x, lx, order), align(y, ly, order))
+            product = ir.Binary("*", self.align(body, x, lx, order), self.align(body, y, ly, order))
             return self._reduce(body, product, order, out)
         # (R1) TF's einsum runs BatchMatMul, whose result is [batch, free of the first
         # operand, free of the second]; list operands so that is `out`, or einsum adds
@@ -791,7 +914,7 @@ class Lowerer:
         for value, piece_axes in pieces:
             if piece_axes != axes and not _is_simple(value):
                 value = ir.Var(body.bind(value))
-            aligned = align(value, piece_axes, axes)
+            aligned = self.align(body, value, piece_axes, axes)
             if result is None:
                 result = aligned
             elif isinstance(aligned, ir.Negate):
@@ -811,6 +934,8 @@ class Lowerer:
         """Broadcast a value over `axes` ⊆ `out` to the full shape of `out`."""
         if axes == out:
             return value
+        if len(out) > MAX_BROADCAST_RANK and axes:
+            return self.align(body, value, axes, out)  # tiled: already the full shape
         aligned = align(value, axes, out)
         if not ir.names_in(aligned):
             # A constant (`A - A + 2`): a Python number would broadcast as int32.
@@ -908,7 +1033,7 @@ class Lowerer:
         if valid is None:
             return value
         value = ir.Var(body.bind(value))
-        mask = align(valid, inner, level.indices)
+        mask = self.align(body, valid, inner, level.indices)
         body.uses_dtype = True
         zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
         return ir.Call("tf.where", (mask, value, zero))
@@ -932,7 +1057,7 @@ class Lowerer:
         if valid is not None:
             body.uses_dtype = True
             zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
-            mask = align(valid, inner, level.indices)
+            mask = self.align(body, valid, inner, level.indices)
             grad = ir.Var(body.bind(ir.Call("tf.where", (mask, grad, zero))))
             flat = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
         rows = [
@@ -1006,7 +1131,15 @@ class Lowerer:
             return ir.Call("tf.reduce_logsumexp", (operand,), (("axis", axes),))
         pieces = []
         for term in level.terms:
-            pieces += self.term(body, term.expr, term.summed, level.indices)
+            parts = self.term(body, term.expr, term.summed, level.indices)
+            if len(parts) > 1 and term.summed and _sum_of_squares(term.expr):
+                # Expanded, a sum of squares can round below zero (to -0.03 in float32
+                # at distance 0): clamp it where it is exactly nonnegative.
+                value, axes = self.sum_terms(body, parts, level.indices)
+                if not _is_simple(value):
+                    value = ir.Var(body.bind(value))
+                parts = [(ir.Call("tf.maximum", (value, ir.Lit("0"))), axes)]
+            pieces += parts
         if not pieces:  # the formula is identically zero
             body.uses_dtype = True
             shape = ir.Shape(tuple((self.index_size(body, i),) for i in level.indices))
@@ -1040,6 +1173,27 @@ class Lowerer:
             pieces += self.term(body, expr, c.summed, indices, c.diagonal)
         value, axes = self.sum_terms(body, pieces, indices)
         return self.full(body, value, axes, indices)
+
+
+def _tensor_argument(body: _Body, value: ir.Expr) -> ir.Expr:
+    """A constant passed to a TF function (`tf.maximum(0, A)`) as a tensor of the inputs'
+    dtype: TF would make a Python number int32 or float32 in graph mode and under XLA."""
+    if ir.names_in(value):
+        return value
+    body.uses_dtype = True
+    return ir.Call("tf.cast", (value, ir.Var("dtype")))
+
+
+def _sum_of_squares(e: sp.Expr) -> bool:
+    """Whether a pointwise product is nonnegative by its form: positive constants and
+    sizes times even powers (every value is real)."""
+    for factor in sp.Mul.make_args(e):
+        if factor.is_positive:
+            continue
+        if isinstance(factor, sp.Pow) and factor.exp.is_integer and factor.exp.is_even:
+            continue
+        return False
+    return True
 
 
 def _preferred_letters(program: Program, backward: Backward) -> dict[Index, str]:
@@ -1234,6 +1388,18 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         and not step.target.startswith("_n_")
     )
     recompute = ir.prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
+    # Per output axis, the input axes whose sizes multiply to its size; (None, None) for
+    # an index sized by a range (from the spec, or inferred), which has no input axis.
+    output_axes = tuple(
+        tuple(
+            tuple(
+                lowerer.size_of[i] if isinstance(lowerer.size_of[i], tuple) else (None, None)
+                for i in group
+            )
+            for group in output.groups
+        )
+        for output in program.outputs
+    )
     return ir.Module(
         op=program.op,
         source=program.source,
@@ -1242,6 +1408,10 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         inputs=program.inputs,
         ranks=tuple(program.rank(n) for n in program.inputs),
         outputs=tuple(outputs),
+        output_axes=output_axes,
+        unsized_outputs=any(
+            source == (None, None) for axes in output_axes for group in axes for source in group
+        ),
         attrs=tuple(
             ir.Attr(name, kind, {"float": "float", "int": "int", "bool": "bool"}[kind])
             for name, kind in program.attrs

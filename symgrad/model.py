@@ -119,6 +119,25 @@ def tensor(name: str) -> sp.IndexedBase:
     return sp.IndexedBase(name, real=True)
 
 
+class ScalarAccess(sp.Indexed):
+    """A read of a rank-0 tensor: a sum over every index (`sum(w[k], k)` inside a
+    function). SymPy's `Indexed` needs an index; this one has none, and is otherwise an
+    access like any other (`.base`, `.indices == ()`, found by `atoms(sp.Indexed)`)."""
+
+    def __new__(cls, base, **kwargs):
+        obj = sp.Expr.__new__(cls, base)
+        obj._assumptions = base._assumptions.copy() if hasattr(base, "_assumptions") else {}
+        return obj
+
+    def _sympystr(self, printer) -> str:
+        return printer._print(self.base.label)
+
+
+def read(name: str, indices: tuple[Index, ...]) -> sp.Expr:
+    """`name[indices]`, or the rank-0 tensor `name` when there are no indices."""
+    return tensor(name)[indices] if indices else ScalarAccess(tensor(name))
+
+
 def size_of(index: Index) -> sp.Symbol:
     """The size of an index's dimension as a symbol (`|k|`), used by `mean`."""
     return sp.Symbol(f"|{index.name}|", positive=True)
@@ -302,6 +321,10 @@ class _Builder:
             return [Term(base**exponent, ())]
         if isinstance(node, Call):
             args = [self.pointwise(arg, scope) for arg in node.args]
+            value = fn.apply(node.function, args)
+            if log_space(value) != value:  # log(1 + exp(x)): one softplus, nothing nested
+                return [Term(value, ())]
+            args = [self.share_nested(arg, node, scope) for arg in args]
             return [Term(fn.apply(node.function, args), ())]
         raise AssertionError(f"unexpected node {node!r}")  # parse only builds the above
 
@@ -310,6 +333,24 @@ class _Builder:
         terms = self.factor(node, scope)
         written = [scope[name] for name in _written_indices(node) if name in scope]
         return self.as_pointwise(terms, list(dict.fromkeys(written)))
+
+    def share_nested(self, arg: sp.Expr, node: Call, scope: dict[str, Index]) -> sp.Expr:
+        """The argument of a function, as an intermediate when it holds a nonlinearity
+        of its own (`tanh(tanh(A) * B)`): the chain rule through nested functions
+        written out in one expression repeats every inner derivative once per outer
+        level (quadratic code and work in the depth); one level per nonlinearity keeps
+        reverse mode linear. Single functions stay fused with their gradient."""
+        logsumexps = {lv.name for lv in self.intermediates if lv.kind == "logsumexp"}
+
+        def nonlinear(f: sp.Function) -> bool:
+            read = {a.base.label.name for a in f.atoms(sp.Indexed)}
+            # exp(L) of a logsumexp L is how `sum(exp(u))` reads: `log` undoes it.
+            return bool(read) and not (isinstance(f, sp.exp) and read <= logsumexps)
+
+        if not any(nonlinear(f) for f in arg.atoms(sp.Function)):
+            return arg
+        written = [scope[name] for name in _written_indices(node) if name in scope]
+        return self.lift([Term(arg, ())], list(dict.fromkeys(written)))
 
     def as_pointwise(self, terms: list[Term], written: list[Index]) -> sp.Expr:
         """Terms as one pointwise expression: each summed term becomes an intermediate.
@@ -634,12 +675,7 @@ class _Builder:
             self.ranks[name] = len(free)
             self.by_key[key] = (level, tuple(canonical_free))
             indices = tuple(free)
-        if not indices:
-            raise self.fail(
-                "a sum inside a function must keep at least one free index "
-                "(a sum over every index is not supported inside functions)"
-            )
-        value = tensor(level.name)[indices]
+        value = read(level.name, indices)
         return sp.exp(value) if exp_sum else value
 
     # -- equations --------------------------------------------------------------------
@@ -688,8 +724,46 @@ def _number(value: Fraction) -> sp.Expr:
 
 def _simplify(expr: sp.Expr) -> sp.Expr:
     """Cheap canonical form: log of a positive product split (log(exp(L)/n) -> L - log n),
-    exp products combined (exp(a)*exp(-b) -> exp(a-b))."""
-    return sp.powsimp(sp.expand_log(expr), combine="exp")
+    exp products combined (exp(a)*exp(-b) -> exp(a-b)), sums of exponentials under a log
+    or in a denominator kept in log space (`log_space`)."""
+    return sp.powsimp(log_space(sp.expand_log(expr)), combine="exp")
+
+
+def log_space(expr: sp.Expr) -> sp.Expr:
+    """`a + c·exp(X)` (a, c positive constants) under a log or a negative power, rewritten
+    so that exp(X) is never formed: with `s = softplus(X + log(c/a)) + log(a)`,
+
+        log(a + c·exp(X)) = s        (a + c·exp(X)) ** -n = exp(-n·s)
+
+    A `sum(exp(u), k)` is `exp(L)` with L its logsumexp, so `log(1 + S)` is
+    `softplus(L)` and `exp(u) / (1 + S)` is `exp(u - softplus(L))`: finite wherever the
+    result is, where exp(L) itself would overflow.
+    """
+
+    def shifted(base: sp.Expr) -> sp.Expr | None:
+        if not isinstance(base, sp.Add):
+            return None
+        exponentials = [t for t in base.args if t.atoms(sp.Indexed)]
+        if len(exponentials) != 1:
+            return None
+        a = base - exponentials[0]
+        c, power = exponentials[0].as_independent(sp.exp, as_Add=False)
+        if not isinstance(power, sp.exp) or not (a.is_positive and c.is_positive):
+            return None
+        if c.atoms(sp.Indexed) or a.atoms(sp.Indexed):
+            return None
+        return fn.softplus(power.args[0] + sp.log(c / a)) + sp.log(a)
+
+    def rewrite(node: sp.Expr) -> sp.Expr:
+        if isinstance(node, sp.log):
+            stable = shifted(node.args[0])
+            return node if stable is None else stable
+        if isinstance(node, sp.Pow) and node.exp.is_negative:
+            stable = shifted(node.base)
+            return node if stable is None else sp.exp(node.exp * stable)
+        return node
+
+    return expr.replace(lambda n: isinstance(n, sp.log | sp.Pow), rewrite)
 
 
 def _count(n: int, noun: str) -> str:

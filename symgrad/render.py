@@ -49,8 +49,13 @@ def _precedence(e: ir.Expr) -> int:
     return ATOM
 
 
-def code(e: ir.Expr) -> str:
-    """Python source for an IR expression, with only the parentheses it needs."""
+def code(e: ir.Expr, in_module: bool = False) -> str:
+    """Python source for an IR expression, with only the parentheses it needs.
+
+    In a generated module an axis size is `_dim(X, k)`, the module's helper that reads a
+    static size as a Python int (no op to run eagerly); elsewhere (`symgrad explain`) it is
+    the self-contained `tf.shape(X)[k]`.
+    """
     if isinstance(e, ir.Lit):
         return e.text
     if isinstance(e, ir.Var):
@@ -58,6 +63,8 @@ def code(e: ir.Expr) -> str:
     if isinstance(e, ir.DType):
         return f"{e.tensor}.dtype"
     if isinstance(e, ir.AxisSize):
+        if in_module:
+            return f"_dim({e.tensor}, {e.axis})"
         return f"tf.shape({e.tensor})[{e.axis}]"
     if isinstance(e, ir.FloatSize):
         return f"tf.cast({e.size}, dtype)"
@@ -66,31 +73,33 @@ def code(e: ir.Expr) -> str:
     if isinstance(e, ir.Shape):
         return "[" + ", ".join(" * ".join(dim) for dim in e.dims) + "]"
     if isinstance(e, ir.Einsum):
-        operands = ", ".join(code(o) for o in e.operands)
+        operands = ", ".join(code(o, in_module) for o in e.operands)
         return f'tf.einsum("{e.subscripts}", {operands})'
     if isinstance(e, ir.Call):
-        parts = [code(a) for a in e.args] + [f"{k}={code(v)}" for k, v in e.keywords]
+        parts = [code(a, in_module) for a in e.args] + [
+            f"{k}={code(v, in_module)}" for k, v in e.keywords
+        ]
         return f"{e.function}({', '.join(parts)})"
     if isinstance(e, ir.View):
-        inner = code(e.operand)
+        inner = code(e.operand, in_module)
         if e.perm is not None:
             inner = f"tf.transpose({inner}, {list(e.perm)})"
-        elif _precedence(e.operand) < ATOM:
-            inner = f"({inner})"
-        slots = list(e.slots)
-        while slots and slots[-1] is not None:
-            slots.pop()
-        if not slots:
-            return inner
-        return f"{inner}[{', '.join(':' if s is not None else 'tf.newaxis' for s in slots)}]"
+        # New axes by tf.expand_dims, left to right: in eager mode `x[:, tf.newaxis]`
+        # costs several times as much (it builds begin/end/stride tensors each call).
+        for position, slot in enumerate(e.slots):
+            if slot is None:
+                inner = f"tf.expand_dims({inner}, {position})"
+        if e.perm is None and None not in e.slots and _precedence(e.operand) < ATOM:
+            inner = f"({inner})"  # nothing to do; never made by `lower.align`
+        return inner
     if isinstance(e, ir.Negate):
-        inner = code(e.operand)
+        inner = code(e.operand, in_module)
         return f"-{inner}" if _precedence(e.operand) > PRECEDENCE["neg"] else f"-({inner})"
     if isinstance(e, ir.Binary):
         if e.op == "*" and e.left == ir.Lit("-1"):
-            return code(ir.Negate(e.right))
+            return code(ir.Negate(e.right), in_module)
         mine = PRECEDENCE[e.op]
-        left, right = code(e.left), code(e.right)
+        left, right = code(e.left, in_module), code(e.right, in_module)
         left_prec, right_prec = _precedence(e.left), _precedence(e.right)
         if e.op == "**":
             if left_prec <= mine:
@@ -113,6 +122,10 @@ def _docstring_text(text: str) -> str:
     return text
 
 
+def _module_code(e: ir.Expr) -> str:
+    return code(e, in_module=True)
+
+
 def _pytuple(values) -> str:
     return repr(tuple(values))
 
@@ -131,7 +144,9 @@ def environment() -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # Python source, not HTML; strings go through `pyrepr`
     )
-    env.filters.update(code=code, pyrepr=repr, pytuple=_pytuple, reads=_reads, doc=_docstring_text)
+    env.filters.update(
+        code=_module_code, pyrepr=repr, pytuple=_pytuple, reads=_reads, doc=_docstring_text
+    )
     return env
 
 
@@ -151,8 +166,16 @@ def content_hash(body: str) -> str:
 def render(module: ir.Module) -> str:
     """The module's Python source, before formatting; its hash line is a placeholder."""
     shared = tuple((c.index, c.axes) for c in module.dim_checks)
+    # `vjp` runs the forward pass only when the backward reads an output or intermediate.
+    read = ir.names_read(module.backward)
     return (
         environment()
         .get_template("module.py.j2")
-        .render(m=module, content_hash="{content_hash}", shared_axes=repr(shared))
+        .render(
+            m=module,
+            content_hash="{content_hash}",
+            shared_axes=repr(shared),
+            output_axes=repr(module.output_axes),
+            vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
+        )
     )

@@ -12,6 +12,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import tensorflow as tf
@@ -100,15 +101,40 @@ def generate(case: Case, folder: Path, prefix: str = "Corpus"):
 
 
 class FakeOp:
-    """What TF hands a registered gradient: inputs, outputs, attrs."""
+    """What TF hands a registered gradient: the op's type and definition (the names of its
+    inputs, outputs and attrs), its input and output tensors, and its attr values.
 
-    def __init__(self, inputs, outputs, attrs):
+    The names default to the module's own; pass others to play a differently declared op.
+    """
+
+    def __init__(
+        self,
+        inputs,
+        outputs,
+        attrs,
+        module,
+        *,
+        input_names=None,
+        output_names=None,
+        attr_names=None,
+        op_type=None,
+    ):
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self._attrs = attrs
+        self.type = op_type or module.OP_TYPE
+        self.op_def = SimpleNamespace(
+            input_arg=_args(module.INPUTS if input_names is None else input_names),
+            output_arg=_args(module.OUTPUTS if output_names is None else output_names),
+            attr=_args(module.ATTRS if attr_names is None else attr_names),
+        )
 
     def get_attr(self, name):
         return self._attrs[name]
+
+
+def _args(names):
+    return [SimpleNamespace(name=n, number_attr="", type_list_attr="") for n in names]
 
 
 def make_tensors(case: Case, names, seed: int = 0, dtype=tf.float64) -> list:
@@ -189,7 +215,7 @@ def check(case: Case, module, seed: int = 0) -> None:
     compare(module.vjp(*tensors, *grads, **case.attrs), "vjp")
     outputs = module.forward(*tensors, **case.attrs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    fake = FakeOp(tensors, outputs, case.attrs)
+    fake = FakeOp(tensors, outputs, case.attrs, module)
     compare(module.gradient(fake, *grads), "registered gradient")
     with tf.GradientTape() as tape:
         tape.watch(floats)

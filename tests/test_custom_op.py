@@ -10,7 +10,10 @@ ops, ``BatchedMatMul`` and ``ScaledAdd``, *without* any gradient.  Importing
   reference (impossible without a registered gradient: TF raises
   ``LookupError: gradient registry has no entry for: BatchedMatMul``),
 * the function TF looks up and actually calls is the generated one,
-* the same holds in graph mode (``tf.function``).
+* the same holds in graph mode (``tf.function``),
+* the gradient matches the op's inputs and outputs to the formula's by name
+  (``WeightedSqErr``, ``SumAndProduct`` declare them in another order), and an op
+  whose names, attrs or counts do not fit the formula (``PlainAdd``) is a clear error.
 
 The library is compiled once per session into pytest's tmp dir (~9 s).
 """
@@ -18,6 +21,7 @@ The library is compiled once per session into pytest's tmp dir (~9 s).
 from __future__ import annotations
 
 import importlib
+import itertools
 import shutil
 import subprocess
 import sys
@@ -28,8 +32,11 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from harness import Case, load_module, op_spec
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import registry as tf_registry
+
+from symgrad.emit import module_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -37,6 +44,7 @@ if str(REPO_ROOT) not in sys.path:
 
 OP_SOURCE = Path(__file__).resolve().parent / "custom_op" / "symgrad_test_ops.cc"
 COMPILE_TIMEOUT_S = 600
+_modules = itertools.count()
 
 # Gradients of the C++ op (loop kernel + generated gradient) and of the TF
 # reference are computed with different summation orders; values are O(1).
@@ -315,3 +323,124 @@ def test_scaled_add_gradient_in_tf_function(op_lib, sa_mod, rng, monkeypatch):
     ga, gb = grads(a, b, w)
     _assert_close(ga, ALPHA * w)
     _assert_close(gb, w)
+
+
+# --------------------------------------------------------------------------- names, not positions
+
+
+def _module_for(op_type, formulas, folder, **case):
+    """A generated module registering the gradient of `op_type` (a C++ op in the library)."""
+    text = module_text(op_spec(Case(formulas, {}, **case), op_type), "test.toml")
+    return load_module(text, folder, f"symgrad_custom_{op_type.lower()}_{next(_modules)}")
+
+
+def _tape_and_graph(fn, *args):
+    """`fn(*args)` eagerly, then traced by tf.function (where the gradient sees a graph op)."""
+    return fn(*args), tf.function(fn)(*args)
+
+
+def test_gradient_matches_the_ops_input_order_by_name(op_lib, tmp_path, rng):
+    """INPUTS is (w, p, t) by first appearance; the C++ op declares p, t, w."""
+    module = _module_for("WeightedSqErr", "y[b] = w[b,i] * (p[b,i] - t[b,i])**2", tmp_path)
+    assert module.INPUTS == ("w", "p", "t")
+    p, t, w = (tf.constant(rng.standard_normal((3, 5))) for _ in range(3))
+    g = tf.constant(rng.standard_normal(3))
+
+    def grads(p, t, w):
+        with tf.GradientTape() as tape:
+            tape.watch([p, t, w])
+            y = op_lib.weighted_sq_err(p, t, w)
+        return tape.gradient(y, [p, t, w], output_gradients=g)
+
+    with tf.GradientTape() as tape:
+        tape.watch([p, t, w])
+        y_ref = tf.reduce_sum(w * (p - t) ** 2, axis=1)
+    want = tape.gradient(y_ref, [p, t, w], output_gradients=g)
+    for got in _tape_and_graph(grads, p, t, w):
+        for name, x, ref in zip("ptw", got, want, strict=True):
+            _assert_close(x, ref, err_msg=f"gradient of {name}")
+
+
+def test_gradient_matches_the_ops_output_order_by_name(op_lib, tmp_path, rng):
+    module = _module_for(
+        "SumAndProduct", ("y[b,i] = A[b,i] + B[b,i]", "z[b,i] = A[b,i] * B[b,i]"), tmp_path
+    )
+    assert module.OUTPUTS == ("y", "z")
+    a, b = (tf.constant(rng.standard_normal((2, 4))) for _ in range(2))
+    gz, gy = (tf.constant(rng.standard_normal((2, 4))) for _ in range(2))
+
+    def grads(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            z, y = op_lib.sum_and_product(a, b)
+        return tape.gradient([z, y], [a, b], output_gradients=[gz, gy])
+
+    for ga, gb in _tape_and_graph(grads, a, b):
+        _assert_close(ga, gy + gz * b)
+        _assert_close(gb, gy + gz * a)
+
+
+def _plain_add_gradient(op_lib):
+    x = tf.constant(np.arange(6.0).reshape(2, 3))
+    z = tf.constant(np.ones((2, 3)))
+
+    def grads(x, z):
+        with tf.GradientTape() as tape:
+            tape.watch([x, z])
+            out = op_lib.plain_add(x, z)
+        return tape.gradient(out, [x, z])
+
+    return grads, (x, z)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize(
+    ("formulas", "case", "message"),
+    [
+        (
+            "y[b,i] = A[b,i] + B[b,i]",
+            {},
+            (
+                r"PlainAdd: cannot match the inputs of op PlainAdd \('x', 'z'\) to the "
+                r"formula's \('A', 'B'\) by name \(ignoring case\); rename them in the op "
+                r"or the spec"
+            ),
+        ),
+        (
+            "out[b,i] = alpha * x[b,i] + z[b,i]",
+            {"attr_types": {"alpha": "float"}},
+            r"PlainAdd: op PlainAdd has no attr 'alpha' \(its attrs: T\)",
+        ),
+        (
+            "out[b,i] = x[b,i] + z[b,i] * c[b,i]",
+            {},
+            (
+                r"PlainAdd: op PlainAdd has 2 inputs \('x', 'z'\); the formula has 3 "
+                r"\('x', 'z', 'c'\)"
+            ),
+        ),
+        (
+            ("out[b,i] = x[b,i] + z[b,i]", "extra[b,i] = x[b,i] * z[b,i]"),
+            {},
+            r"PlainAdd: op PlainAdd has 1 outputs \('out',\); the formula has 2",
+        ),
+    ],
+    ids=["names", "attr", "inputs", "outputs"],
+)
+def test_an_op_that_does_not_fit_the_formula_is_a_clear_error(
+    op_lib, tmp_path, formulas, case, message, graph
+):
+    _module_for("PlainAdd", formulas, tmp_path, **case)
+    grads, args = _plain_add_gradient(op_lib)
+    with pytest.raises(ValueError, match=message):
+        (tf.function(grads) if graph else grads)(*args)
+
+
+def test_an_op_with_the_formulas_names_in_upper_case_order(op_lib, tmp_path):
+    """`Z` and `X` in the formula are the op's `z` and `x`: matched ignoring case."""
+    module = _module_for("PlainAdd", "out[b,i] = Z[b,i] * 2 + X[b,i]", tmp_path)
+    assert module.INPUTS == ("Z", "X")
+    grads, args = _plain_add_gradient(op_lib)
+    gx, gz = grads(*args)
+    np.testing.assert_array_equal(gx.numpy(), np.ones((2, 3)))  # x is X: d/dX = 1
+    np.testing.assert_array_equal(gz.numpy(), np.full((2, 3), 2.0))  # z is Z: d/dZ = 2

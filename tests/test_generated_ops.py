@@ -176,7 +176,7 @@ def test_generated_module_matches_tensorflow(name):
         tape.watch([x for x in inputs if x.dtype.is_floating])
         outs = reference(*inputs, **attrs)
     want = tape.gradient(outs, list(inputs), output_gradients=grads)
-    fake = FakeOp(inputs, got_out, attrs)
+    fake = FakeOp(inputs, got_out, attrs, module)
     for how, got in (
         ("vjp", module.vjp(*inputs, *grads, **attrs)),
         ("registered gradient", module.gradient(fake, *grads)),
@@ -268,7 +268,7 @@ def test_agrees_with_tensorflow_registered_gradient(name, tmp_path):
         tape.watch(inputs)
         out = tf_op(*inputs)
     want = tape.gradient(out, list(inputs), output_gradients=grad)
-    got = module.gradient(FakeOp(inputs, [module.forward(*inputs)], {}), grad)
+    got = module.gradient(FakeOp(inputs, [module.forward(*inputs)], {}, module), grad)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-10, atol=1e-12)
 
@@ -295,7 +295,7 @@ def test_several_outputs_none_grad_counts_as_zeros():
     A, B = rand(2, 3, 4), rand(2, 4, 5)
     y, z = module.forward(A, B)
     grad_y = rand(2, 3, 5)
-    fake = FakeOp((A, B), (y, z), {})
+    fake = FakeOp((A, B), (y, z), {}, module)
     only_y = module.gradient(fake, grad_y, None)
     with_zeros = module.gradient(fake, grad_y, tf.zeros_like(z))
     for g, w in zip(only_y, with_zeros, strict=True):

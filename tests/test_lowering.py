@@ -55,7 +55,7 @@ def test_softmax_lowers_to_one_fused_op_and_its_gradient_reads_the_output():
     assert any(line.endswith("= tf.nn.softmax(x, axis=-1)") for line in steps(module.forward))
     assert not any("reduce_logsumexp" in line for line in steps(module.forward))
     backward = "\n".join(steps(module.backward))
-    assert "tf.exp" not in backward and "softmax" not in backward
+    assert "tf.exp(" not in backward and "softmax" not in backward
     assert "* y" in backward
 
 
@@ -71,7 +71,7 @@ def test_logsumexp_keeps_its_softmax_for_the_gradient():
     ]
     assert module.saved == ("_f4",)
     assert steps(module.recompute) == ["_f4 = tf.nn.softmax(A, axis=-1)"]
-    assert steps(module.backward) == ["grad_A = _f4 * grad_y[:, :, tf.newaxis]"]
+    assert steps(module.backward) == ["grad_A = _f4 * tf.expand_dims(grad_y, 2)"]
 
 
 def test_a_logsumexp_inside_the_formula_stays_one_fused_op():

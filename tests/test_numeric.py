@@ -190,6 +190,56 @@ CORPUS = {
     "cancelling_sum": Case(
         "y[b,i] = A[b,i] * sum(B[b,k] / B[b,k], k)", {"A": (B, I), "B": (B, K)}, low=0.5, high=1.5
     ),
+    # -- sums of exponentials in log space (issue: never silently wrong, item 3) ---------
+    "log_one_plus_sum_exp": Case("y[b] = log(sum(exp(A[b,k]), k) + 1)", {"A": (B, K)}),
+    "softmax_with_extra_one": Case(
+        "y[b,i] = exp(A[b,i]) / (1 + sum(exp(A[b,k]), k))", {"A": (B, K)}
+    ),
+    "reciprocal_of_sum_exp": Case("y[b] = 1 / sum(exp(A[b,k]), k)", {"A": (B, K)}),
+    "softplus_written_out": Case("y[b] = log(1 + exp(A[b,k]))", {"A": (B, K)}),
+    "sigmoid_written_out_nested": Case("y[b,i] = tanh(1 / (1 + exp(A[b,i])))", {"A": (B, I)}),
+    "log_of_constants_and_mean_exp": Case(
+        "y[b] = log(2 + 3 * mean(exp(A[b,k]), k))", {"A": (B, K)}
+    ),
+    # -- centered expansions of squared distances (item 4) --------------------------------
+    "cross_sq_dist": Case(
+        "y[b,i,j] = sum((x[b,i,k] - z[b,j,k])**2, k)", {"x": (B, I, K), "z": (B, J, K)}
+    ),
+    "rbf_kernel": Case(
+        "y[b,i,j] = exp(-sum((x[b,i,k] - z[b,k,j])**2, k) / 2)",
+        {"x": (B, I, K), "z": (B, K, J)},
+        low=2.0,
+        high=3.0,
+    ),
+    "sq_dist_times_weight": Case(
+        "y[b,i,j] = sum((x[b,i,k] - x[b,j,k])**2 * w[k], k)", {"x": (B, I, K), "w": (K,)}
+    ),
+    # -- sums over every index inside a function: rank-0 intermediates (item 11) ---------
+    "divide_by_total": Case("y[b,i] = A[b,i] / sum(w[k], k)", {"A": (B, I), "w": (K,)}, low=0.5),
+    "unbatched_log_softmax": Case("y[i] = x[i] - log(sum(exp(x[k]), k))", {"x": (K,)}),
+    "exp_of_total": Case("y[b] = A[b] * exp(sum(w[k], k))", {"A": (B,), "w": (K,)}),
+    "total_over_batch_too": Case(
+        "y[b,i] = A[b,i] * tanh(sum(A[c,k] * w[k], c, k))", {"A": (B, K), "w": (K,)}
+    ),
+    "two_totals": Case(
+        "y[b] = sin(sum(w[k], k)) * A[b] + cos(sum(w[j] * w[j], j))", {"A": (B,), "w": (K,)}
+    ),
+    # -- nested nonlinearities, one intermediate per level (item 12) ---------------------
+    "tanh_chain": Case(
+        "y[b,i] = tanh(tanh(tanh(A[b,i]) * B1[b,i]) * B2[b,i]) * B3[b,i]",
+        {"A": (B, I), "B1": (B, I), "B2": (B, I), "B3": (B, I)},
+    ),
+    "max_chain": Case(
+        "y[b,i] = max(min(max(A[b,i], B1[b,i]), B2[b,i]), 0.5 * B3[b,i])",
+        {"A": (B, I), "B1": (B, I), "B2": (B, I), "B3": (B, I)},
+    ),
+    "nested_in_a_sum": Case(
+        "y[b,i] = sum(sin(cos(A[b,i,k]) * W[k,i]), k)", {"A": (B, I, K), "W": (K, I)}
+    ),
+    "nested_over_a_total": Case("y[b] = A[b] * exp(tanh(sum(w[k], k)))", {"A": (B,), "w": (K,)}),
+    "nested_broadcast": Case(
+        "y[b,i,j] = sigmoid(tanh(A[b,i]) * C[b,j])", {"A": (B, I), "C": (B, J)}
+    ),
 }
 
 

@@ -211,7 +211,7 @@ def test_registered_gradient_reuses_outputs_instead_of_recomputing():
         grad = tf.ones_like(outputs[0])
 
         def run(*xs, module=module):
-            return module.gradient(FakeOp(xs[:-2], xs[-2:-1], {}), xs[-1])
+            return module.gradient(FakeOp(xs[:-2], xs[-2:-1], {}, module), xs[-1])
 
         types = {op.type for op in _graph_ops(run, *inputs, *outputs, grad)}
         assert not types & banned, f"{name}: gradient recomputes {types & banned}"
@@ -253,7 +253,7 @@ def test_no_tensor_larger_than_the_largest_input_or_output(name):
 
     def run_gradient(*xs):  # the op's outputs come in from outside, as TF hands them over
         ins, outs = xs[:n], xs[n:]
-        return module.gradient(FakeOp(ins, outs, attrs), *[tf.ones_like(o) for o in outs])
+        return module.gradient(FakeOp(ins, outs, attrs, module), *[tf.ones_like(o) for o in outs])
 
     for fn, args in ((step, inputs), (run_gradient, (*inputs, *outputs))):
         for op in _graph_ops(fn, *args):
@@ -269,3 +269,31 @@ def test_diagonal_gradient_is_embedded_without_a_jacobian(tmp_path):
     grad = rand(2, 4)
     (got,) = module.vjp(A, grad)
     np.testing.assert_array_equal(got.numpy(), tf.linalg.diag(grad).numpy())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_scalar_intermediate_in_tf_function_with_unknown_dims(jit, tmp_path):
+    """A sum over every index inside a function is a rank-0 intermediate: it must work
+    with unknown dims and under XLA, and its gradient must reduce to each input's shape."""
+    case = Case("y[b,i] = A[b,i] / sum(w[k], k) + exp(sum(w[k] * w[k], k))", {})
+    module = generate(case, tmp_path, prefix="ScalarLevel")
+    spec_a, spec_w = tf.TensorSpec([None, None], tf.float64), tf.TensorSpec([None], tf.float64)
+
+    @tf.function(input_signature=[spec_a, spec_w], jit_compile=jit)
+    def loss_and_grads(A, w):
+        with tf.GradientTape() as tape:
+            tape.watch([A, w])
+            loss = tf.reduce_sum(module.forward(A, w) ** 2)
+        return loss, tape.gradient(loss, [A, w])
+
+    for shape_a, k in (((2, 3), 5), ((4, 1), 2)):
+        A, w = rand(*shape_a), tf.constant(RNG.uniform(0.5, 1.0, (k,)))
+        loss, grads = loss_and_grads(A, w)
+        with tf.GradientTape() as tape:
+            tape.watch([A, w])
+            ref = tf.reduce_sum((A / tf.reduce_sum(w) + tf.exp(tf.reduce_sum(w * w))) ** 2)
+        want = tape.gradient(ref, [A, w])
+        np.testing.assert_allclose(loss.numpy(), ref.numpy(), rtol=1e-12)
+        for g, wanted in zip(grads, want, strict=True):
+            assert g.shape == wanted.shape
+            np.testing.assert_allclose(g.numpy(), wanted.numpy(), rtol=1e-10, atol=1e-12)
