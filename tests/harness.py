@@ -40,6 +40,18 @@ class Case:
     rtol: float = 1e-9
     fd_tol: float = 1e-5
     finite_differences: bool = True
+    # Index ranges for the spec (index -> integer expression over int literals, int attrs
+    # and `X.shape[n]`), and, independently, the sizes the reference uses for indices that
+    # no input axis reads plainly. The two must agree; the test states both.
+    ranges: dict[str, str] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    # Integer index tensors: name -> (shape, low, high[, dtype]); values are drawn uniformly
+    # from [low, high), so a range wider than the indexed axis tests the zero rule. They
+    # are passed as int tensors and must get None as gradient everywhere.
+    index_inputs: dict[str, tuple] = field(default_factory=dict)
+    # Finite differences along this many random directions per input instead of the full
+    # Jacobian (which costs two forward calls per element: too slow for images).
+    fd_directions: int | None = None
 
     @property
     def equations(self) -> tuple[str, ...]:
@@ -60,7 +72,15 @@ def op_spec(case: Case, name: str) -> OpSpec:
         tuple(attr_types.items()),
         case.no_gradient,
         f"test [ops.{name}]",
+        ranges=tuple(case.ranges.items()),
     )
+
+
+def int_attrs(case: Case) -> frozenset[str]:
+    """The attrs of `case` that are ints in the spec (and so may appear in index
+    expressions)."""
+    types = dict(op_spec(case, "Probe").attrs)
+    return frozenset(a for a, kind in types.items() if kind == "int")
 
 
 def load_module(text: str, folder: Path, stem: str):
@@ -117,17 +137,40 @@ def _args(names):
     return [SimpleNamespace(name=n, number_attr="", type_list_attr="") for n in names]
 
 
-def make_inputs(case: Case, program, seed: int = 0, dtype=tf.float64):
+def make_tensors(case: Case, names, seed: int = 0, dtype=tf.float64) -> list:
+    """Random inputs in the order of `names`: floats in [low, high), index tensors as ints."""
     rng = np.random.default_rng(seed)
+    tensors = []
+    for name in names:
+        if name in case.index_inputs:
+            shape, low, high, *kind = case.index_inputs[name]
+            values = rng.integers(low, high, shape)
+            tensors.append(tf.constant(values, dtype=kind[0] if kind else tf.int32))
+        else:
+            tensors.append(
+                tf.constant(rng.uniform(case.low, case.high, case.shapes[name]), dtype=dtype)
+            )
+    return tensors
+
+
+def make_inputs(case: Case, program, seed: int = 0, dtype=tf.float64):
+    return make_tensors(case, program.inputs, seed, dtype)
+
+
+def reference(case: Case, named: dict) -> list:
+    """The reference outputs of `case` for inputs given by name."""
     return [
-        tf.constant(rng.uniform(case.low, case.high, case.shapes[name]), dtype=dtype)
-        for name in program.inputs
+        evaluate(f, named, case.attrs, sizes=case.sizes, int_attrs=int_attrs(case))
+        for f in case.equations
     ]
 
 
 def reference_outputs(case: Case, program, tensors):
-    named = dict(zip(program.inputs, tensors, strict=True))
-    return [evaluate(f, named, case.attrs) for f in case.equations]
+    return reference(case, dict(zip(program.inputs, tensors, strict=True)))
+
+
+def no_gradient(case: Case, name: str) -> bool:
+    return name in case.no_gradient or name in case.index_inputs
 
 
 def check(case: Case, module, seed: int = 0) -> None:
@@ -146,21 +189,24 @@ def check(case: Case, module, seed: int = 0) -> None:
 
     # Reference gradients by TF autodiff.
     grads = [tf.constant(rng.standard_normal(e.shape.as_list())) for e in expected]
+    floats = [t for n, t in zip(program.inputs, tensors, strict=True) if not no_gradient(case, n)]
     with tf.GradientTape(persistent=True) as tape:
-        tape.watch(tensors)
+        tape.watch(floats)
         outs = reference_outputs(case, program, tensors)
     want = tape.gradient(outs, tensors, output_gradients=grads)
 
     def compare(got_grads, how: str) -> None:
         assert len(got_grads) == len(tensors), how
         for name, g, w in zip(program.inputs, got_grads, want, strict=True):
-            if name in case.no_gradient:
+            if no_gradient(case, name):
                 assert g is None, f"{how}: {name} should get None"
                 continue
             w = np.zeros(tensors[program.inputs.index(name)].shape) if w is None else w
+            # A gather's gradient may be tf.IndexedSlices (TF's own Gather does that):
+            # compare its dense value.
             np.testing.assert_allclose(
-                np.asarray(g),
-                np.asarray(w),
+                np.asarray(tf.convert_to_tensor(g)),
+                np.asarray(tf.convert_to_tensor(w)),
                 rtol=case.rtol,
                 atol=1e-9,
                 err_msg=f"{how}: gradient of {name}",
@@ -172,11 +218,13 @@ def check(case: Case, module, seed: int = 0) -> None:
     fake = FakeOp(tensors, outputs, case.attrs, module)
     compare(module.gradient(fake, *grads), "registered gradient")
     with tf.GradientTape() as tape:
-        tape.watch(tensors)
+        tape.watch(floats)
         outs = module.forward(*tensors, **case.attrs)
         outs = outs if isinstance(outs, tuple) else (outs,)
         loss = tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
     taped = tape.gradient(loss, tensors)
+    # `no_gradient` float inputs are checked through vjp and gradient above; an index
+    # tensor is an int, and the tape must return None for it by itself.
     taped = [
         None if n in case.no_gradient else t for n, t in zip(program.inputs, taped, strict=True)
     ]
@@ -184,7 +232,7 @@ def check(case: Case, module, seed: int = 0) -> None:
 
     # Finite differences of the scalar <forward, grads>, one input at a time.
     for index, name in enumerate(program.inputs):
-        if name in case.no_gradient or not case.finite_differences:
+        if no_gradient(case, name) or not case.finite_differences:
             continue
 
         def scalar(x, index=index):
@@ -194,6 +242,9 @@ def check(case: Case, module, seed: int = 0) -> None:
             outs = outs if isinstance(outs, tuple) else (outs,)
             return tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
 
+        if case.fd_directions is not None:
+            _directional_differences(case, scalar, tensors[index], name, rng)
+            continue
         theoretical, numerical = tf.test.compute_gradient(scalar, [tensors[index]])
         np.testing.assert_allclose(
             theoretical[0],
@@ -201,4 +252,25 @@ def check(case: Case, module, seed: int = 0) -> None:
             rtol=case.fd_tol,
             atol=case.fd_tol,
             err_msg=f"finite differences: {name}",
+        )
+
+
+def _directional_differences(case: Case, scalar, x, name: str, rng, step: float = 1e-6):
+    """Central differences of `scalar` along random unit directions `v`, against
+    `<d scalar/dx, v>` from a tape over the generated forward (its registered gradient)."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        value = scalar(x)
+    gradient = tf.convert_to_tensor(tape.gradient(value, x)).numpy()
+    for _ in range(case.fd_directions):
+        v = rng.standard_normal(x.shape)
+        v /= np.linalg.norm(v)
+        shift = tf.constant(step * v, x.dtype)
+        numerical = (scalar(x + shift) - scalar(x - shift)).numpy() / (2 * step)
+        np.testing.assert_allclose(
+            np.sum(gradient * v),
+            numerical,
+            rtol=case.fd_tol,
+            atol=case.fd_tol,
+            err_msg=f"finite differences along a random direction: {name}",
         )

@@ -5,6 +5,14 @@ else: no canonical form, no lifting, no derivation, no einsum lowering. Every
 sub-expression is evaluated densely over all of its indices with broadcasting, and sums
 are `tf.reduce_sum` over axes -- slow and memory-hungry, obviously right. TF autodiff over
 it is the gradient reference.
+
+Index expressions are evaluated the same way: a position such as `2*i + k - 1` or
+`idx[b, n] + k` is an integer tensor over the grid of the indices it uses (`tf.range` per
+index), the input is read there with `tf.gather_nd` after clipping, and reads outside the
+input are masked to zero. Conditions are boolean tensors over their indices, `where` is
+`tf.where` (select), and `max`/`min` over indices are `tf.reduce_max`/`tf.reduce_min`, so
+TF's autodiff splits the gradient of ties equally. Indices that no input axis reads plainly
+take their sizes from the caller (`sizes=`); nothing evaluates the spec's `ranges`.
 """
 
 from __future__ import annotations
@@ -13,7 +21,21 @@ import math
 
 import tensorflow as tf
 
-from symgrad.parse import Access, AttrRef, BinOp, Call, Constant, Neg, Num, Reduce, parse_equation
+from symgrad.parse import (
+    Access,
+    AttrRef,
+    BinOp,
+    Call,
+    Compare,
+    Constant,
+    IndexRef,
+    Logic,
+    Neg,
+    Num,
+    Reduce,
+    Where,
+    parse_equation,
+)
 
 FUNCTIONS = {
     "exp": tf.exp,
@@ -42,14 +64,14 @@ class Dense:
         self.labels = tuple(labels)
 
 
-def _to(value: Dense, labels, sizes) -> tf.Tensor:
+def _to(value: Dense, labels) -> tf.Tensor:
     """Transpose and expand `value` so it broadcasts over `labels`."""
     present = [label for label in labels if label in value.labels]
     tensor = value.tensor
     if value.labels:
         perm = [value.labels.index(label) for label in present]
         tensor = tf.transpose(tensor, perm)
-    shape = [sizes[label] if label in value.labels else 1 for label in labels]
+    shape = [tensor.shape[present.index(label)] if label in value.labels else 1 for label in labels]
     return tf.reshape(tensor, shape) if labels else tensor
 
 
@@ -65,20 +87,47 @@ def _sum_over(value: Dense, indices, sizes) -> Dense:
     return Dense(tensor, labels)
 
 
+COMPARE = {
+    "<": tf.less,
+    "<=": tf.less_equal,
+    ">": tf.greater,
+    ">=": tf.greater_equal,
+    "==": tf.equal,
+    "!=": tf.not_equal,
+}
+
+
 class Evaluator:
-    def __init__(self, inputs: dict, attrs: dict, dtype):
+    def __init__(self, inputs: dict, attrs: dict, dtype, sizes: dict | None = None):
         self.inputs = inputs
         self.attrs = attrs
         self.dtype = dtype
-        self.sizes: dict[str, int] = {}
+        # Sizes given by the caller win; the rest come from plain uses of input axes.
+        self.sizes: dict[str, int] = dict(sizes or {})
+        self.given = frozenset(self.sizes)
+        # Names that separate sums bind with different sizes (`sum(A[b,k], k) *
+        # sum(B[b,k], k)`): fine for plain reads and sums, which see the axes themselves,
+        # but no grid can be built for them.
+        self.ambiguous: set[str] = set()
 
     def learn_sizes(self, node) -> None:
         if isinstance(node, Access):
             shape = self.inputs[node.tensor].shape
-            for axis, index in enumerate(node.indices):
-                self.sizes.setdefault(index, int(shape[axis]))
+            for axis, position in enumerate(node.positions):
+                if isinstance(position, IndexRef):
+                    size = self.sizes.setdefault(position.name, int(shape[axis]))
+                    if size != int(shape[axis]) and position.name not in self.given:
+                        self.ambiguous.add(position.name)
+            for lookup in node.lookups:
+                self.learn_sizes(lookup)
         for child in _children(node):
             self.learn_sizes(child)
+
+    def size(self, index: str) -> int:
+        assert index not in self.ambiguous, f"reference: index {index!r} has several sizes"
+        if index not in self.sizes:
+            raise KeyError(f"reference: index {index!r} needs a size (sizes={{...}})")
+        return self.sizes[index]
 
     def scope(self, node, free: frozenset) -> Dense:
         """A scope (right side, or a sum's body): implicit sums per additive part."""
@@ -94,7 +143,77 @@ class Evaluator:
 
     def combine(self, left: Dense, right: Dense, op) -> Dense:
         labels = tuple(dict.fromkeys((*left.labels, *right.labels)))
-        return Dense(op(_to(left, labels, self.sizes), _to(right, labels, self.sizes)), labels)
+        return Dense(op(_to(left, labels), _to(right, labels)), labels)
+
+    def grid(self, value: Dense, labels) -> tf.Tensor:
+        """`value` broadcast to the full grid of `labels`."""
+        return tf.broadcast_to(_to(value, labels), [self.size(i) for i in labels])
+
+    # -- index expressions: int64 tensors over the indices they use -----------------
+
+    def position(self, node) -> Dense:
+        if isinstance(node, IndexRef):
+            return Dense(tf.range(self.size(node.name), dtype=tf.int64), (node.name,))
+        if isinstance(node, Num):
+            assert node.value.denominator == 1, node
+            return Dense(tf.constant(int(node.value), tf.int64), ())
+        if isinstance(node, AttrRef):
+            value = self.attrs[node.name]
+            assert isinstance(value, int) and not isinstance(value, bool), node.name
+            return Dense(tf.constant(value, tf.int64), ())
+        if isinstance(node, Neg):
+            inner = self.position(node.operand)
+            return Dense(-inner.tensor, inner.labels)
+        if isinstance(node, BinOp):
+            ops = {"+": tf.add, "-": tf.subtract, "*": tf.multiply}
+            return self.combine(self.position(node.left), self.position(node.right), ops[node.op])
+        if isinstance(node, Access):  # an integer index tensor, read at plain indices
+            value = self.read(node)
+            assert value.tensor.dtype.is_integer, f"{node.tensor} is not an integer tensor"
+            return Dense(tf.cast(value.tensor, tf.int64), value.labels)
+        raise TypeError(node)
+
+    def read(self, node: Access) -> Dense:
+        """`X[positions]` over the grid of the indices the positions use; zero outside X."""
+        tensor = self.inputs[node.tensor]
+        if node.plain and len(set(node.indices)) == len(node.indices):
+            return Dense(tensor, node.indices)
+        labels = tuple(dict.fromkeys(node.indices))
+        coords = []
+        inside = tf.ones([self.size(i) for i in labels], tf.bool)
+        for axis, position in enumerate(node.positions):
+            where = self.grid(self.position(position), labels)
+            dim = int(tensor.shape[axis])
+            inside = inside & (where >= 0) & (where < dim)
+            coords.append(tf.clip_by_value(where, 0, max(dim - 1, 0)))
+        values = tf.gather_nd(tensor, tf.stack(coords, axis=-1))
+        return Dense(tf.where(inside, values, tf.zeros_like(values)), labels)
+
+    # -- conditions: bool tensors over their indices ------------------------------
+
+    def condition(self, node, free: frozenset) -> Dense:
+        if isinstance(node, Logic):
+            parts = [self.condition(a, free) for a in node.args]
+            if node.op == "not":
+                return Dense(tf.logical_not(parts[0].tensor), parts[0].labels)
+            op = tf.logical_and if node.op == "and" else tf.logical_or
+            result = parts[0]
+            for part in parts[1:]:
+                result = self.combine(result, part, op)
+            return result
+        if isinstance(node, Compare):
+            if node.on_indices:
+                operands = [self.position(o) for o in node.operands]
+            else:
+                operands = [self.value(o, free) for o in node.operands]
+            result = None
+            for op, left, right in zip(node.ops, operands, operands[1:], strict=False):
+                link = self.combine(left, right, COMPARE[op])
+                result = link if result is None else self.combine(result, link, tf.logical_and)
+            return result
+        raise TypeError(node)
+
+    # -- values ---------------------------------------------------------------------
 
     def value(self, node, free: frozenset) -> Dense:
         if isinstance(node, Num):
@@ -104,14 +223,7 @@ class Evaluator:
         if isinstance(node, AttrRef):
             return Dense(tf.constant(float(self.attrs[node.name]), self.dtype), ())
         if isinstance(node, Access):
-            tensor = self.inputs[node.tensor]
-            labels = node.indices
-            if len(set(labels)) != len(labels):  # a diagonal: gather it element by element
-                unique = tuple(dict.fromkeys(labels))
-                grids = tf.meshgrid(*[tf.range(self.sizes[u]) for u in unique], indexing="ij")
-                coords = tf.stack([grids[unique.index(label)] for label in labels], axis=-1)
-                return Dense(tf.gather_nd(tensor, coords), unique)
-            return Dense(tensor, labels)
+            return self.read(node)
         if isinstance(node, Neg):
             inner = self.value(node.operand, free)
             return Dense(-inner.tensor, inner.labels)
@@ -127,8 +239,25 @@ class Evaluator:
             if len(args) == 1:
                 return Dense(FUNCTIONS[node.function](args[0].tensor), args[0].labels)
             return self.combine(args[0], args[1], FUNCTIONS[node.function])
+        if isinstance(node, Where):
+            cond = self.condition(node.cond, free)
+            then = self.value(node.then, free)
+            otherwise = self.value(node.otherwise, free)
+            labels = tuple(dict.fromkeys((*cond.labels, *then.labels, *otherwise.labels)))
+            return Dense(
+                tf.where(
+                    self.grid(cond, labels), self.grid(then, labels), self.grid(otherwise, labels)
+                ),
+                labels,
+            )
         if isinstance(node, Reduce):
             body = self.scope(node.body, free | set(node.indices))
+            if node.kind in ("max", "min"):
+                # An index the body does not depend on changes nothing in an extremum.
+                axes = [body.labels.index(i) for i in node.indices if i in body.labels]
+                reduce = tf.reduce_max if node.kind == "max" else tf.reduce_min
+                labels = [label for label in body.labels if label not in node.indices]
+                return Dense(reduce(body.tensor, axis=axes), labels) if axes else body
             summed = _sum_over(body, node.indices, self.sizes)
             if node.kind == "mean":
                 count = math.prod(self.sizes[i] for i in node.indices)
@@ -146,6 +275,12 @@ def _children(node):
         return list(node.args)
     if isinstance(node, Reduce):
         return [node.body]
+    if isinstance(node, Where):
+        return [node.cond, node.then, node.otherwise]
+    if isinstance(node, Compare):
+        return list(node.operands)
+    if isinstance(node, Logic):
+        return list(node.args)
     return []
 
 
@@ -160,8 +295,9 @@ def _additive_parts(node, sign):
 
 def _loose(node, free, bound=frozenset()) -> set:
     """Indices used in `node` that neither the scope nor an inner sum binds."""
-    if isinstance(node, Access):
-        return {i for i in node.indices if i not in free and i not in bound}
+    if isinstance(node, Access | IndexRef):
+        names = node.indices if isinstance(node, Access) else (node.name,)
+        return {i for i in names if i not in free and i not in bound}
     if isinstance(node, Reduce):
         return _loose(node.body, free, bound | set(node.indices))
     found = set()
@@ -170,16 +306,31 @@ def _loose(node, free, bound=frozenset()) -> set:
     return found
 
 
-def evaluate(formula: str, inputs: dict, attrs: dict | None = None):
-    """The output of one equation, densely evaluated (composite axes row-major)."""
+def evaluate(
+    formula: str,
+    inputs: dict,
+    attrs: dict | None = None,
+    *,
+    sizes: dict[str, int] | None = None,
+    int_attrs: frozenset[str] | None = None,
+):
+    """The output of one equation, densely evaluated (composite axes row-major).
+
+    `sizes` gives the size of each index that no input axis reads plainly (a window offset,
+    an output position of a strided access, ...). `int_attrs` are the attrs that may appear
+    in index expressions; by default those whose value is a Python int.
+    """
     attrs = attrs or {}
-    equation = parse_equation(formula, frozenset(attrs))
-    dtype = next(iter(inputs.values())).dtype
-    evaluator = Evaluator(inputs, attrs, dtype)
+    if int_attrs is None:
+        int_attrs = frozenset(
+            a for a, v in attrs.items() if isinstance(v, int) and not isinstance(v, bool)
+        )
+    equation = parse_equation(formula, frozenset(attrs), frozenset(int_attrs))
+    dtype = next(t.dtype for t in inputs.values() if t.dtype.is_floating)
+    evaluator = Evaluator(inputs, attrs, dtype, sizes)
     evaluator.learn_sizes(equation.rhs)
     out = equation.output_indices
     value = evaluator.scope(equation.rhs, frozenset(out))
-    tensor = _to(value, out, evaluator.sizes)
-    tensor = tf.broadcast_to(tensor, [evaluator.sizes[i] for i in out])
-    shape = [math.prod(evaluator.sizes[i] for i in group) for group in equation.groups]
+    tensor = evaluator.grid(value, out)
+    shape = [math.prod(evaluator.size(i) for i in group) for group in equation.groups]
     return tf.reshape(tensor, shape)
