@@ -199,7 +199,8 @@ class _Builder:
         self.value_inputs: dict[str, int] = {}  # read as values -> column
         # Reads at computed positions: (position, source, axis), for inferring ranges.
         self.reads: list[tuple[sp.Expr, str, int]] = []
-        self.index_uses: dict[Index, int] = {}  # indices used at computed positions -> col
+        # Indices used at computed positions -> (formula, column) of the first use.
+        self.index_uses: dict[Index, tuple[str, int]] = {}
 
     # -- errors -----------------------------------------------------------------------
 
@@ -245,9 +246,7 @@ class _Builder:
                     if index not in scope and index not in bound:
                         found.setdefault(index, None)
             elif isinstance(n, Where):
-                for index in _condition_indices(n.cond):
-                    if index not in scope and index not in bound:
-                        found.setdefault(index, None)
+                walk_condition(n.cond, bound)
                 walk(n.then, bound)
                 walk(n.otherwise, bound)
             elif isinstance(n, Reduce):
@@ -260,6 +259,18 @@ class _Builder:
             elif isinstance(n, Call):
                 for arg in n.args:
                     walk(arg, bound)
+
+        def walk_condition(c: Condition, bound: frozenset[str]) -> None:
+            if isinstance(c, Logic):
+                for arg in c.args:
+                    walk_condition(arg, bound)
+            elif c.on_indices:
+                for index in _index_expr_names_all(c.operands):
+                    if index not in scope and index not in bound:
+                        found.setdefault(index, None)
+            else:  # values: sums inside bind their own indices
+                for operand in c.operands:
+                    walk(operand, bound)
 
         walk(node, frozenset())
         return list(found)
@@ -466,7 +477,8 @@ class _Builder:
         """An index expression as SymPy: index symbols, int attrs, index-tensor reads."""
         if isinstance(node, IndexRef):
             symbol = scope[node.name]
-            self.index_uses.setdefault(symbol, node.col)
+            text = self.equation.text if self.equation else ""
+            self.index_uses.setdefault(symbol, (text, node.col))
             return symbol
         if isinstance(node, Num):
             return _number(node.value)
@@ -494,7 +506,7 @@ class _Builder:
         written = [scope[i] for i in node.indices]
         computed, grid = indexing.layout(positions, written)
         for axis, position in enumerate(positions):
-            if axis not in computed:  # a plain axis: its index takes the axis size
+            if indexing.is_plain(position):  # a plain index takes the axis size
                 self.add_dim(position, name, axis)
             elif not position.atoms(sp.Indexed):
                 self.reads.append((position, name, axis))
@@ -824,6 +836,10 @@ def _condition_indices(node: Condition) -> list[str]:
     return names
 
 
+def _index_expr_names_all(nodes) -> list[str]:
+    return [name for node in nodes for name in _index_expr_names(node)]
+
+
 def _index_expr_names(node: Node) -> list[str]:
     if isinstance(node, IndexRef):
         return [node.name]
@@ -1092,7 +1108,7 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
                 formula=exc.formula,
                 column=exc.column,
             ) from None
-        value = _range_expr(node, builder, name, fail)
+        value = sp.Max(0, _range_expr(node, builder, name, fail))  # a negative one: empty
         for symbol in symbols:
             if _base(symbol) != name:
                 continue
@@ -1134,10 +1150,14 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
     pending.sort(key=lambda symbol: symbol in output_indices)
     for symbol in pending:
         kind = "output index" if symbol in output_indices else "index"
-        raise fail(
+        text, col = builder.index_uses.get(symbol, (None, None))
+        raise SymgradError(
             f"{kind} {_base(symbol)!r} has no range: no input axis is read at it plainly"
             f"{'' if symbol in output_indices else ' and it is summed'}; give it one in "
-            f'`ranges`, e.g. ranges = {{ {_base(symbol)} = "A.shape[1]" }}'
+            f'`ranges`, e.g. ranges = {{ {_base(symbol)} = "A.shape[1]" }}',
+            where=op.source,
+            formula=text,
+            column=col,
         )
     return extents
 

@@ -382,11 +382,7 @@ SIBLINGS = {
 
 # Known gaps in the implementation, reported with their numbers; strict, so a fix shows up
 # as an unexpected pass and the mark goes.
-GAPS = {
-    "shifted_diagonal": "k is a plain index of A's axis 2, but is refused as having no range",
-    "where_sum_inside_condition": "a sum inside a value condition finds no range for k",
-    "where_max_inside_condition": "a max inside a value condition finds no range for k",
-}
+GAPS: dict[str, str] = {}  # sibling -> why it is not supported yet (a strict xfail)
 
 
 @pytest.mark.parametrize(
@@ -463,7 +459,6 @@ def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0]
 
 
-@pytest.mark.xfail(strict=True, reason="tf.range's own message: 'Requires start <= limit'")
 def test_a_range_below_zero_at_call_time_is_empty_or_named(tmp_path):
     """`ranges = { i = "x.shape[1] - 8" }` on a length-6 input: an empty output (like the
     default ranges, which are at least 0) or an error that names the index, not a
