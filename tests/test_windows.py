@@ -129,3 +129,51 @@ def test_convolution_under_tf_function_with_unknown_dims_and_under_xla():
         np.testing.assert_allclose(y.numpy(), eager.numpy(), rtol=1e-12, atol=1e-12)
         for g, e in zip(grads, want, strict=True):
             np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def _functions(name: str) -> dict[str, str]:
+    """The source of each function of a repo module, by name."""
+    import ast
+
+    text = (ROOT / "generated" / f"{name}.py").read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    return {
+        node.name: ast.get_source_segment(text, node)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+    }
+
+
+def test_convolutions_are_tensorflows_kernels():
+    conv = _functions("conv2d_same")
+    assert "tf.nn.convolution(" in conv["_compute"]
+    assert "Conv2DBackpropInput" in conv["_backward"]
+    assert "Conv2DBackpropFilter" in conv["_backward"]
+    for body in (conv["_compute"], conv["_backward"]):
+        assert "tf.gather" not in body and "unsorted_segment_sum" not in body
+    dilated = _functions("strided_conv1d")  # d*k: TF's CPU backprop refuses dilations > 1
+    assert "tf.gather(" in dilated["_compute"] and "tf.nn.convolution" not in dilated["_compute"]
+
+
+def test_max_pool_is_a_reshape():
+    pool = _functions("max_pool2x2")
+    for body in (pool["_compute"], pool["_backward"]):
+        assert "tf.reshape(" in body
+        assert "tf.gather" not in body and "unsorted_segment_sum" not in body
+        assert "tf.tile" not in body  # its rank-6 broadcasts merge into 5 groups
+
+
+def test_prefix_sums_are_cumsum():
+    prefix = _functions("prefix_sum")
+    assert "tf.cumsum(x, axis=1)" in prefix["_compute"]
+    assert "tf.cumsum(grad_y, axis=1, reverse=True)" in prefix["_backward"]
+    assert "tf.range" not in prefix["_compute"] + prefix["_backward"]
+
+
+def test_the_registered_gradient_of_a_lookup_is_sparse():
+    module = importlib.import_module("generated.embedding_lookup")
+    W, ids = rand(6, 3), tf.constant([[0, 5, 2]], tf.int32)
+    y = module.forward(W, ids)
+    grad_W, grad_ids = module.gradient(FakeOp([W, ids], [y], {}, module), tf.ones_like(y))
+    assert isinstance(grad_W, tf.IndexedSlices) and grad_ids is None
+    np.testing.assert_array_equal(tf.convert_to_tensor(grad_W).numpy()[:, 0], [1, 0, 1, 0, 0, 1])
