@@ -24,6 +24,7 @@ Run from anywhere:  .venv/bin/python benchmarks/run.py  [--budget S] [--ops A,B]
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -136,6 +137,35 @@ def cases(tf):
     def pair_broadcast(x):
         return tf.reduce_sum(tf.square(x[:, :, None, :] - x[:, None, :, :]), axis=3)
 
+    def causal_softmax(A):
+        n = A.shape[-1]
+        keep = tf.linalg.band_part(tf.ones((n, n), tf.bool), -1, 0)
+        return tf.nn.softmax(tf.where(keep, A, tf.constant(-float("inf"), A.dtype)), axis=-1)
+
+    def chamfer_expanded(x, z):
+        d = (
+            tf.reduce_sum(tf.square(x), 2)[:, :, None]
+            + tf.reduce_sum(tf.square(z), 2)[:, None, :]
+            - 2 * tf.einsum("bic,bjc->bij", x, z)
+        )
+        return tf.reduce_min(d, axis=2)
+
+    def correlation(f1, f2, r):
+        """FlowNet's cost volume: pad f2, stack the (2r+1)^2 shifted products."""
+        padded = tf.pad(f2, [[0, 0], [r, r], [r, r], [0, 0]])
+        h, w = f1.shape[1], f1.shape[2]
+        rows = [
+            tf.stack(
+                [
+                    tf.reduce_mean(f1 * padded[:, u : u + h, v : v + w, :], axis=-1)
+                    for v in range(2 * r + 1)
+                ],
+                axis=-1,
+            )
+            for u in range(2 * r + 1)
+        ]
+        return tf.stack(rows, axis=-2)
+
     e = tf.einsum
     mm = tf.linalg.matmul
     return {
@@ -207,6 +237,42 @@ def cases(tf):
             "module": "bench_layer_norm",
             "inputs": [((4096, 1024), 1)],
             "refs": {"reduce_mean": layer_norm, "tf.nn.moments": layer_norm_moments},
+        },
+        "BenchConv2d": {
+            "module": "bench_conv2d",
+            "inputs": [((32, 64, 64, 32), 1), ((3, 3, 32, 32), 0.1)],
+            "refs": {"tf.nn.conv2d SAME": lambda x, w: tf.nn.conv2d(x, w, 1, "SAME")},
+        },
+        "BenchMaxPool": {
+            "module": "bench_max_pool",
+            "inputs": [((32, 64, 64, 32), 1)],
+            "refs": {"tf.nn.max_pool2d": lambda x: tf.nn.max_pool2d(x, 2, 2, "VALID")},
+        },
+        "BenchEmbedding": {
+            "module": "bench_embedding",
+            "inputs": [((20000, 128), 1), ("int", (64, 256), 20000)],
+            "refs": {"tf.gather": lambda W, ids: tf.gather(W, ids)},
+        },
+        "BenchCausalSoftmax": {
+            "module": "bench_causal_softmax",
+            "inputs": [((32, 256, 256), 4)],
+            "refs": {"masked tf.nn.softmax": causal_softmax},
+        },
+        "BenchChamfer": {
+            "module": "bench_chamfer",
+            "inputs": [((4, 1024, 3), 1), ((4, 1024, 3), 1)],
+            "refs": {"expanded + reduce_min": chamfer_expanded},
+        },
+        "BenchCorrelation": {
+            "module": "bench_correlation",
+            "inputs": [((4, 32, 32, 64), 1), ((4, 32, 32, 64), 1)],
+            "attrs": {"r": 4},
+            "refs": {"pad and stack": correlation},
+        },
+        "BenchPrefixSum": {
+            "module": "bench_prefix_sum",
+            "inputs": [((64, 2048), 1)],
+            "refs": {"tf.cumsum": lambda x: tf.cumsum(x, axis=1)},
         },
     }, rn
 
@@ -304,6 +370,7 @@ def peak_bytes(tf, f, args, repeats=3):
 def max_rel_err(tf, got, want):
     worst = 0.0
     for g, w in zip(got, want, strict=True):
+        g, w = tf.convert_to_tensor(g), tf.convert_to_tensor(w)  # gathers: IndexedSlices
         scale = float(tf.reduce_max(tf.abs(w))) or 1.0
         worst = max(worst, float(tf.reduce_max(tf.abs(g - w))) / scale)
     return worst
@@ -316,9 +383,17 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
         sets[label] = load_module(case["module"], folder)
     assert sets["gen"].OP_TYPE == name, (sets["gen"].OP_TYPE, name)
     tf.random.set_seed(zlib.crc32(name.encode()))
-    xs = [rn(shape, scale) for shape, scale in case["inputs"]]
+
+    def make(spec):  # (shape, scale) for values, ("int", shape, high) for index tensors
+        if spec[0] == "int":
+            return tf.random.uniform(spec[1], 0, spec[2], dtype=tf.int32)
+        return rn(*spec)
+
+    xs = [make(spec) for spec in case["inputs"]]
     n = len(xs)
-    refs = case["refs"]
+    floats = [k for k, x in enumerate(xs) if x.dtype.is_floating]  # get gradients
+    attrs = case.get("attrs", {})
+    refs = {r: functools.partial(f, **attrs) for r, f in case["refs"].items()}
     primary = next(iter(refs))
     ref0 = refs[primary]
     y0 = ref0(*xs)
@@ -327,10 +402,11 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
     def tape_step(fwd):
         def step(*args):
             inputs, g = args[:n], args[n]
+            watched = [inputs[k] for k in floats]
             with tf.GradientTape() as tape:
-                tape.watch(inputs)
+                tape.watch(watched)
                 y = fwd(*inputs)
-            return y, tape.gradient(y, inputs, output_gradients=g)
+            return y, tape.gradient(y, watched, output_gradients=g)
 
         return step
 
@@ -338,14 +414,16 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
         def run(*args):
             inputs, g = args[:n], args[n]
             y = ref0(*inputs)
-            return y, mod.gradient(FakeOp(mod, inputs, [y]), g)
+            grads = mod.gradient(FakeOp(mod, inputs, [y], attrs), g)
+            return y, [grads[k] for k in floats]
 
         return run
 
     def grad_alone(mod):
         def run(*args):
             inputs, y, g = args[:n], args[n], args[n + 1]
-            return mod.gradient(FakeOp(mod, inputs, [y]), g)
+            grads = mod.gradient(FakeOp(mod, inputs, [y], attrs), g)
+            return [grads[k] for k in floats]
 
         return run
 
@@ -355,17 +433,19 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
         fns[f"tf_fwd:{r}"], args[f"tf_fwd:{r}"] = fn(ref), xs
         fns[f"tf_step:{r}"], args[f"tf_step:{r}"] = fn(tape_step(ref)), (*xs, G)
     for label, mod in sets.items():
+        forward = functools.partial(mod.forward, **attrs)
         fns[f"reg@{label}"], args[f"reg@{label}"] = fn(registered(mod)), (*xs, G)
         fns[f"grad@{label}"], args[f"grad@{label}"] = fn(grad_alone(mod)), (*xs, y0, G)
-        fns[f"step@{label}"], args[f"step@{label}"] = fn(tape_step(mod.forward)), (*xs, G)
-    fns["fwd@gen"], args["fwd@gen"] = fn(sets["gen"].forward), xs
+        fns[f"step@{label}"], args[f"step@{label}"] = fn(tape_step(forward)), (*xs, G)
+    fns["fwd@gen"], args["fwd@gen"] = fn(functools.partial(sets["gen"].forward, **attrs)), xs
     # Eager training steps (no tf.function): Python and per-op dispatch costs show here.
     fns["eager_step:tf"], args["eager_step:tf"] = tape_step(ref0), (*xs, G)
     for label, mod in sets.items():
-        fns[f"eager_step@{label}"] = tape_step(mod.forward)
+        fns[f"eager_step@{label}"] = tape_step(functools.partial(mod.forward, **attrs))
         args[f"eager_step@{label}"] = (*xs, G)
     if jit:
-        fns["xla_step@gen"] = fn(tape_step(sets["gen"].forward), jit_compile=True)
+        gen_forward = functools.partial(sets["gen"].forward, **attrs)
+        fns["xla_step@gen"] = fn(tape_step(gen_forward), jit_compile=True)
         fns["xla_step:tf"] = fn(tape_step(ref0), jit_compile=True)
         args["xla_step@gen"] = args["xla_step:tf"] = (*xs, G)
 
@@ -414,7 +494,7 @@ def bench_op(tf, name, case, rn, budget_s, jit, tol, compare=()):
         "primary_ref": primary,
         "reps": reps,
         "max_rel_err": errors,
-        "shapes": [list(s) for s, _ in case["inputs"]],
+        "shapes": [list(spec[1] if spec[0] == "int" else spec[0]) for spec in case["inputs"]],
         "output_shape": list(y0.shape),
         "recomputes": case.get("recomputes", ""),
         "tf": {

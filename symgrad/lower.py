@@ -129,6 +129,9 @@ class Lowerer:
         self.preferred = _preferred_letters(program, self.backward)
         # Gathers that are exactly a convolution with the one term reading them.
         self.convolutions = patterns.convolutions(program)
+        # Set while lowering the operands of one elementwise op whose broadcast patterns
+        # TF merges into few enough groups: no operand needs tiling.
+        self.broadcast_safe = False
         self.is_output: set[str] = {o.level.name for o in program.outputs}
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
@@ -192,6 +195,8 @@ class Lowerer:
         aligned = align(operand, labels, target)
         if len(target) <= MAX_BROADCAST_RANK or not labels or set(labels) >= set(target):
             return aligned
+        if self.broadcast_safe:  # the operands of this op merge into few enough groups
+            return aligned
         order = tuple(i for i in target if i in labels)
         perm = None if order == labels else tuple(labels.index(i) for i in order)
         slots = tuple(order.index(i) if i in order else None for i in target)
@@ -202,6 +207,16 @@ class Lowerer:
 
     def expr(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         """A pointwise SymPy expression as TF code over the axes `target`."""
+        if len(target) > MAX_BROADCAST_RANK and len(e.args) > 1 and not isinstance(e, sp.Indexed):
+            before = self.broadcast_safe
+            self.broadcast_safe = _merged_groups(e.args, target) <= MAX_BROADCAST_RANK
+            try:
+                return self.pointwise(body, e, target)
+            finally:
+                self.broadcast_safe = before
+        return self.pointwise(body, e, target)
+
+    def pointwise(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         if isinstance(e, sp.Indexed):
             return self.access(body, e, target)
         if e.is_Integer:
@@ -999,9 +1014,43 @@ class Lowerer:
         """The sizes of the computed axes (their product is the number of rows read)."""
         return tuple(self.axis_size(body, gather.source, n) for n in gather.computed)
 
+    def blocks(self, level: Level):
+        """Non-overlapping windows: every computed axis read at `s*i + u` with u's range s
+        (`x[b, 2*i+u, 2*j+v, c]` with u, v < 2), in bounds, and laid out as (.., i, u, ..).
+        Such a gather is a slice and a reshape, its transpose a reshape and a pad: no index
+        arithmetic, gather or scatter-add. Returns [(axis, i, u, s)] or None."""
+        gather = level.gather
+        found = []
+        for axis, bounded in zip(gather.computed, gather.bounded, strict=True):
+            position = sp.expand(gather.positions[axis])
+            symbols = [x for x in position.free_symbols if indexing.is_plain(x)]
+            if not bounded or len(symbols) != 2 or position.atoms(sp.Indexed):
+                return None
+            for i, u in (symbols, symbols[::-1]):
+                stride = position.coeff(i)
+                if (
+                    stride.is_Integer
+                    and stride > 1
+                    and position.coeff(u) == 1
+                    and position - stride * i - u == 0
+                    and self.size_of.get(u) == stride
+                ):
+                    found.append((axis, i, u, int(stride)))
+                    break
+            else:
+                return None
+        inner = [x for _, i, u, _ in found for x in (i, u)]
+        start = level.indices.index(inner[0]) if inner[0] in level.indices else -1
+        if tuple(level.indices[start : start + len(inner)]) != tuple(inner):
+            return None
+        return found
+
     def gather(self, body: _Body, level: Level) -> ir.Expr:
         """`X` read at computed positions: one `tf.gather` (several computed axes are
         flattened into one first); reads out of bounds are zero."""
+        blocks = self.blocks(level)
+        if blocks is not None:
+            return self.gather_blocks(body, level, blocks)
         gather = level.gather
         computed = gather.computed
         rank = self.program.rank(gather.source)
@@ -1069,12 +1118,58 @@ class Lowerer:
         shape = ir.Call("tf.shape", (ir.Var(body.tensors[gather.source]),))
         return ir.Call("tf.IndexedSlices", (values, ids, shape))
 
+    def gather_blocks(self, body: _Body, level: Level, blocks) -> ir.Expr:
+        """x[:, :s*n_i, ..] reshaped to (.., n_i, s, ..)."""
+        gather = level.gather
+        rank = self.program.rank(gather.source)
+        by_axis = {axis: (i, stride) for axis, i, _, stride in blocks}
+        begin, size, shape = [], [], []
+        for n in range(rank):
+            begin.append(ir.Lit("0"))
+            if n in by_axis:
+                i, stride = by_axis[n]
+                count = self.index_size(body, i)
+                size.append(ir.Binary("*", ir.Lit(str(stride)), ir.Var(count)))
+                shape += [(count,), (str(stride),)]
+            else:
+                size.append(ir.Lit("-1"))
+                shape.append((self.axis_size(body, gather.source, n),))
+        window = ir.Call(
+            "tf.slice",
+            (ir.Var(body.tensors[gather.source]), ir.List(tuple(begin)), ir.List(tuple(size))),
+        )
+        return ir.Call("tf.reshape", (window, ir.Shape(tuple(shape))))
+
+    def scatter_blocks(self, body: _Body, level: Level, blocks) -> ir.Expr:
+        """The transpose of `gather_blocks`: reshape back, pad with zeros to x's size."""
+        gather = level.gather
+        rank = self.program.rank(gather.source)
+        by_axis = {axis: (i, stride) for axis, i, _, stride in blocks}
+        shape, paddings = [], []
+        for n in range(rank):
+            size = self.axis_size(body, gather.source, n)
+            if n in by_axis:
+                i, stride = by_axis[n]
+                count = self.index_size(body, i)
+                shape.append((str(stride), count))
+                used = ir.Binary("*", ir.Lit(str(stride)), ir.Var(count))
+                paddings.append(ir.List((ir.Lit("0"), ir.Binary("-", ir.Var(size), used))))
+            else:
+                shape.append((size,))
+                paddings.append(ir.List((ir.Lit("0"), ir.Lit("0"))))
+        grad = ir.Var(body.tensors[grad_name(level.name)])
+        window = ir.Var(body.bind(ir.Call("tf.reshape", (grad, ir.Shape(tuple(shape))))))
+        return ir.Call("tf.pad", (window, ir.List(tuple(paddings))))
+
     def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
         """The transpose of a gather: its gradient added back where it read (reads out of
         bounds add nothing), shaped like the source with axes `indices`."""
         if scatter.level in self.convolutions:
             return self.convolution_input_gradient(body, self.convolutions[scatter.level])
         level = self.levels[scatter.level]
+        blocks = self.blocks(level)
+        if blocks is not None:
+            return self.scatter_blocks(body, level, blocks)
         gather = level.gather
         computed = gather.computed
         rank = self.program.rank(gather.source)
@@ -1112,6 +1207,26 @@ class Lowerer:
             return self.gather(body, level)
         if level.kind in ("max", "min"):
             (term,) = level.terms
+            function = "tf.reduce_max" if level.kind == "max" else "tf.reduce_min"
+            read = term.expr
+            labels = tuple(read.indices) if isinstance(read, sp.Indexed) else ()
+            if (
+                labels
+                and len(set(labels)) == len(labels)
+                and set(labels)
+                == {
+                    *level.indices,
+                    *term.summed,
+                }
+            ):  # reduce in the tensor's own layout: no transpose
+                axes = [n for n, i in enumerate(labels) if i in term.summed]
+                value = ir.Call(
+                    function,
+                    (self.access(body, read, labels),),
+                    (("axis", ir.Lit(repr(axes))),),
+                )
+                kept = tuple(i for i in labels if i not in term.summed)
+                return align(ir.Var(body.bind(value)), kept, level.indices)
             order = (*level.indices, *term.summed)
             operand = self.expr(body, term.expr, order)
             if not _is_simple(operand):
@@ -1483,6 +1598,16 @@ def integer(e: sp.Expr) -> ir.Expr:
             result = ir.Binary("*", result, integer(factor))
         return result
     raise AssertionError(f"cannot lower the integer expression {e!r}")
+
+
+def _merged_groups(args, target: tuple[Index, ...]) -> int:
+    """How many axis groups TF's broadcasting sees for an elementwise op on `args` over
+    `target`: adjacent axes merge when every operand either has both or lacks both."""
+    patterns = [
+        tuple(i in present for i in target) for present in (_index_set(a) for a in args) if present
+    ]
+    states = list(zip(*patterns, strict=True)) if patterns else []
+    return 1 + sum(1 for a, b in itertools.pairwise(states) if a != b)
 
 
 def as_index_values(e: sp.Expr) -> sp.Expr:
