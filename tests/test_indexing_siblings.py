@@ -359,6 +359,56 @@ SIBLINGS = {
         {"W": (11, 5)},
         index_inputs={"ids": ((2, 3), -2, 13)},
     ),
+    # -- non-overlapping windows (a slice and a reshape) ------------------------------------
+    "pool_pairs": Case(
+        "y[b,i,c] = max(x[b, 2*i + u, c], u)",
+        {"x": (3, 11, 4)},
+        ranges={"u": "2"},
+        sizes={"u": 2, "i": 5},
+    ),
+    "pool_pairs_padded": Case(
+        "y[b,i,c] = max(x[b, 2*i + u - 1, c], u)",
+        {"x": (3, 11, 4)},
+        ranges={"u": "2", "i": "(x.shape[1] + 1) // 2"},
+        sizes={"u": 2, "i": 6},
+    ),
+    "pool_past_the_end": Case(
+        "y[b,i,c] = max(x[b, 3*i + u, c], u)",
+        {"x": (2, 13, 4)},
+        ranges={"u": "3", "i": "x.shape[1] // 3 + 1"},
+        sizes={"u": 3, "i": 5},
+    ),
+    "pool_sum": Case(
+        "y[b,i,c] = sum(x[b, 3*i + u, c], u)",
+        {"x": (2, 16, 4)},
+        ranges={"u": "3"},
+        sizes={"u": 3, "i": 5},
+    ),
+    "pool_mean_offset": Case(
+        "y[b,i,c] = mean(x[b, 3*i + u + 1, c], u)",
+        {"x": (2, 16, 4)},
+        ranges={"u": "3"},
+        sizes={"u": 3, "i": 5},
+    ),
+    "pool_attr_stride": Case(
+        "y[b,i,c] = max(x[b, s*i + u, c], u)",
+        {"x": (2, 16, 4)},
+        attrs={"s": 3},
+        ranges={"u": "3"},
+        sizes={"u": 3, "i": 5},
+    ),
+    "pool_window_wider_than_stride": Case(
+        "y[b,i,c] = max(x[b, 3*i + u, c], u)",
+        {"x": (2, 16, 6)},
+        ranges={"u": "4"},
+        sizes={"u": 4, "i": 5},
+    ),
+    "pool_2d_channels_first_output": Case(
+        "y[b,j,i] = max(x[b, 2*i + u, 3*j + v], u, v)",
+        {"x": (2, 11, 13)},
+        ranges={"u": "2", "v": "3"},
+        sizes={"u": 2, "v": 3, "i": 5, "j": 4},
+    ),
     # -- extrema -------------------------------------------------------------------------
     "max_weighted": Case("y[b,i] = max(x[b,i,j] * w[j], j)", {"x": (2, 3, 4), "w": (4,)}),
     "max_of_sum": Case("y[b] = max(sum(A[b,i,j], j), i)", {"A": (2, 3, 4)}),
