@@ -603,21 +603,16 @@ class _Builder:
         if key in self.by_key:
             level, level_free = self.by_key[key]
             mapping = dict(zip(canonical_free, free, strict=True))
-            return tensor(level.name)[tuple(mapping[c] for c in level_free)]
+            return read(level.name, tuple(mapping[c] for c in level_free))
         number = len(self.intermediates) + 1
         name = f"_{node.kind}{number}"
         count_name = f"_ties{number}"
-        value = tensor(name)[tuple(free)]
+        value = read(name, tuple(free))  # rank 0 for an extremum over every index
         count = Level(count_name, tuple(free), (Term(fn.step_eq(body, value), summed),), "sum")
         level = Level(name, tuple(free), (Term(body, summed),), node.kind, count=count_name)
         self.intermediates += [level, count]
         self.ranks[name] = self.ranks[count_name] = len(free)
         self.by_key[key] = (level, tuple(canonical_free))
-        if not free:
-            raise self.fail(
-                f"{node.kind}() over every index is not supported inside a formula",
-                node.col,
-            )
         return value
 
     def register(self, name: str, rank: int, col: int) -> None:

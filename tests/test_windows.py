@@ -177,3 +177,15 @@ def test_the_registered_gradient_of_a_lookup_is_sparse():
     grad_W, grad_ids = module.gradient(FakeOp([W, ids], [y], {}, module), tf.ones_like(y))
     assert isinstance(grad_W, tf.IndexedSlices) and grad_ids is None
     np.testing.assert_array_equal(tf.convert_to_tensor(grad_W).numpy()[:, 0], [1, 0, 1, 0, 0, 1])
+
+
+def test_a_max_over_every_index_is_a_scalar_with_split_ties(tmp_path):
+    module = generate(Case("y[i] = x[i] - max(x[k], k)", {}), tmp_path, "ScalarMax")
+    x = tf.constant([1.0, 3.0, 3.0, -2.0], tf.float64)
+    grad = tf.constant([1.0, 2.0, 3.0, 4.0], tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        want = x - tf.reduce_max(x)
+    np.testing.assert_array_equal(module.forward(x).numpy(), want.numpy())
+    (got,) = module.vjp(x, grad)
+    np.testing.assert_array_equal(got.numpy(), tape.gradient(want, x, output_gradients=grad))
