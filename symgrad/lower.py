@@ -521,31 +521,7 @@ class Lowerer:
             return value, conv.indices
         if other.base.label.name == grad_name(conv.consumer):  # ∂L/∂w
             grad = self.conv_grad(body, conv, other)
-            window = ir.Var(body.bind(self.window(body, conv)))
-            weights = ir.Var(body.tensors[conv.filter])
-            flat = len(conv.spatial) == 1  # 1-D runs as 2-D with a height of one
-            if flat:
-                window = ir.View(window, None, (0, None, 1, 2))
-                weights = ir.View(weights, None, (None, 0, 1, 2))
-                grad = ir.View(grad, None, (0, None, 1, 2))
-            kernel = (
-                "tf.raw_ops.Conv3DBackpropFilterV2"
-                if len(conv.spatial) == 3
-                else ("tf.raw_ops.Conv2DBackpropFilter")
-            )
-            value: ir.Expr = ir.Call(
-                kernel,
-                (),
-                (
-                    ("input", window),
-                    ("filter_sizes", ir.Call("tf.shape", (weights,))),
-                    ("out_backprop", grad),
-                    ("strides", self.strides(conv, full=True)),
-                    ("padding", ir.Lit('"VALID"')),
-                ),
-            )
-            if flat:
-                value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit("0")),))
+            value = self.backprop(body, conv, grad, filter_gradient=True)
             return value, out
         return None
 
@@ -608,35 +584,43 @@ class Lowerer:
         size = ir.List((ir.Lit("-1"), *(b[3] for b in bounds), ir.Lit("-1")))
         return ir.Call("tf.slice", (padded, begin, size))
 
-    def convolution_input_gradient(self, body: _Body, conv) -> ir.Expr:
-        """∂L/∂x: TF's input backprop kernel on the window, then the window's transpose
-        (the crop becomes zero padding, the zero padding is cut away)."""
-        grad = self.conv_grad(body, conv)
-        window = ir.Var(body.bind(self.window(body, conv)))
+    def backprop(self, body: _Body, conv, grad: ir.Expr, *, filter_gradient: bool) -> ir.Expr:
+        """TF's backprop kernel for the filter or for the window of x (1-D runs as 2-D
+        with a height of one, as tf.nn.conv1d does)."""
+        window: ir.Expr = ir.Var(body.bind(self.window(body, conv)))
         weights: ir.Expr = ir.Var(body.tensors[conv.filter])
         flat = len(conv.spatial) == 1
         if flat:
             window = ir.View(window, None, (0, None, 1, 2))
             weights = ir.View(weights, None, (None, 0, 1, 2))
             grad = ir.View(grad, None, (0, None, 1, 2))
-        kernel = (
-            "tf.raw_ops.Conv3DBackpropInputV2"
-            if len(conv.spatial) == 3
-            else ("tf.raw_ops.Conv2DBackpropInput")
-        )
+        rank = "3D" if len(conv.spatial) == 3 else "2D"
+        version = "V2" if rank == "3D" else ""
+        if filter_gradient:
+            kernel = f"tf.raw_ops.Conv{rank}BackpropFilter{version}"
+            first = (("input", window), ("filter_sizes", ir.Call("tf.shape", (weights,))))
+        else:
+            kernel = f"tf.raw_ops.Conv{rank}BackpropInput{version}"
+            first = (("input_sizes", ir.Call("tf.shape", (window,))), ("filter", weights))
         value: ir.Expr = ir.Call(
             kernel,
             (),
             (
-                ("input_sizes", ir.Call("tf.shape", (window,))),
-                ("filter", weights),
+                *first,
                 ("out_backprop", grad),
                 ("strides", self.strides(conv, full=True)),
                 ("padding", ir.Lit('"VALID"')),
             ),
         )
-        if flat:
-            value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit("1")),))
+        if flat:  # the added axis: 0 of the filter's shape, 1 of the input's
+            axis = "0" if filter_gradient else "1"
+            value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit(axis)),))
+        return value
+
+    def convolution_input_gradient(self, body: _Body, conv) -> ir.Expr:
+        """∂L/∂x: TF's input backprop kernel on the window, then the window's transpose
+        (the crop becomes zero padding, the zero padding is cut away)."""
+        value = self.backprop(body, conv, self.conv_grad(body, conv), filter_gradient=False)
         value = ir.Var(body.bind(value))
         bounds = self.window_bounds(body, conv)
         zero = ir.List((ir.Lit("0"), ir.Lit("0")))

@@ -993,6 +993,21 @@ def _describe(node: ast.AST) -> str:
     return names.get(type(node), type(node).__name__)
 
 
+def _python_tree(text: str, mode: str, what: str) -> ast.AST:
+    """Python's own parser on the text (nothing is evaluated); its errors as ours."""
+    try:
+        with warnings.catch_warnings():
+            # "invalid decimal literal" (`1if`) and the like: errors, not stderr noise.
+            warnings.simplefilter("error", SyntaxWarning)
+            return ast.parse(text, mode=mode)
+    except SyntaxError as exc:
+        column = max((exc.offset or 1) - 1, 0)
+        message = (exc.msg or "invalid syntax").split(" (")[0]
+        raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
+    except (RecursionError, MemoryError, ValueError):
+        raise SymgradError(f"the {what} is too deeply nested to read") from None
+
+
 def parse_equation(
     text: str, attrs: frozenset[str] = frozenset(), int_attrs: frozenset[str] = frozenset()
 ) -> Equation:
@@ -1001,17 +1016,7 @@ def parse_equation(
     _check_text(text)
     if not text:
         raise SymgradError("formula is empty")
-    try:
-        with warnings.catch_warnings():
-            # "invalid decimal literal" (`1if`) and the like: errors, not stderr noise.
-            warnings.simplefilter("error", SyntaxWarning)
-            tree = ast.parse(text, mode="exec")
-    except SyntaxError as exc:
-        column = max((exc.offset or 1) - 1, 0)
-        message = (exc.msg or "invalid syntax").split(" (")[0]
-        raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
-    except (RecursionError, MemoryError, ValueError):
-        raise SymgradError("the formula is too deeply nested to read") from None
+    tree = _python_tree(text, "exec", "formula")
     _check_size(tree)
     return _Walker(text, attrs, int_attrs).equation(tree)
 
@@ -1041,16 +1046,7 @@ def parse_range(text: str, int_attrs: frozenset[str]) -> Node:
     _check_text(text)
     if not text:
         raise SymgradError("range is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", SyntaxWarning)
-            tree = ast.parse(text, mode="eval")
-    except SyntaxError as exc:
-        column = max((exc.offset or 1) - 1, 0)
-        message = (exc.msg or "invalid syntax").split(" (")[0]
-        raise SymgradError(f"syntax error: {message}", formula=text, column=column) from None
-    except (RecursionError, MemoryError, ValueError):
-        raise SymgradError("the range is too deeply nested to read") from None
+    tree = _python_tree(text, "eval", "range")
 
     def fail(message: str, node: ast.AST):
         raise SymgradError(message, formula=text, column=getattr(node, "col_offset", 0))
