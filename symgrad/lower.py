@@ -873,7 +873,7 @@ class Lowerer:
         if axes:
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
-            operand = ir.Call("tf.reduce_sum", (operand,), (("axis", ir.Lit(repr(axes))),))
+            operand = reduction(body, "tf.reduce_sum", operand, axes)
             labels = tuple(i for i in labels if i in out)
         if labels == out:
             return operand
@@ -1204,11 +1204,7 @@ class Lowerer:
                 }
             ):  # reduce in the tensor's own layout: no transpose
                 axes = [n for n, i in enumerate(labels) if i in term.summed]
-                value = ir.Call(
-                    function,
-                    (self.access(body, read, labels),),
-                    (("axis", ir.Lit(repr(axes))),),
-                )
+                value = reduction(body, function, self.access(body, read, labels), axes)
                 kept = tuple(i for i in labels if i not in term.summed)
                 return align(ir.Var(body.bind(value)), kept, level.indices)
             order = (*level.indices, *term.summed)
@@ -1582,6 +1578,24 @@ def integer(e: sp.Expr) -> ir.Expr:
             result = ir.Binary("*", result, integer(factor))
         return result
     raise AssertionError(f"cannot lower the integer expression {e!r}")
+
+
+def reduction(body: _Body, function: str, operand: ir.Expr, axes: list[int]) -> ir.Expr:
+    """`function` (a sum, max or min) over `axes`: one call per run of adjacent axes, the
+    last run first. TF reduces adjacent axes as one, but several apart by transposing
+    first: over axes 2 and 4 of a rank-6 tensor, two reductions take 3 ms where one
+    takes 23 (a 2x2 max-pool of 32x64x64x32 floats)."""
+    runs: list[list[int]] = []
+    for axis in sorted(axes):
+        if runs and runs[-1][-1] == axis - 1:
+            runs[-1].append(axis)
+        else:
+            runs.append([axis])
+    for run in reversed(runs):
+        if not _is_simple(operand):
+            operand = ir.Var(body.bind(operand))
+        operand = ir.Call(function, (operand,), (("axis", ir.Lit(repr(run))),))
+    return operand
 
 
 def _merged_groups(args, target: tuple[Index, ...]) -> int:
