@@ -169,6 +169,7 @@ class Module:
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
     index_inputs: tuple[str, ...] = ()  # integer index tensors (no gradient, int dtype)
     sparse_gradients: tuple[str, ...] = ()  # gradients returned as tf.IndexedSlices
+    positive_attrs: tuple[str, ...] = ()  # int attrs that scale an index: checked > 0
     unsized_outputs: bool = False  # an output axis is sized by a range, not an input axis
 
     @property

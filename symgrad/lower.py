@@ -1520,6 +1520,19 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         recompute=recompute,
         backward=backward_block,
         index_inputs=program.index_inputs,
+        positive_attrs=tuple(
+            sorted(
+                {
+                    *program.positive_attrs,
+                    *(
+                        spatial.stride.name.removeprefix("_int_")
+                        for conv in lowerer.convolutions.values()
+                        for spatial in conv.spatial
+                        if isinstance(spatial.stride, sp.Symbol)
+                    ),
+                }
+            )
+        ),
         sparse_gradients=tuple(
             step.target
             for step in backward_block.steps

@@ -105,6 +105,7 @@ class Program:
     # input sizes (`indexing.shape_symbol`) and int attrs, evaluated at call time.
     extents: tuple[tuple[Index, sp.Expr], ...] = ()
     index_inputs: tuple[str, ...] = ()  # integer index tensors: no gradient
+    positive_attrs: tuple[str, ...] = ()  # int attrs that must be > 0 (strides)
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -201,6 +202,7 @@ class _Builder:
         self.reads: list[tuple[sp.Expr, str, int]] = []
         # Indices used at computed positions -> (formula, column) of the first use.
         self.index_uses: dict[Index, tuple[str, int]] = {}
+        self.positive_attrs: set[str] = set()  # int attrs an inferred range takes as > 0
 
     # -- errors -----------------------------------------------------------------------
 
@@ -1021,6 +1023,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         dims=dims,
         extents=tuple(extents.items()),
         index_inputs=index_inputs,
+        positive_attrs=tuple(sorted(builder.positive_attrs)),
     )
 
 
@@ -1133,6 +1136,15 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
                     blocked = True
                     break
                 bounds.append(bound)
+                # The bound takes int attrs that scale indices to be positive: say so
+                # at call time rather than compute a wrong range.
+                for term in sp.Add.make_args(sp.expand(position)):
+                    if any(indexing.is_plain(x) for x in term.free_symbols):
+                        builder.positive_attrs |= {
+                            x.name.removeprefix("_int_")
+                            for x in term.free_symbols
+                            if x.name.startswith("_int_")
+                        }
             if blocked or not bounds:
                 continue
             value = sp.Max(0, sp.Min(*bounds)) if len(bounds) > 1 else sp.Max(0, bounds[0])
