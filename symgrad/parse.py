@@ -951,6 +951,7 @@ def _operator_col(text: str, node: ast.BinOp) -> int:
 
 def _op_symbol(op: ast.AST) -> str:
     symbols = {
+        ast.Pow: "**",
         ast.Div: "/",
         ast.FloorDiv: "//",
         ast.Mod: "%",
@@ -987,6 +988,8 @@ def _describe(node: ast.AST) -> str:
         ast.Await: "await",
         ast.Yield: "yield",
         ast.Slice: "a slice",
+        ast.Call: "a function call",
+        ast.Subscript: "indexing (other than `X.shape[n]` with n >= 0)",
     }
     if isinstance(node, ast.Constant):
         return f"the literal {node.value!r}"

@@ -189,3 +189,33 @@ def test_a_max_over_every_index_is_a_scalar_with_split_ties(tmp_path):
     np.testing.assert_array_equal(module.forward(x).numpy(), want.numpy())
     (got,) = module.vjp(x, grad)
     np.testing.assert_array_equal(got.numpy(), tape.gradient(want, x, output_gradients=grad))
+
+
+@pytest.mark.parametrize(
+    ("extent", "message"),
+    [
+        ("__import__('os').system('echo owned')", "a function call is not allowed in a range"),
+        ("A.shape[99]", "reads A.shape[99], but 'A' has rank 2"),
+        ("A.shape[-1]", "indexing (other than `X.shape[n]` with n >= 0)"),
+        ("A.shape[1] // 0", "divides by zero"),
+        ("B.shape[0]", "no formula uses a tensor 'B'"),
+        ("1.5", "a range takes integers"),
+        ("A.shape[1] ** 2", "operator '**' is not allowed in a range"),
+        ("1+" * 120 + "1", "longer than 200 characters"),
+        ("n * 2", "unknown name 'n'"),
+    ],
+)
+def test_a_bad_range_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, extent, message):
+    from symgrad.cli import main
+
+    spec = tmp_path / "symgrad.toml"
+    spec.write_text(
+        'out = "gen"\n[ops.Probe]\nformula = "y[b,i] = sum(A[b, i+k], k)"\n'
+        f'ranges = {{ k = "2", i = "{extent}" }}\n',
+        encoding="utf-8",
+    )
+    assert main(["generate", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "[ops.Probe]" in err and message in err, err
+    assert "Traceback" not in err and "owned" not in err
+    assert not (tmp_path / "gen").exists()
