@@ -194,7 +194,7 @@ def test_a_max_over_every_index_is_a_scalar_with_split_ties(tmp_path):
 @pytest.mark.parametrize(
     ("extent", "message"),
     [
-        ("__import__('os').system('echo owned')", "a function call is not allowed in a range"),
+        ("__import__('pathlib').Path('pwned').touch()", "a function call is not allowed"),
         ("A.shape[99]", "reads A.shape[99], but 'A' has rank 2"),
         ("A.shape[-1]", "indexing (other than `X.shape[n]` with n >= 0)"),
         ("A.shape[1] // 0", "divides by zero"),
@@ -205,7 +205,9 @@ def test_a_max_over_every_index_is_a_scalar_with_split_ties(tmp_path):
         ("n * 2", "unknown name 'n'"),
     ],
 )
-def test_a_bad_range_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, extent, message):
+def test_a_bad_range_is_one_line_exit_2_and_writes_nothing(
+    tmp_path, capsys, monkeypatch, extent, message
+):
     from symgrad.cli import main
 
     spec = tmp_path / "symgrad.toml"
@@ -214,8 +216,9 @@ def test_a_bad_range_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, ext
         f'ranges = {{ k = "2", i = "{extent}" }}\n',
         encoding="utf-8",
     )
+    monkeypatch.chdir(tmp_path)
     assert main(["generate", str(spec)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "[ops.Probe]" in err and message in err, err
-    assert "Traceback" not in err and "owned" not in err
-    assert not (tmp_path / "gen").exists()
+    assert "Traceback" not in err and len(err.splitlines()) <= 3, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["symgrad.toml"]  # nothing ran
