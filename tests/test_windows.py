@@ -222,3 +222,24 @@ def test_a_bad_range_is_one_line_exit_2_and_writes_nothing(
     assert err.startswith("error: ") and "[ops.Probe]" in err and message in err, err
     assert "Traceback" not in err and len(err.splitlines()) <= 3, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["symgrad.toml"]  # nothing ran
+
+
+def test_chamfer_never_builds_the_pairwise_difference_tensor():
+    """min over j of Σ_c (x - z)²: the (b,i,j,c) broadcast is never built, forward or back."""
+    module = importlib.import_module("generated.chamfer_distance")
+    x, z = rand(2, 7, 3), rand(2, 5, 3)
+
+    def step(x, z):
+        with tf.GradientTape() as tape:
+            tape.watch([x, z])
+            y = module.forward(x, z)
+        return tape.gradient(y, [x, z])
+
+    graph = tf.function(step).get_concrete_function(x, z).graph
+    ranks = {
+        (op.type, tuple(t.shape))
+        for op in graph.get_operations()
+        for t in op.outputs
+        if t.shape.rank is not None and t.shape.rank >= 4
+    }
+    assert not ranks, ranks
