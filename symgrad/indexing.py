@@ -134,10 +134,27 @@ def upper_bound(
     low = extreme(rest, extents, upper=False)
     if high is None or low is None:
         return None
-    if c.is_number and c < 0:
+    direction = sign(c)
+    if direction is None:
+        return None
+    if direction < 0:
         # position = c*i + rest >= 0  for i up to n-1:  n <= low // (-c) + 1
         return sp.floor(low / -c) + 1
     return sp.floor((size - 1 - high) / c) + 1
+
+
+def sign(c: sp.Expr) -> int | None:
+    """+1 or -1 for a coefficient that is a number or a sum of int attrs with coefficients
+    of one sign (int attrs that scale an index are required to be positive: `d`, `2*s`;
+    `-d`), None when it cannot be told (`s - d`)."""
+    if c.is_number:
+        return 1 if c > 0 else -1 if c < 0 else None
+    coefficients = [t.as_coeff_Mul()[0] for t in sp.Add.make_args(sp.expand(c))]
+    if all(k > 0 for k in coefficients):
+        return 1
+    if all(k < 0 for k in coefficients):
+        return -1
+    return None
 
 
 def extreme(expr: sp.Expr, extents: dict[Index, sp.Expr], *, upper: bool) -> sp.Expr | None:
@@ -155,7 +172,10 @@ def extreme(expr: sp.Expr, extents: dict[Index, sp.Expr], *, upper: bool) -> sp.
             return None
         c = term.coeff(index)
         top = c * (extents[index] - 1)
-        negative = c.is_number and c < 0
+        direction = sign(c)
+        if direction is None:
+            return None
+        negative = direction < 0
         if upper:
             total += 0 if negative else top
         else:

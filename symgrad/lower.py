@@ -395,6 +395,11 @@ class Lowerer:
         that softmax with one fused `tf.nn.softmax` instead."""
         last = (("axis", ir.Lit("-1")), ("keepdims", ir.Lit("True")))
         peak = body.bind(ir.Call("tf.reduce_max", (operand,), last))
+        # A row that is all -inf (every entry masked): log 0 = -inf, as tf.reduce_logsumexp.
+        finite = ir.Call("tf.math.is_finite", (ir.Var(peak),))
+        peak = body.bind(
+            ir.Call("tf.where", (finite, ir.Var(peak), ir.Call("tf.zeros_like", (ir.Var(peak),))))
+        )
         shifted = body.bind(ir.Call("tf.exp", (ir.Binary("-", operand, ir.Var(peak)),)))
         total = body.bind(ir.Call("tf.reduce_sum", (ir.Var(shifted),), last))
         softmax = body.bind(ir.Binary("/", ir.Var(shifted), ir.Var(total)))

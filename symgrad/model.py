@@ -493,6 +493,12 @@ class _Builder:
             right = self.position(node.right, scope, lookups)
             return {"+": left + right, "-": left - right, "*": left * right}[node.op]
         if isinstance(node, Access):  # an index tensor
+            if len(set(node.indices)) != len(node.indices):
+                raise self.fail(
+                    f"index tensor {node.tensor!r} is read with a repeated index; read it "
+                    "with distinct indices",
+                    node.col,
+                )
             self.mark(self.index_inputs, node.tensor, node.col)
             lookups.append(node)
             return self.plain_access(node, scope)
@@ -1184,14 +1190,13 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
         if position.atoms(sp.Indexed):
             flags.append(False)
             continue
-        ranges = {s: sp.Integer(2) for s in position.free_symbols if indexing.is_plain(s)}
-        low = indexing.extreme(position, ranges, upper=False)
-        below = low is not None and low.is_number and low >= 0
-        above = any(
-            s in inferred and not (c.is_number and c < 0)
-            for s in position.free_symbols
-            if (c := indexing.coefficient(position, s)) != 0
-        )
+        indices = [x for x in position.free_symbols if indexing.is_plain(x)]
+        signs = {x: indexing.sign(indexing.coefficient(position, x)) for x in indices}
+        offset = sp.expand(position).subs({x: 0 for x in indices})
+        # Below: every index scaled up (a positive number or int attrs, checked positive
+        # at call time) from a non-negative number; `i - k + 1` can go below 0.
+        below = offset.is_number and offset >= 0 and all(v == 1 for v in signs.values())
+        above = any(x in inferred and signs[x] == 1 for x in indices)
         flags.append(bool(below and above))
     gather = Gather(
         level.gather.source, level.gather.positions, level.gather.computed, tuple(flags)

@@ -243,3 +243,62 @@ def test_chamfer_never_builds_the_pairwise_difference_tensor():
         if t.shape.rank is not None and t.shape.rank >= 4
     }
     assert not ranks, ranks
+
+
+def _loops(x, w, position, count):
+    """y[b,i] = Σ_k x[b, position(i, k)] · w[k], reads outside x being zero."""
+    out = np.zeros((x.shape[0], count))
+    for i in range(count):
+        for k in range(w.shape[0]):
+            at = position(i, k)
+            if 0 <= at < x.shape[1]:
+                out[:, i] += x[:, at] * w[k]
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_negative_coefficient_below_zero_is_masked(tmp_path, compiled):
+    """A flipped filter `i - k + 1` reads x[-1] at i = 0: zero, never a gather crash or
+    (under XLA, which clamps) x[0]."""
+    module = generate(Case("y[b,i] = sum(x[b, i - k + 1] * w[k], k)", {}), tmp_path, "Flip")
+    x, w = rand(2, 8), rand(3)
+    run = tf.function(module.forward, jit_compile=True) if compiled else module.forward
+    y = run(x, w).numpy()
+    want = _loops(x.numpy(), w.numpy(), lambda i, k: i - k + 1, y.shape[1])
+    assert y.shape == (2, 7)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_a_negated_int_attr_coefficient_is_negative(tmp_path, d):
+    """Causal dilated convolution `t - d*k`: the range of t is the input's, and reads
+    before the start are zero."""
+    case = Case("y[b,t,o] = sum(x[b, t - d*k, c] * w[k,c,o], k, c)", {}, attrs={"d": d})
+    module = generate(case, tmp_path, "Causal")
+    x, w = rand(2, 10, 3), rand(3, 3, 4)
+    y = module.forward(x, w, d=d).numpy()
+    want = np.zeros((2, 10, 4))
+    for t in range(10):
+        for k in range(3):
+            if t - d * k >= 0:
+                want[:, t] += x.numpy()[:, t - d * k] @ w.numpy()[k]
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_fully_masked_logsumexp_row_is_minus_infinity(tmp_path):
+    case = Case("y[b,i] = log(sum(where(j < i, exp(A[b,i,j]), 0), j))", {})
+    module = generate(case, tmp_path, "MaskedLse")
+    A = rand(1, 2, 3)
+    y = module.forward(A).numpy()
+    assert y[0, 0] == -np.inf
+    np.testing.assert_allclose(y[0, 1], A.numpy()[0, 1, 0], rtol=1e-12)
+
+
+def test_an_index_tensor_read_on_its_diagonal_is_refused():
+    from harness import op_spec
+
+    from symgrad.errors import SymgradError
+    from symgrad.model import build
+
+    with pytest.raises(SymgradError, match="index tensor 'ids' is read with a repeated index"):
+        build(op_spec(Case("y[b,i] = W[ids[b,i,i], i]", {}), "DiagIds"))
