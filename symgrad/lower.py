@@ -164,6 +164,13 @@ class Lowerer:
         body.sizes[var] = source
         return var
 
+    def position_int(self, size: ir.Expr) -> ir.Expr:
+        """A size as an integer of the positions' dtype: int64 when index tensors take
+        part (an int64 id must not wrap around in int32 arithmetic), else as it is."""
+        if not self.program.index_inputs:
+            return size
+        return ir.Call("tf.cast", (size, ir.Lit("tf.int64")))
+
     def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
         """The variable holding the size of one axis of an input."""
         source = (tensor_name, axis)
@@ -445,12 +452,11 @@ class Lowerer:
         name = access.base.label.name
         if name == IOTA:  # the value of an index: 0, 1, ..., size - 1
             (label,) = labels
-            operand = ir.Var(
-                body.bind(ir.Call("tf.range", (ir.Var(self.index_size(body, label)),)))
-            )
+            size = self.position_int(ir.Var(self.index_size(body, label)))
+            operand = ir.Var(body.bind(ir.Call("tf.range", (size,))))
             return self.align(body, operand, labels, target)
-        if name in self.program.index_inputs:  # compared with tf.range values
-            operand = ir.Var(body.bind(ir.Call("tf.cast", (ir.Var(name), ir.Lit("tf.int32")))))
+        if name in self.program.index_inputs:  # compared and added with tf.range values
+            operand = ir.Var(body.bind(ir.Call("tf.cast", (ir.Var(name), ir.Lit("tf.int64")))))
             return self.align(body, operand, labels, target)
         operand: ir.Expr = ir.Var(body.tensors[name])
         if len(set(labels)) != len(labels):
@@ -973,7 +979,7 @@ class Lowerer:
             if not _is_simple(position):
                 position = ir.Var(body.bind(position))
             if not bounded:
-                size = ir.Var(self.axis_size(body, gather.source, axis))
+                size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
                 inside = ir.Call(
                     "tf.logical_and",
                     (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
@@ -982,7 +988,7 @@ class Lowerer:
             if flat is None:
                 flat = position
             else:
-                size = ir.Var(self.axis_size(body, gather.source, axis))
+                size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
                 flat = ir.Binary("+", ir.Binary("*", flat, size), position)
         positions = [gather.positions[n] for n in computed]
         spans = (

@@ -302,3 +302,18 @@ def test_an_index_tensor_read_on_its_diagonal_is_refused():
 
     with pytest.raises(SymgradError, match="index tensor 'ids' is read with a repeated index"):
         build(op_spec(Case("y[b,i] = W[ids[b,i,i], i]", {}), "DiagIds"))
+
+
+def test_index_values_beyond_int32_read_zero_and_never_wrap(tmp_path):
+    """int64 ids past 2**31 are outside any table: zero, not the row they wrap around to;
+    positions are computed in int64 whenever index tensors take part."""
+    module = importlib.import_module("generated.embedding_lookup")
+    W = tf.reshape(tf.range(18, dtype=tf.float64), (6, 3))
+    ids = tf.constant([[4294967297, 4294967299, -4294967294, 2]], tf.int64)
+    y = module.forward(W, ids).numpy()
+    np.testing.assert_array_equal(y[0], [[0, 0, 0], [0, 0, 0], [0, 0, 0], [6, 7, 8]])
+    (grad_W, _) = module.vjp(W, ids, tf.ones((1, 4, 3), tf.float64))
+    np.testing.assert_array_equal(grad_W.numpy()[:, 0], [0, 0, 1, 0, 0, 0])
+    scaled = generate(Case("y[b,t,d] = W[4*ids[b,t], d]", {}), tmp_path, "Scaled")
+    y = scaled.forward(W, tf.constant([[1073741825, 1]], tf.int32)).numpy()
+    np.testing.assert_array_equal(y[0], [[0, 0, 0], [12, 13, 14]])
