@@ -317,3 +317,15 @@ def test_index_values_beyond_int32_read_zero_and_never_wrap(tmp_path):
     scaled = generate(Case("y[b,t,d] = W[4*ids[b,t], d]", {}), tmp_path, "Scaled")
     y = scaled.forward(W, tf.constant([[1073741825, 1]], tf.int32)).numpy()
     np.testing.assert_array_equal(y[0], [[0, 0, 0], [12, 13, 14]])
+
+
+def test_vjp_checks_gradients_of_outputs_sized_by_a_range(tmp_path):
+    module = generate(Case("y[b,i] = exp(x[b, i + 1])", {}), tmp_path, "Shifted")
+    x = rand(2, 5)
+    with pytest.raises(
+        ValueError, match=r"Shifted\d*: grad_y has shape \(2, 1\); expected \(2, 4\)"
+    ):
+        module.vjp(x, tf.ones((2, 1), tf.float64))
+    (grad,) = module.vjp(x, tf.ones((2, 4), tf.float64))
+    np.testing.assert_allclose(grad.numpy()[:, 1:], np.exp(x.numpy()[:, 1:]), rtol=1e-12)
+    assert not np.any(grad.numpy()[:, 0])
