@@ -470,8 +470,9 @@ class _Builder:
         uses.setdefault(name, col)
         if name in self.index_inputs and name in self.value_inputs:
             raise self.fail(
-                f"tensor {name!r} is used both as an index tensor (inside brackets) and as "
-                "a value; an index tensor holds integers and has no gradient",
+                f"tensor {name!r} is used both as an index tensor (inside brackets, or "
+                "compared with an index) and as a value; an index tensor holds integers "
+                "and has no gradient",
                 col,
             )
 
