@@ -55,6 +55,16 @@ def parse_shape_symbol(symbol: sp.Symbol) -> tuple[str, int] | None:
     return tensor, int(axis)
 
 
+def index_values(position: sp.Expr) -> sp.Expr:
+    """`2*i + ids[b, t]` -> `2*_iota[i] + ids[b, t]`: indices outside accesses read as
+    their values (0, 1, ...), so lowering aligns them over their axes like tensors."""
+    hidden = {a: sp.Dummy(real=True) for a in position.atoms(sp.Indexed)}
+    plain = position.xreplace(hidden)
+    iota = sp.IndexedBase(IOTA, real=True)
+    mapping = {s: iota[s] for s in plain.free_symbols if is_plain(s)}
+    return plain.xreplace(mapping).xreplace({d: a for a, d in hidden.items()})
+
+
 def index_symbols(expr: sp.Expr) -> list[Index]:
     """The index symbols of a position (outside and inside index-tensor accesses), in a
     deterministic order: SymPy's print order is not the written order, so callers that

@@ -959,8 +959,9 @@ class Lowerer:
     # -- computed positions -------------------------------------------------------------
 
     def position(self, body: _Body, e: sp.Expr, axes: tuple[Index, ...]) -> ir.Expr:
-        """An affine position (index values, index tensors, int attrs) over `axes`, int32."""
-        return self.expr(body, as_index_values(e), axes)
+        """An affine position (index values, index tensors, int attrs) over `axes`: int32,
+        or int64 when index tensors take part."""
+        return self.expr(body, indexing.index_values(e), axes)
 
     def gather_plan(self, body: _Body, level: Level):
         """The positions of a gather: (flat position P over the inner indices, the mask of
@@ -1630,15 +1631,6 @@ def _merged_groups(args, target: tuple[Index, ...]) -> int:
     ]
     states = list(zip(*patterns, strict=True)) if patterns else []
     return 1 + sum(1 for a, b in itertools.pairwise(states) if a != b)
-
-
-def as_index_values(e: sp.Expr) -> sp.Expr:
-    """`2*i + ids[b, t]` -> `2*_iota[i] + ids[b, t]`: indices outside accesses read as
-    their values, so lowering aligns them like tensors."""
-    hidden = {a: sp.Dummy(real=True) for a in e.atoms(sp.Indexed)}
-    plain = e.xreplace(hidden)
-    mapping = {s: tensor(IOTA)[s] for s in plain.free_symbols if indexing.is_plain(s)}
-    return plain.xreplace(mapping).xreplace({d: a for a, d in hidden.items()})
 
 
 def value_inputs(program: Program) -> tuple[str, ...]:

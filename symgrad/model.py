@@ -22,7 +22,7 @@ import sympy as sp
 from . import functions as fn
 from . import indexing
 from .errors import SymgradError
-from .indexing import IOTA, Gather
+from .indexing import Gather
 from .parse import (
     MAX_INDICES,
     REDUCTIONS,
@@ -41,6 +41,7 @@ from .parse import (
     Reduce,
     ShapeRef,
     Where,
+    index_names,
     parse_equation,
     parse_range,
 )
@@ -267,7 +268,7 @@ class _Builder:
                 for arg in c.args:
                     walk_condition(arg, bound)
             elif c.on_indices:
-                for index in _index_expr_names_all(c.operands):
+                for index in index_names(c):
                     if index not in scope and index not in bound:
                         found.setdefault(index, None)
             else:  # values: sums inside bind their own indices
@@ -576,14 +577,7 @@ class _Builder:
     def index_value(self, node: Node, scope: dict[str, Index]) -> sp.Expr:
         """An index expression compared as a number: index i reads as `_iota[i]`, so
         lowering sees which axes the comparison varies over."""
-        lookups: list[Access] = []
-        hidden = {}
-        position = self.position(node, scope, lookups)
-        for access in position.atoms(sp.Indexed):
-            hidden[access] = sp.Dummy(real=True)
-        plain = position.xreplace(hidden)
-        mapping = {s: tensor(IOTA)[s] for s in plain.free_symbols if indexing.is_plain(s)}
-        return plain.xreplace(mapping).xreplace({d: a for a, d in hidden.items()})
+        return indexing.index_values(self.position(node, scope, []))
 
     def extremum(self, node: Reduce, scope: dict[str, Index]) -> sp.Expr:
         """`max(expr, k, ...)`: an intermediate over the free indices, with a companion
@@ -836,24 +830,8 @@ def _condition_indices(node: Condition) -> list[str]:
         return [name for a in node.args for name in _condition_indices(a)]
     names: list[str] = []
     for operand in node.operands:
-        names += _written_indices(operand) if not node.on_indices else _index_expr_names(operand)
+        names += _written_indices(operand) if not node.on_indices else index_names(operand)
     return names
-
-
-def _index_expr_names_all(nodes) -> list[str]:
-    return [name for node in nodes for name in _index_expr_names(node)]
-
-
-def _index_expr_names(node: Node) -> list[str]:
-    if isinstance(node, IndexRef):
-        return [node.name]
-    if isinstance(node, Access):
-        return list(node.indices)
-    if isinstance(node, Neg):
-        return _index_expr_names(node.operand)
-    if isinstance(node, BinOp):
-        return _index_expr_names(node.left) + _index_expr_names(node.right)
-    return []
 
 
 def _written_indices(node: Node) -> list[str]:
