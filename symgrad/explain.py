@@ -26,7 +26,15 @@ from . import ir
 from .derive import Contribution, Partial, derive, grad_name
 from .lower import lower
 from .model import Level, Program
-from .notation import axis_names, display_indices, gradient_line, gradient_lines, rename, show
+from .notation import (
+    axis_names,
+    display_indices,
+    gradient_line,
+    gradient_lines,
+    rename,
+    scatter_names,
+    show,
+)
 from .render import code
 
 FORMATS = ("text", "markdown", "latex")
@@ -197,6 +205,12 @@ class _Explainer:
         self.backward = derive(program)
         self.module = lower(program, self.backward)
         self.names = axis_names(program)
+        # The docstring's gradient line of each input with one: `grad_A[...] = ...`.
+        self.lines = {
+            line.split("[", 1)[0]: line
+            for line in gradient_lines(program, self.backward)
+            if line.startswith("grad_") and "[" in line.split(" = ", 1)[0]
+        }
         self.outputs = {o.level.name: o for o in program.outputs}
         self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}
         self.levels.update({o.level.name: o.level for o in program.outputs})
@@ -301,14 +315,9 @@ class _Explainer:
     def result(self, target: str, contributions: list[Contribution]) -> Equation:
         """The gradient after elimination; in text exactly the generated docstring's line."""
         if isinstance(self.p, _TextMath):
-            line = next(
-                (
-                    line
-                    for line in gradient_lines(self.program, self.backward)
-                    if line.startswith(f"{grad_name(target)}[")
-                ),
-                gradient_line(target, contributions, self.names),
-            )
+            line = self.lines.get(grad_name(target))
+            if line is None:  # an intermediate's gradient: not among the inputs' lines
+                line = gradient_line(target, contributions, self.names)
             left, right = line.split(" = ", 1)
             return Equation(left, right)
         shown = display_indices(self.names[target])
@@ -357,11 +366,6 @@ class _Explainer:
         for c in self.backward.contributions:
             by_target.setdefault(c.target, []).append(c)
         scattered = {s.target for s in self.backward.scatters}
-        lines = dict(
-            line.split("[", 1)[0:1] + [line]
-            for line in gradient_lines(program, self.backward)
-            if line.startswith("grad_")
-        )
         intermediates = [n for n in self.backward.order if n in by_target and n not in self.outputs]
         for name in [*intermediates, *program.inputs]:
             title = f"Gradient of {name}" + (" (intermediate)" if name in intermediates else "")
@@ -375,7 +379,7 @@ class _Explainer:
                 out.append(Section(title, name, result=result))
                 continue
             if name not in by_target:  # read only at computed positions: a scatter-add
-                left, right = self.scatter_equation(name, lines[grad_name(name)])
+                left, right = self.scatter_equation(name, self.lines[grad_name(name)])
                 out.append(
                     Section(
                         title,
@@ -421,34 +425,18 @@ class _Explainer:
             left, right = line.split(" = ", 1)
             return left, right
         parts = []
-        shown = None
+        shown = scatter_names(self.program, name, self.names)
         for scatter in self.backward.scatters:
             if scatter.target != name:
                 continue
             level = self.levels[scatter.level]
             gather = level.gather
-            inner = [
-                i
-                for i in level.indices
-                if any(i in gather.positions[n].free_symbols for n in gather.computed)
-                or any(
-                    i in a.indices
-                    for n in gather.computed
-                    for a in gather.positions[n].atoms(sp.Indexed)
-                )
-            ]
-            names = display_indices(
-                tuple(
-                    f"q{n}" if n in gather.computed else str(p)
-                    for n, p in enumerate(gather.positions)
-                )
-            )
-            shown = shown or names
+            inner = gather.inner(level.indices)
             mapping = {
-                gather.positions[n]: names[n] for n in range(len(names)) if n not in gather.computed
+                gather.positions[n]: shown[n] for n in range(len(shown)) if n not in gather.computed
             }
             equations = ", ".join(
-                f"{self.p.expr(gather.positions[n])} = {self.p.index(names[n])}"
+                f"{self.p.expr(gather.positions[n])} = {self.p.index(shown[n])}"
                 for n in gather.computed
             )
             summed = self.p.sum([", ".join(self.p.index(i) for i in inner) + ": " + equations])

@@ -25,6 +25,14 @@ Index = sp.Symbol
 IOTA = "_iota"  # `_iota[i]` is the value of index i (0, 1, ...) in a condition
 
 
+def read_indices(
+    positions: tuple[sp.Expr, ...], computed: tuple[int, ...], order
+) -> tuple[Index, ...]:
+    """The indices (of `order`, in its order) that the computed positions read at."""
+    used = {i for n in computed for i in index_symbols(positions[n])}
+    return tuple(i for i in order if i in used)
+
+
 @dataclass(frozen=True)
 class Gather:
     """`source[positions]` over `grid` (the level's indices, in the layout lowering uses).
@@ -40,6 +48,11 @@ class Gather:
     positions: tuple[sp.Expr, ...]
     computed: tuple[int, ...]
     bounded: tuple[bool, ...]
+
+    def inner(self, grid) -> tuple[Index, ...]:
+        """The indices of `grid` that the computed positions read at (the shape of the
+        positions' tensor)."""
+        return read_indices(self.positions, self.computed, grid)
 
 
 def shape_symbol(tensor: str, axis: int) -> sp.Symbol:
@@ -104,7 +117,7 @@ def layout(
     computed = tuple(
         n for n, position in enumerate(positions) if not is_plain(position) or uses[position] > 1
     )
-    inner = [i for i in written if any(i in index_symbols(positions[n]) for n in computed)]
+    inner = list(read_indices(positions, computed, written))
     plain = [(n, positions[n]) for n in range(len(positions)) if n not in computed]
     if computed and computed == tuple(range(computed[0], computed[-1] + 1)):
         # One computed axis, or adjacent ones merged into one (the spatial axes of

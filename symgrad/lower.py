@@ -968,11 +968,7 @@ class Lowerer:
         reads in bounds or None, the inner indices)."""
         gather = level.gather
         computed = gather.computed
-        inner = tuple(
-            i
-            for i in level.indices
-            if any(i in indexing.index_symbols(gather.positions[n]) for n in computed)
-        )
+        inner = gather.inner(level.indices)
         flat: ir.Expr | None = None
         valid: ir.Expr | None = None
         for axis, bounded in zip(computed, gather.bounded, strict=True):

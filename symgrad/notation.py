@@ -168,11 +168,7 @@ def scatter_text(level: Level, shown: tuple[Index, ...]) -> str:
     """`Σ_{i,k: 2*i + k - 1 = p} _grad_g1[b,i,k,c]`: the transpose of a gather, with the
     index equations it solves visible."""
     gather = level.gather
-    inner = [
-        i
-        for i in level.indices
-        if any(i in indexing.index_symbols(gather.positions[n]) for n in gather.computed)
-    ]
+    inner = gather.inner(level.indices)
     mapping = {gather.positions[n]: shown[n] for n in range(len(shown)) if n not in gather.computed}
     equations = [f"{show_position(gather.positions[n])} = {shown[n]}" for n in gather.computed]
     grad = tensor_text(grad_name(level.name), [mapping.get(i, i) for i in level.indices])
@@ -208,7 +204,7 @@ def gradient_lines(program: Program, backward: Backward) -> tuple[str, ...]:
             line = ""
             if name in by_target:
                 line = gradient_line(name, by_target[name], names)
-            shown = _scatter_names(program, name, names)
+            shown = scatter_names(program, name, names)
             for s in scatters.get(name, []):
                 text = scatter_text(levels[s.level], shown)
                 left = f"{grad_name(name)}[{','.join(i.name for i in shown)}]"
@@ -219,7 +215,7 @@ def gradient_lines(program: Program, backward: Backward) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _scatter_names(program: Program, name: str, names) -> tuple[Index, ...]:
+def scatter_names(program: Program, name: str, names) -> tuple[Index, ...]:
     """Display indices of an input's axes: the names its plain reads give them, else
     p, q, ... for axes only read at computed positions."""
     rank = program.rank(name)
