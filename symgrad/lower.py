@@ -1073,10 +1073,14 @@ class Lowerer:
         value = ir.Call("tf.gather", (source, index), (("axis", ir.Lit(str(axis))),))
         if valid is None:
             return value
-        value = ir.Var(body.bind(value))
-        mask = self.align(body, valid, inner, level.indices)
+        return self.zero_outside(body, ir.Var(body.bind(value)), valid, inner, level.indices)
+
+    def zero_outside(self, body: _Body, value: ir.Expr, valid: ir.Expr, inner, indices):
+        """`value` (axes `indices`) with zeros where its reads were out of bounds (`valid`,
+        over `inner`, is false)."""
         body.uses_dtype = True
         zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+        mask = self.align(body, valid, inner, indices)
         return ir.Call("tf.where", (mask, value, zero))
 
     def reads_rows(self, scatter: Scatter) -> bool:
@@ -1096,10 +1100,7 @@ class Lowerer:
         grad: ir.Expr = ir.Var(body.tensors[grad_name(level.name)])
         rank = self.program.rank(gather.source)
         if valid is not None:
-            body.uses_dtype = True
-            zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
-            mask = self.align(body, valid, inner, level.indices)
-            grad = ir.Var(body.bind(ir.Call("tf.where", (mask, grad, zero))))
+            grad = ir.Var(body.bind(self.zero_outside(body, grad, valid, inner, level.indices)))
             flat = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
         rows = [
             ir.Lit("-1"),
@@ -1220,7 +1221,6 @@ class Lowerer:
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
             axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
-            function = "tf.reduce_max" if level.kind == "max" else "tf.reduce_min"
             return ir.Call(function, (operand,), (("axis", axes),))
         if level.kind == "logsumexp":
             (term,) = level.terms
@@ -1471,7 +1471,9 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
     backward_block = _finish(bwd, tuple(returns))
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
-    backward_block = _drop_unread(_borrow(backward_block, fwd.memo))
+    # Borrowing forward values can leave a dtype or size definition nothing reads.
+    backward_block = _borrow(backward_block, fwd.memo)
+    backward_block = ir.prune(backward_block, backward_block.returns, set())
     read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs))
     keep = set(outputs) | {name for name in read if name not in program.inputs}
@@ -1553,7 +1555,7 @@ def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
     """Prepend the size and dtype definitions the steps use."""
     prelude = []
     if body.uses_dtype:
-        prelude.append(ir.Assign("dtype", ir.DType(value_inputs(body.program)[0])))
+        prelude.append(ir.Assign("dtype", ir.DType(body.program.value_inputs[0])))
     for var, source in sorted(body.sizes.items()):
         if isinstance(source, tuple):
             prelude.append(ir.Assign(var, ir.AxisSize(*source)))
@@ -1629,26 +1631,7 @@ def _merged_groups(args, target: tuple[Index, ...]) -> int:
     return 1 + sum(1 for a, b in itertools.pairwise(states) if a != b)
 
 
-def value_inputs(program: Program) -> tuple[str, ...]:
-    """The inputs that hold values (not integer index tensors): they set the dtype."""
-    return tuple(n for n in program.inputs if n not in program.index_inputs)
-
-
 _PRELUDE_NAMES = ("dtype",)
-
-
-def _drop_unread(block: ir.Block) -> ir.Block:
-    """Without the dtype and size definitions nothing reads any more (after borrowing
-    forward values, a mask's cast may be gone)."""
-    needed = {name for name in block.returns if name}
-    kept = []
-    for step in reversed(block.steps):
-        prelude = step.target in _PRELUDE_NAMES or step.target.startswith("_n_")
-        if prelude and step.target not in needed:
-            continue
-        kept.append(step)
-        needed |= ir.names_in(step.value)
-    return ir.Block(tuple(reversed(kept)), block.returns)
 
 
 def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:

@@ -111,6 +111,11 @@ class Program:
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
 
+    @property
+    def value_inputs(self) -> tuple[str, ...]:
+        """The inputs that hold values (not integer index tensors): they set the dtype."""
+        return tuple(n for n in self.inputs if n not in self.index_inputs)
+
     def size_source(self, index: Index) -> tuple[str, int]:
         """An (input, axis) whose size is the size of `index`."""
         return dict(self.dims)[index][0]
