@@ -58,20 +58,7 @@ UNARY = {
 }
 BINARY = {fn.maximum: "tf.maximum", fn.minimum: "tf.minimum"}
 MASKS = {fn.step_ge: ">=", fn.step_le: "<=", fn.step_eq: "=="}
-RELATIONS = {
-    sp.Lt: "<",
-    sp.Le: "<=",
-    sp.Gt: ">",
-    sp.Ge: ">=",
-    sp.Eq: "==",
-    sp.Ne: "!=",
-    sp.StrictLessThan: "<",
-    sp.LessThan: "<=",
-    sp.StrictGreaterThan: ">",
-    sp.GreaterThan: ">=",
-    sp.Equality: "==",
-    sp.Unequality: "!=",
-}
+RELATIONS = {sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">=", sp.Eq: "==", sp.Ne: "!="}
 LOGIC = {sp.And: "tf.logical_and", sp.Or: "tf.logical_or"}
 
 

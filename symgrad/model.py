@@ -48,6 +48,7 @@ from .parse import (
 from .spec import OpSpec
 
 Index = sp.Symbol
+RELATIONS = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
 DEFAULT_SIZE = 64  # an index's typical size when the spec gives none
 
 
@@ -561,20 +562,12 @@ class _Builder:
             if node.op == "not":
                 return sp.Not(args[0])
             return sp.And(*args) if node.op == "and" else sp.Or(*args)
-        relation = {
-            "<": sp.Lt,
-            "<=": sp.Le,
-            ">": sp.Gt,
-            ">=": sp.Ge,
-            "==": sp.Eq,
-            "!=": sp.Ne,
-        }
         if node.on_indices:
             values = [self.index_value(o, scope) for o in node.operands]
         else:
             values = [self.pointwise(o, scope) for o in node.operands]
         parts = [
-            relation[op](left, right, evaluate=False)
+            RELATIONS[op](left, right, evaluate=False)
             for op, left, right in zip(node.ops, values, values[1:], strict=False)
         ]
         return parts[0] if len(parts) == 1 else sp.And(*parts)
