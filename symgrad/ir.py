@@ -106,8 +106,29 @@ class List:
     items: tuple[Expr, ...]
 
 
+@dataclass(frozen=True)
+class Cond:
+    """`tf.cond(predicate, lambda: then, lambda: otherwise)`: only the branch taken runs."""
+
+    predicate: Expr
+    then: Expr
+    otherwise: Expr
+
+
 Expr = (
-    Lit | Var | DType | AxisSize | FloatSize | View | Call | Einsum | Binary | Negate | Shape | List
+    Lit
+    | Var
+    | DType
+    | AxisSize
+    | FloatSize
+    | View
+    | Call
+    | Einsum
+    | Binary
+    | Negate
+    | Shape
+    | List
+    | Cond
 )
 
 
@@ -202,6 +223,8 @@ def names_in(e: Expr) -> set[str]:
     if isinstance(e, Call):
         parts = [*e.args, *(v for _, v in e.keywords)]
         return set().union(*(names_in(a) for a in parts))
+    if isinstance(e, Cond):
+        return names_in(e.predicate) | names_in(e.then) | names_in(e.otherwise)
     return set()
 
 

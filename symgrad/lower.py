@@ -1035,9 +1035,6 @@ class Lowerer:
         rank = self.program.rank(gather.source)
         plain = [n for n in range(rank) if n not in computed]
         flat, valid, inner = self.gather_plan(body, level)
-        index = flat
-        if valid is not None:
-            index = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
         source: ir.Expr = ir.Var(body.tensors[gather.source])
         if len(computed) == 1:
             axis = computed[0]
@@ -1057,10 +1054,36 @@ class Lowerer:
             dims += [(self.axis_size(body, gather.source, n),) for n in plain]
             source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
             axis = 0
-        value = ir.Call("tf.gather", (source, index), (("axis", ir.Lit(str(axis))),))
+
+        def read(index: ir.Expr) -> ir.Expr:
+            return ir.Call("tf.gather", (source, index), (("axis", ir.Lit(str(axis))),))
+
         if valid is None:
-            return value
-        return self.zero_outside(body, ir.Var(body.bind(value)), valid, inner, level.indices)
+            return read(flat)
+        if self.looks_up(gather):
+            if not _is_simple(source):  # read by both branches
+                source = ir.Var(body.bind(source))
+            # Positions from index tensors are nearly always in bounds: mask only when
+            # some are not (the mask is a second pass over everything read).
+            masked = self.zero_outside(
+                body, read(self.clipped(flat, valid)), valid, inner, level.indices
+            )
+            return ir.Cond(self.all_in_bounds(body, valid), read(flat), masked)
+        index = ir.Var(body.bind(self.clipped(flat, valid)))
+        return self.zero_outside(body, ir.Var(body.bind(read(index))), valid, inner, level.indices)
+
+    @staticmethod
+    def looks_up(gather) -> bool:
+        """Whether a gather reads at positions taken from index tensors."""
+        return any(gather.positions[n].atoms(sp.Indexed) for n in gather.computed)
+
+    @staticmethod
+    def clipped(flat: ir.Expr, valid: ir.Expr) -> ir.Expr:
+        """Positions with those out of bounds sent to 0 (TF's CPU gather raises on them)."""
+        return ir.Call("tf.where", (valid, flat, ir.Lit("0")))
+
+    def all_in_bounds(self, body: _Body, valid: ir.Expr) -> ir.Expr:
+        return ir.Var(body.bind(ir.Call("tf.reduce_all", (valid,))))
 
     def zero_outside(self, body: _Body, value: ir.Expr, valid: ir.Expr, inner, indices):
         """`value` (axes `indices`) with zeros where its reads were out of bounds (`valid`,
@@ -1086,9 +1109,11 @@ class Lowerer:
         flat, valid, inner = self.gather_plan(body, level)
         grad: ir.Expr = ir.Var(body.tensors[grad_name(level.name)])
         rank = self.program.rank(gather.source)
-        if valid is not None:
-            grad = ir.Var(body.bind(self.zero_outside(body, grad, valid, inner, level.indices)))
-            flat = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("0")))))
+        if valid is not None:  # as in `gather`: mask only when some read is out of bounds
+            inside = self.all_in_bounds(body, valid)
+            masked = self.zero_outside(body, grad, valid, inner, level.indices)
+            grad = ir.Var(body.bind(ir.Cond(inside, grad, masked)))
+            flat = ir.Var(body.bind(ir.Cond(inside, flat, self.clipped(flat, valid))))
         rows = [
             ir.Lit("-1"),
             *(ir.Var(self.axis_size(body, gather.source, n)) for n in range(1, rank)),
@@ -1651,6 +1676,8 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
             return ir.Negate(walk(e.operand))
         if isinstance(e, ir.List):
             return ir.List(tuple(walk(a) for a in e.items))
+        if isinstance(e, ir.Cond):
+            return ir.Cond(walk(e.predicate), walk(e.then), walk(e.otherwise))
         return e
 
     steps = []

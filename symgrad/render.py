@@ -80,6 +80,10 @@ def code(e: ir.Expr, in_module: bool = False) -> str:
             f"{k}={code(v, in_module)}" for k, v in e.keywords
         ]
         return f"{e.function}({', '.join(parts)})"
+    if isinstance(e, ir.Cond):
+        predicate = code(e.predicate, in_module)
+        then, otherwise = code(e.then, in_module), code(e.otherwise, in_module)
+        return f"tf.cond({predicate}, lambda: {then}, lambda: {otherwise})"
     if isinstance(e, ir.View):
         inner = code(e.operand, in_module)
         if e.perm is not None:
