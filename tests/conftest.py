@@ -1,4 +1,16 @@
-"""Shared pytest options. Only `--update-golden` for now (see tests/test_golden.py)."""
+"""Shared pytest options and fixtures: `--update-golden` (see tests/test_golden.py), and the
+test custom-op libraries of tests/custom_op/, compiled once per session."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CUSTOM_OPS = Path(__file__).resolve().parent / "custom_op"
+COMPILE_TIMEOUT_S = 600
 
 
 def pytest_addoption(parser):
@@ -9,3 +21,51 @@ def pytest_addoption(parser):
         help="rewrite tests/golden/<case>/expected/ from the current generator instead of "
         "comparing against it (review the result with `git diff tests/golden`)",
     )
+
+
+@pytest.fixture(scope="session")
+def op_library_path(tmp_path_factory):
+    """`op_library_path("window_ops")`: tests/custom_op/window_ops.cc compiled with g++ into
+    a shared library (once per session), its path; skips when there is no g++."""
+    tf = pytest.importorskip("tensorflow")
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name in built:
+            return built[name]
+        compiler = shutil.which("g++")
+        if compiler is None:
+            pytest.skip("g++ not found on PATH; cannot build a TensorFlow custom-op library")
+        source = CUSTOM_OPS / f"{name}.cc"
+        library = tmp_path_factory.mktemp(name) / f"{name}.so"
+        command = [
+            compiler,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wno-deprecated-declarations",
+            # TF's bundled Eigen uses std::hardware_destructive_interference_size, which
+            # makes GCC >= 12 print a page of -Winterference-size warnings.
+            "-Wno-interference-size",
+            *tf.sysconfig.get_compile_flags(),
+            str(source),
+            "-o",
+            str(library),
+            *tf.sysconfig.get_link_flags(),
+        ]
+        try:
+            proc = subprocess.run(
+                command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"compiling {source.name} timed out after {COMPILE_TIMEOUT_S} s")
+        if proc.returncode != 0:
+            pytest.fail(
+                f"compiling {source.name} failed (exit {proc.returncode})\n"
+                f"command: {' '.join(command)}\nstderr:\n{proc.stderr}",
+                pytrace=False,
+            )
+        built[name] = library
+        return library
+
+    return build

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import tensorflow as tf
-from reference import evaluate
 
 from symgrad.emit import module_text
 from symgrad.model import build
+from symgrad.reference import evaluate
 from symgrad.spec import OpSpec
 
 _counter = itertools.count()

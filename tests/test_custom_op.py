@@ -15,15 +15,13 @@ ops, ``BatchedMatMul`` and ``ScaledAdd``, *without* any gradient.  Importing
   (``WeightedSqErr``, ``SumAndProduct`` declare them in another order), and an op
   whose names, attrs or counts do not fit the formula (``PlainAdd``) is a clear error.
 
-The library is compiled once per session into pytest's tmp dir (~9 s).
+The library is compiled once per session (tests/conftest.py, ~9 s).
 """
 
 from __future__ import annotations
 
 import importlib
 import itertools
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,8 +40,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-OP_SOURCE = Path(__file__).resolve().parent / "custom_op" / "symgrad_test_ops.cc"
-COMPILE_TIMEOUT_S = 600
 _modules = itertools.count()
 
 # Gradients of the C++ op (loop kernel + generated gradient) and of the TF
@@ -56,44 +52,9 @@ ATOL = 1e-12
 
 
 @pytest.fixture(scope="module")
-def op_lib(tmp_path_factory):
-    """Compile tests/custom_op/symgrad_test_ops.cc and load it (once per module)."""
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("g++ not found on PATH; cannot build the TensorFlow custom-op library")
-    out_dir = tmp_path_factory.mktemp("symgrad_custom_op")
-    so_path = out_dir / "symgrad_test_ops.so"
-    cmd = [
-        cxx,
-        "-shared",
-        "-fPIC",
-        "-O2",
-        "-Wno-deprecated-declarations",
-        # TF's bundled Eigen uses std::hardware_destructive_interference_size,
-        # which makes GCC >= 12 print a page of -Winterference-size warnings.
-        "-Wno-interference-size",
-        *tf.sysconfig.get_compile_flags(),
-        str(OP_SOURCE),
-        "-o",
-        str(so_path),
-        *tf.sysconfig.get_link_flags(),
-    ]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"compiling {OP_SOURCE.name} timed out after {COMPILE_TIMEOUT_S}s\n"
-            f"command: {' '.join(cmd)}\nstderr:\n{exc.stderr}",
-            pytrace=False,
-        )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"compiling {OP_SOURCE.name} failed (exit {proc.returncode})\n"
-            f"command: {' '.join(cmd)}\nstderr:\n{proc.stderr}",
-            pytrace=False,
-        )
+def op_lib(op_library_path):
+    """tests/custom_op/symgrad_test_ops.cc, compiled and loaded (once per session)."""
+    so_path = op_library_path("symgrad_test_ops")
     return tf.load_op_library(str(so_path))
 
 

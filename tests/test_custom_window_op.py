@@ -6,8 +6,6 @@ and must match TF autodiff over an independent reference, eagerly and in a tf.fu
 from __future__ import annotations
 
 import importlib
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,32 +19,12 @@ from test_generated_ops import strided_conv1d
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-SOURCE = Path(__file__).resolve().parent / "custom_op" / "window_ops.cc"
 RNG = np.random.default_rng(5)
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("g++ not found on PATH; cannot build the custom-op library")
-    library = tmp_path_factory.mktemp("window_ops") / "window_ops.so"
-    command = [
-        compiler,
-        "-shared",
-        "-fPIC",
-        "-O2",
-        "-Wno-deprecated-declarations",
-        "-Wno-interference-size",
-        *tf.sysconfig.get_compile_flags(),
-        str(SOURCE),
-        "-o",
-        str(library),
-        *tf.sysconfig.get_link_flags(),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0:
-        pytest.fail(f"compiling {SOURCE.name} failed:\n{proc.stderr}", pytrace=False)
+def ops(op_library_path):
+    library = op_library_path("window_ops")
     importlib.import_module("generated.strided_conv1d")  # registers the gradients
     importlib.import_module("generated.embedding_lookup")
     return tf.load_op_library(str(library))

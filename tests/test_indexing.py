@@ -18,10 +18,10 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from harness import Case, check, generate, make_tensors, op_spec, reference
-from reference import evaluate
 
 from symgrad.errors import SymgradError
 from symgrad.model import build
+from symgrad.reference import evaluate
 
 
 @dataclass(frozen=True)

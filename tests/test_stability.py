@@ -11,9 +11,9 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from harness import Case, generate, op_spec
-from reference import evaluate
 
 from symgrad.model import build
+from symgrad.reference import evaluate
 
 
 def truth(case: Case, values: dict[str, np.ndarray], grad: np.ndarray):

@@ -1,4 +1,5 @@
-"""An independent TF evaluator of formulas: the oracle for numerical tests.
+"""An independent TF evaluator of formulas: the oracle of the numerical tests and of
+`symgrad check` without a library (generated `forward` against the formula itself).
 
 It reads the same typed AST as symgrad (the grammar is the contract) but shares nothing
 else: no canonical form, no lifting, no derivation, no einsum lowering. Every
@@ -13,6 +14,8 @@ input are masked to zero. Conditions are boolean tensors over their indices, `wh
 `tf.where` (select), and `max`/`min` over indices are `tf.reduce_max`/`tf.reduce_min`, so
 TF's autodiff splits the gradient of ties equally. Indices that no input axis reads plainly
 take their sizes from the caller (`sizes=`); nothing evaluates the spec's `ranges`.
+
+It imports TensorFlow, so only `symgrad check` and the tests import it: generation never does.
 """
 
 from __future__ import annotations
