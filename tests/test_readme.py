@@ -53,7 +53,7 @@ def test_readme_module_excerpt_is_the_generated_code():
 
 
 def test_readme_explain_excerpt_is_what_explain_prints(capsys):
-    (block,) = blocks("console")
+    (block,) = [b for b in blocks("console") if b.startswith("$ symgrad explain")]
     command, excerpt = block.split("\n", 1)
     formula = re.fullmatch(r'\$ symgrad explain "(.*)"', command).group(1)
     assert main(["explain", formula]) == 0
