@@ -1113,7 +1113,7 @@ class Lowerer:
             inside = self.all_in_bounds(body, valid)
             masked = self.zero_outside(body, grad, valid, inner, level.indices)
             grad = ir.Var(body.bind(ir.Cond(inside, grad, masked)))
-            flat = ir.Var(body.bind(ir.Cond(inside, flat, self.clipped(flat, valid))))
+            flat = ir.Var(body.bind(self.clipped(flat, valid)))  # small: one cond is enough
         rows = [
             ir.Lit("-1"),
             *(ir.Var(self.axis_size(body, gather.source, n)) for n in range(1, rank)),
