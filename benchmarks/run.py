@@ -50,7 +50,7 @@ GEN_TIMER = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from symgrad.spec import load_spec
-from symgrad.emit import module_text
+from symgrad.pipeline import module_text
 t_import = time.perf_counter() - t0
 spec = load_spec(sys.argv[1])
 times = {}

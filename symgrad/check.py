@@ -33,9 +33,10 @@ import numpy as np
 import sympy as sp
 
 from . import indexing
-from .emit import intact, module_text
+from .emit import intact
 from .errors import SymgradError
 from .model import Program, build
+from .pipeline import module_text
 from .spec import OpSpec, Spec, snake_case
 
 DTYPES = ("float64", "float32")

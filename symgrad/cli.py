@@ -14,11 +14,13 @@ import traceback
 from pathlib import Path
 
 from . import __version__
-from .emit import diff, generate, plan, write
+from .emit import diff, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
 from .model import build
-from .spec import OpSpec, load_spec, output_folder
+from .pipeline import generate
+from .spec import OpSpec, load_spec, output_folder, spec_targets
+from .targets import TARGETS
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
 EXIT_FAILED = 1  # symgrad check: a check failed
@@ -41,7 +43,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "spec", nargs="?", default="symgrad.toml", metavar="SPEC", help="spec file (symgrad.toml)"
     )
-    gen.add_argument("--out", metavar="DIR", help="output folder (overrides `out` in the spec)")
+    gen.add_argument(
+        "--target",
+        dest="targets",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"generate for this framework only (repeatable; {', '.join(TARGETS)}); default: "
+        "every target of the spec's [targets], else tensorflow",
+    )
+    gen.add_argument(
+        "--out",
+        metavar="DIR",
+        help="output folder (overrides the spec's; only with one target selected)",
+    )
     gen.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 naming each stale file"
     )
@@ -125,23 +140,50 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     spec = load_spec(args.spec)
-    out = Path(args.out) if args.out else output_folder(spec)
-    files = generate(spec)
-    changes = plan(files, out)
-    if args.check or args.diff:
-        return _report(changes, out, len(files), show_diff=args.diff)
-    if changes.edited and not args.force:
-        names = ", ".join(str(out / name) for name in changes.edited)
+    targets = _selected_targets(spec, args.targets)
+    if args.out and len(targets) > 1:
         raise SymgradError(
-            f"{names}: changed by hand since symgrad generated it (its hash no longer "
-            "matches); edit the spec instead, or pass --force to overwrite"
+            f"--out names one folder, and {len(targets)} targets are selected "
+            f"({', '.join(targets)}); pick one with --target",
+            where=spec.path,
         )
-    write(changes, out)
-    for change in changes.changes:
-        print(f"{ACTIONS[change.action]:>7} {out / change.name}")
-    if not changes.changes:
-        print(f"{out}: up to date ({len(files)} files)")
+    # Everything is generated and planned before the first write: all or nothing.
+    work = []
+    for target in targets:
+        out = Path(args.out) if args.out else output_folder(spec, target)
+        files = generate(spec, target)
+        work.append((out, files, plan(files, out)))
+    if args.check or args.diff:
+        codes = [_report(c, out, len(files), show_diff=args.diff) for out, files, c in work]
+        return max(codes)
+    edited = [str(out / name) for out, _, changes in work for name in changes.edited]
+    if edited and not args.force:
+        raise SymgradError(
+            f"{', '.join(edited)}: changed by hand since symgrad generated it (its hash no "
+            "longer matches); edit the spec instead, or pass --force to overwrite"
+        )
+    for out, files, changes in work:
+        write(changes, out)
+        for change in changes.changes:
+            print(f"{ACTIONS[change.action]:>7} {out / change.name}")
+        if not changes.changes:
+            print(f"{out}: up to date ({len(files)} files)")
     return EXIT_OK
+
+
+def _selected_targets(spec, named: list[str]) -> tuple[str, ...]:
+    """--target NAME..., else every target of the spec's `[targets]` (else TensorFlow)."""
+    if not named:
+        return spec_targets(spec)
+    for name in named:
+        if name not in TARGETS:
+            raise SymgradError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
+    if spec.targets and (missing := [n for n in named if n not in spec_targets(spec)]):
+        raise SymgradError(
+            f"target {missing[0]} is not in the spec's [targets] ({', '.join(spec_targets(spec))})",
+            where=spec.path,
+        )
+    return tuple(dict.fromkeys(named))
 
 
 ACTIONS = {"create": "created", "update": "updated", "delete": "deleted"}
@@ -210,7 +252,12 @@ def _check(args) -> int:
     from .check import as_json, render_table, run  # imports TensorFlow when it runs
 
     spec = load_spec(args.spec)
-    out = Path(args.out) if args.out else output_folder(spec)
+    if "tensorflow" not in spec_targets(spec):
+        raise SymgradError(
+            "symgrad check runs the TensorFlow modules; add tensorflow to `[targets]`",
+            where=spec.path,
+        )
+    out = Path(args.out) if args.out else output_folder(spec, "tensorflow")
     report = run(
         spec,
         out,

@@ -1,66 +1,29 @@
-"""Stage 7: formatted, validated module texts -> the output folder.
+"""Stage 7: module texts (from `pipeline.generate`) -> the output folder.
 
-`generate` is pure (spec in, `{file name: text}` out; ruff formats the text through a pipe);
-`plan` compares that with the folder and decides, before anything is written, what would
-change; `write` is the only function here that touches the disk. Generation is
-all-or-nothing: every op is generated and every conflict found before the first write,
-and each file is replaced atomically (temporary file in the same folder + `os.replace`).
+`plan` compares the texts with the folder and decides, before anything is written, what
+would change; `write` is the only function in symgrad that touches the disk. Generation is
+all-or-nothing: every op of every target is generated and every conflict found before the
+first write, and each file is replaced atomically (temporary file in the same folder +
+`os.replace`).
 """
 
 from __future__ import annotations
 
-import ast
 import difflib
 import os
 import re
 import stat
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SymgradError
-from .lower import lower
-from .model import build
-from .render import HEADER, content_hash, render
-from .spec import Spec, snake_case
+from .pipeline import INIT, PLACEHOLDER
+from .render import HEADER, content_hash
 
 HASH_LINE = re.compile(r"^# hash: (sha256:[0-9a-f]+)$", re.MULTILINE)
 # The spec a generated file came from: `# source: a.toml [ops.X]`, or `# source: a.toml`.
 SOURCE_LINE = re.compile(r"^# source: (.*?)(?: \[ops\.[A-Za-z0-9_]+\])?$", re.MULTILINE)
-PLACEHOLDER = "{content_hash}"
-INIT = "__init__.py"
-
-
-def _ruff() -> str:
-    try:
-        from ruff.__main__ import find_ruff_bin
-
-        return str(find_ruff_bin())
-    except (ImportError, FileNotFoundError):  # pragma: no cover - ruff is a dependency
-        return "ruff"
-
-
-def format_source(source: str, name: str) -> str:
-    """Format with ruff's default style, so generated code looks hand-written."""
-    try:
-        result = subprocess.run(
-            [_ruff(), "format", "--isolated", "--stdin-filename", name, "-"],
-            input=source,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except OSError as exc:
-        raise SymgradError(f"cannot run ruff to format {name}: {exc.strerror}") from None
-    if result.returncode != 0:
-        raise SymgradError(f"ruff could not format {name}: {result.stderr.strip()}")
-    return result.stdout
-
-
-def stamp(text: str) -> str:
-    """Fill in the hash line of a module whose hash line holds the placeholder."""
-    return text.replace(f"# hash: {PLACEHOLDER}", f"# hash: {content_hash(text)}", 1)
 
 
 def intact(text: str) -> bool:
@@ -70,73 +33,6 @@ def intact(text: str) -> bool:
         return False
     unstamped = text.replace(f"# hash: {match.group(1)}", f"# hash: {PLACEHOLDER}", 1)
     return content_hash(unstamped) == match.group(1)
-
-
-def module_text(op, source_name: str) -> str:
-    """One op's module: build, lower, render, format, validate, stamp."""
-    program = build(op)
-    module = lower(program)
-    name = f"{snake_case(op.name)}.py"
-    source = render(module)
-    source = source.replace(f"# source: {op.source}", f"# source: {_source_line(op, source_name)}")
-    formatted = format_source(source, name)
-    try:
-        compile(formatted, name, "exec")
-    except SyntaxError as exc:  # pragma: no cover - would be a symgrad bug
-        raise SymgradError(f"generated code for {op.name} does not compile: {exc}") from None
-    _check_structure(formatted, op.name)
-    return stamp(formatted)
-
-
-def _check_structure(source: str, op_name: str) -> None:
-    """A second line of defence behind the parser: the module is a docstring, imports,
-    assignments and definitions, and one `_register()` call -- nothing else runs."""
-    body = ast.parse(source).body
-    allowed = (ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef)
-    docstring = body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-    for statement in body[1 if docstring else 0 :]:
-        is_register = (
-            isinstance(statement, ast.Expr)
-            and isinstance(statement.value, ast.Call)
-            and isinstance(statement.value.func, ast.Name)
-            and statement.value.func.id == "_register"
-            and not statement.value.args
-        )
-        if not isinstance(statement, allowed) and not is_register:
-            raise SymgradError(  # pragma: no cover - would be a symgrad bug
-                f"generated code for {op_name} has an unexpected top-level statement "
-                f"(line {statement.lineno}); refusing to write it"
-            )
-
-
-def _source_line(op, source_name: str) -> str:
-    return f"{source_name} [ops.{op.name}]"
-
-
-def package_init(spec: Spec, source_name: str) -> str:
-    modules = [(snake_case(op.name), op.name) for op in spec.ops]
-    lines = [
-        HEADER,
-        f"# source: {source_name}",
-        f"# hash: {PLACEHOLDER}",
-        '"""Gradient modules generated by symgrad; importing one registers its gradient.',
-        "",
-        *(f"    {module}: {op}" for module, op in modules),
-        '"""',
-        "",
-        f"__all__ = {[m for m, _ in modules]!r}",
-        "",
-    ]
-    text = format_source("\n".join(lines), "__init__.py")
-    return stamp(text)
-
-
-def generate(spec: Spec) -> dict[str, str]:
-    """Every file of the output package, in memory. Raises SymgradError on bad input."""
-    source_name = Path(spec.path).name
-    files = {f"{snake_case(op.name)}.py": module_text(op, source_name) for op in spec.ops}
-    files[INIT] = package_init(spec, source_name)
-    return dict(sorted(files.items()))
 
 
 # ----------------------------------------------------------------------------- the folder
@@ -292,4 +188,4 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
-__all__ = ["Change", "Plan", "diff", "generate", "intact", "plan", "write"]
+__all__ = ["Change", "Plan", "diff", "intact", "plan", "write"]

@@ -1,6 +1,7 @@
 """The lowered program: small frozen dataclasses that templates turn into Python.
 
-Nothing here knows SymPy. An `Expr` is a TensorFlow expression tree; a `Step` binds one
+Nothing here knows SymPy or a framework. An `Expr` is a tree of neutral tensor ops
+(`OPS`), which each target's printer spells in its framework; a `Step` binds one
 expression to a name; a `Block` is a straight-line function body. Frozen dataclasses are
 hashable, which is how lowering computes a common subexpression once.
 """
@@ -61,9 +62,75 @@ class View:
     slots: tuple[int | None, ...]
 
 
+# The neutral ops a `Call` may name. Their semantics are those of the TensorFlow function
+# of the same meaning (axis conventions, broadcasting, NHWC for convolutions); each
+# target's printer spells them in its framework (`targets/`).
+OPS = {
+    # elementwise
+    "abs": "|x|",
+    "cos": "cos x",
+    "cosh": "cosh x",
+    "erf": "erf x",
+    "exp": "e^x",
+    "is_finite": "x is neither inf nor nan",
+    "log": "natural log",
+    "logical_and": "a and b",
+    "logical_not": "not a",
+    "logical_or": "a or b",
+    "maximum": "max(a, b), broadcast",
+    "minimum": "min(a, b), broadcast",
+    "rsqrt": "1 / sqrt(x)",
+    "sigmoid": "1 / (1 + e^-x)",
+    "sign": "-1, 0 or 1",
+    "sin": "sin x",
+    "sinh": "sinh x",
+    "softplus": "log(1 + e^x)",
+    "sqrt": "sqrt x",
+    "square": "x^2",
+    "tan": "tan x",
+    "tanh": "tanh x",
+    "where": "where(condition, a, b), broadcast",
+    "cast": "cast(x, dtype): to the computation dtype (the variable `dtype`)",
+    "to_int64": "to_int64(x): positions in int64 (an int64 id must not wrap in int32)",
+    # shapes and layout
+    "broadcast_to": "broadcast_to(x, shape)",
+    "eye": "eye(n, dtype=): the identity matrix",
+    "pad": "pad(x, [[before, after] per axis]) with zeros",
+    "range": "range(n): 0, 1, .., n-1",
+    "reshape": "reshape(x, shape)",
+    "shape": "shape(x): the sizes, as an int32 vector",
+    "slice": "slice(x, begin, size) with size -1 to the end",
+    "squeeze": "squeeze(x, axis=k)",
+    "tile": "tile(x, multiples)",
+    "transpose": "transpose(x, perm)",
+    "zeros": "zeros(shape, dtype=)",
+    "zeros_like": "zeros_like(x)",
+    # reductions and scans (axis=, keepdims=)
+    "cumsum": "cumsum(x, axis=, exclusive=, reverse=)",
+    "log_softmax": "log_softmax(x, axis=)",
+    "reduce_all": "reduce_all(x): every element true",
+    "reduce_logsumexp": "log sum exp over axis=, keepdims=",
+    "reduce_max": "max over axis=, keepdims=",
+    "reduce_mean": "mean over axis=, keepdims=",
+    "reduce_min": "min over axis=, keepdims=",
+    "reduce_sum": "sum over axis=, keepdims=",
+    "softmax": "softmax(x, axis=)",
+    # reads at computed positions and their transposes
+    "gather": "gather(x, positions, axis=k): positions (any shape) replace axis k",
+    "segment_sum": "segment_sum(data, ids, n): rows of data added at ids < n; ids < 0 dropped",
+    "sparse_rows": "sparse_rows(values, rows, shape): a gradient as rows (IndexedSlices)",
+    # convolutions (NHWC / NDHWC, VALID padding)
+    "convolution": "convolution(x, w, strides=, padding=)",
+    "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
+    "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
+    "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",
+    "conv3d_backprop_input": "Conv3DBackpropInputV2(input_sizes=, filter=, out_backprop=, ..)",
+}
+
+
 @dataclass(frozen=True)
 class Call:
-    """`function(args...)`, e.g. `tf.exp(x)`; `keywords` are rendered as `k=v`."""
+    """`function(args...)` for a neutral op of `OPS`; `keywords` are rendered as `k=v`."""
 
     function: str
     args: tuple[Expr, ...]

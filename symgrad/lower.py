@@ -28,7 +28,7 @@ import sympy as sp
 
 from . import functions as fn
 from . import indexing, ir, patterns
-from .derive import Backward, Contribution, Scatter, derive, fresh_indices, grad_name
+from .derive import Backward, Contribution, Scatter, fresh_indices, grad_name
 from .indexing import IOTA
 from .model import Index, Level, Program, index_of_size, tensor
 from .notation import gradient_lines
@@ -42,24 +42,24 @@ REPRESENTATIVE_SIZE = 64  # per index, for choosing contraction orders
 MAX_EXPANDED_TERMS = 32
 
 UNARY = {
-    sp.exp: "tf.exp",
-    sp.log: "tf.math.log",
-    sp.sin: "tf.sin",
-    sp.cos: "tf.cos",
-    sp.tan: "tf.tan",
-    sp.tanh: "tf.tanh",
-    sp.sinh: "tf.sinh",
-    sp.cosh: "tf.cosh",
-    sp.Abs: "tf.abs",
-    sp.sign: "tf.sign",
-    sp.erf: "tf.math.erf",
-    fn.sigmoid: "tf.sigmoid",
-    fn.softplus: "tf.nn.softplus",
+    sp.exp: "exp",
+    sp.log: "log",
+    sp.sin: "sin",
+    sp.cos: "cos",
+    sp.tan: "tan",
+    sp.tanh: "tanh",
+    sp.sinh: "sinh",
+    sp.cosh: "cosh",
+    sp.Abs: "abs",
+    sp.sign: "sign",
+    sp.erf: "erf",
+    fn.sigmoid: "sigmoid",
+    fn.softplus: "softplus",
 }
-BINARY = {fn.maximum: "tf.maximum", fn.minimum: "tf.minimum"}
+BINARY = {fn.maximum: "maximum", fn.minimum: "minimum"}
 MASKS = {fn.step_ge: ">=", fn.step_le: "<=", fn.step_eq: "=="}
 RELATIONS = {sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">=", sp.Eq: "==", sp.Ne: "!="}
-LOGIC = {sp.And: "tf.logical_and", sp.Or: "tf.logical_or"}
+LOGIC = {sp.And: "logical_and", sp.Or: "logical_or"}
 
 
 @dataclass
@@ -100,9 +100,9 @@ def _plain(name: str) -> str:
 class Lowerer:
     """Lowers one op's Program (and its Backward) into an `ir.Module`."""
 
-    def __init__(self, program: Program, backward: Backward | None = None) -> None:
+    def __init__(self, program: Program, backward: Backward) -> None:
         self.program = program
-        self.backward = backward if backward is not None else derive(program)
+        self.backward = backward
         # Where each index's size can be read: index -> (input, axis), or an integer
         # expression (an extent: from `ranges`, or inferred).
         self.size_of: dict[Index, tuple[str, int] | sp.Expr] = {
@@ -156,7 +156,7 @@ class Lowerer:
         part (an int64 id must not wrap around in int32 arithmetic), else as it is."""
         if not self.program.index_inputs:
             return size
-        return ir.Call("tf.cast", (size, ir.Lit("tf.int64")))
+        return ir.Call("to_int64", (size,))
 
     def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
         """The variable holding the size of one axis of an input."""
@@ -195,7 +195,7 @@ class Lowerer:
         perm = None if order == labels else tuple(labels.index(i) for i in order)
         slots = tuple(order.index(i) if i in order else None for i in target)
         multiples = tuple(("1",) if i in order else (self.index_size(body, i),) for i in target)
-        return ir.Call("tf.tile", (ir.View(operand, perm, slots), ir.Shape(multiples)))
+        return ir.Call("tile", (ir.View(operand, perm, slots), ir.Shape(multiples)))
 
     # -- pointwise expressions ----------------------------------------------------------
 
@@ -219,7 +219,7 @@ class Lowerer:
             return ir.Lit(repr(float(e)))
         if e == fn.NEG_INF:
             body.uses_dtype = True
-            return ir.Call("tf.cast", (ir.Lit('float("-inf")'), ir.Var("dtype")))
+            return ir.Call("cast", (ir.Lit('float("-inf")'), ir.Var("dtype")))
         if isinstance(e, sp.Symbol):
             index = index_of_size(e)
             if index is not None:
@@ -263,11 +263,11 @@ class Lowerer:
                 return ir.Binary("/", ir.Lit("1"), self.expr(body, base, target))
             inner = self.expr(body, base, target)
             if exponent == 2:
-                return ir.Call("tf.square", (inner,))
+                return ir.Call("square", (inner,))
             if exponent == sp.Rational(1, 2):
-                return ir.Call("tf.sqrt", (inner,))
+                return ir.Call("sqrt", (inner,))
             if exponent == -sp.Rational(1, 2):
-                return ir.Call("tf.math.rsqrt", (inner,))
+                return ir.Call("rsqrt", (inner,))
             return ir.Binary("**", inner, self.expr(body, exponent, target))
         if isinstance(e, sp.exp):
             softmax = self.softmax(body, e, target)
@@ -277,9 +277,9 @@ class Lowerer:
             cond, then, otherwise = e.args
             if then == 1 and otherwise == 0:  # a mask
                 body.uses_dtype = True
-                return ir.Call("tf.cast", (self.condition(body, cond, target), ir.Var("dtype")))
+                return ir.Call("cast", (self.condition(body, cond, target), ir.Var("dtype")))
             return ir.Call(
-                "tf.where",
+                "where",
                 (
                     self.condition(body, cond, target),
                     self.value(body, then, target),
@@ -297,7 +297,7 @@ class Lowerer:
                 return ir.Call(BINARY[func], args)
             if func in MASKS:
                 body.uses_dtype = True
-                return ir.Call("tf.cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
+                return ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
         raise AssertionError(f"cannot lower {e!r}")
 
     def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
@@ -307,7 +307,7 @@ class Lowerer:
         result = self.expr(body, e, target)
         if not ir.names_in(result) or e.is_number:
             body.uses_dtype = True
-            return ir.Call("tf.cast", (result, ir.Var("dtype")))
+            return ir.Call("cast", (result, ir.Var("dtype")))
         return result
 
     def condition(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
@@ -315,7 +315,7 @@ class Lowerer:
         if cond is sp.true or cond is sp.false:
             return ir.Lit(repr(bool(cond)))
         if isinstance(cond, sp.Not):
-            return ir.Call("tf.logical_not", (self.condition(body, cond.args[0], target),))
+            return ir.Call("logical_not", (self.condition(body, cond.args[0], target),))
         for kind, function in LOGIC.items():
             if isinstance(cond, kind):
                 parts = [self.condition(body, a, target) for a in cond.args]
@@ -365,7 +365,7 @@ class Lowerer:
                 operand = self.expr(body, sp.Add(*logits), order)
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
-                call = ir.Call("tf.nn.log_softmax", (operand,), (("axis", ir.Lit("-1")),))
+                call = ir.Call("log_softmax", (operand,), (("axis", ir.Lit("-1")),))
                 parts.append(self.align(body, ir.Var(body.bind(call)), order, target))
             else:
                 u = self.expr(body, sp.Add(*logits), target)
@@ -388,20 +388,20 @@ class Lowerer:
         softmax the gradient needs (as TF's tape keeps it); `gradient(op)` recomputes
         that softmax with one fused `tf.nn.softmax` instead."""
         last = (("axis", ir.Lit("-1")), ("keepdims", ir.Lit("True")))
-        peak = body.bind(ir.Call("tf.reduce_max", (operand,), last))
+        peak = body.bind(ir.Call("reduce_max", (operand,), last))
         # A row that is all -inf (every entry masked): log 0 = -inf, as tf.reduce_logsumexp.
-        finite = ir.Call("tf.math.is_finite", (ir.Var(peak),))
+        finite = ir.Call("is_finite", (ir.Var(peak),))
         peak = body.bind(
-            ir.Call("tf.where", (finite, ir.Var(peak), ir.Call("tf.zeros_like", (ir.Var(peak),))))
+            ir.Call("where", (finite, ir.Var(peak), ir.Call("zeros_like", (ir.Var(peak),))))
         )
-        shifted = body.bind(ir.Call("tf.exp", (ir.Binary("-", operand, ir.Var(peak)),)))
-        total = body.bind(ir.Call("tf.reduce_sum", (ir.Var(shifted),), last))
+        shifted = body.bind(ir.Call("exp", (ir.Binary("-", operand, ir.Var(peak)),)))
+        total = body.bind(ir.Call("reduce_sum", (ir.Var(shifted),), last))
         softmax = body.bind(ir.Binary("/", ir.Var(shifted), ir.Var(total)))
-        fused = ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),))
+        fused = ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),))
         body.memo[fused] = softmax
         body.recompute[softmax] = fused
-        value = ir.Binary("+", ir.Call("tf.math.log", (ir.Var(total),)), ir.Var(peak))
-        return ir.Call("tf.squeeze", (value,), (("axis", ir.Lit("-1")),))
+        value = ir.Binary("+", ir.Call("log", (ir.Var(total),)), ir.Var(peak))
+        return ir.Call("squeeze", (value,), (("axis", ir.Lit("-1")),))
 
     def softmax(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr | None:
         """`exp(u - L)` with `L = log Σ_m exp(u)`: one fused `tf.nn.softmax(u)` over m.
@@ -429,7 +429,7 @@ class Lowerer:
                 operand = self.expr(body, logits, order)
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
-                weights = body.bind(ir.Call("tf.nn.softmax", (operand,), (("axis", ir.Lit("-1")),)))
+                weights = body.bind(ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),)))
                 return self.align(body, ir.Var(weights), order, target)
         return None
 
@@ -440,10 +440,10 @@ class Lowerer:
         if name == IOTA:  # the value of an index: 0, 1, ..., size - 1
             (label,) = labels
             size = self.position_int(ir.Var(self.index_size(body, label)))
-            operand = ir.Var(body.bind(ir.Call("tf.range", (size,))))
+            operand = ir.Var(body.bind(ir.Call("range", (size,))))
             return self.align(body, operand, labels, target)
         if name in self.program.index_inputs:  # compared and added with tf.range values
-            operand = ir.Var(body.bind(ir.Call("tf.cast", (ir.Var(name), ir.Lit("tf.int64")))))
+            operand = ir.Var(body.bind(ir.Call("to_int64", (ir.Var(name),))))
             return self.align(body, operand, labels, target)
         operand: ir.Expr = ir.Var(body.tensors[name])
         if len(set(labels)) != len(labels):
@@ -509,7 +509,7 @@ class Lowerer:
             return None
         if other.base.label.name == conv.filter:  # the forward term
             value = ir.Call(
-                "tf.nn.convolution",
+                "convolution",
                 (self.window(body, conv), ir.Var(body.tensors[conv.filter])),
                 (
                     ("strides", self.strides(conv, full=False)),
@@ -577,10 +577,10 @@ class Lowerer:
         bounds = self.window_bounds(body, conv)
         zero = ir.List((ir.Lit("0"), ir.Lit("0")))
         paddings = ir.List((zero, *(ir.List((lo, hi)) for lo, hi, *_ in bounds), zero))
-        padded = ir.Var(body.bind(ir.Call("tf.pad", (ir.Var(body.tensors[conv.source]), paddings))))
+        padded = ir.Var(body.bind(ir.Call("pad", (ir.Var(body.tensors[conv.source]), paddings))))
         begin = ir.List((ir.Lit("0"), *(b[2] for b in bounds), ir.Lit("0")))
         size = ir.List((ir.Lit("-1"), *(b[3] for b in bounds), ir.Lit("-1")))
-        return ir.Call("tf.slice", (padded, begin, size))
+        return ir.Call("slice", (padded, begin, size))
 
     def backprop(self, body: _Body, conv, grad: ir.Expr, *, filter_gradient: bool) -> ir.Expr:
         """TF's backprop kernel for the filter or for the window of x (1-D runs as 2-D
@@ -593,13 +593,12 @@ class Lowerer:
             weights = ir.View(weights, None, (None, 0, 1, 2))
             grad = ir.View(grad, None, (0, None, 1, 2))
         rank = "3D" if len(conv.spatial) == 3 else "2D"
-        version = "V2" if rank == "3D" else ""
         if filter_gradient:
-            kernel = f"tf.raw_ops.Conv{rank}BackpropFilter{version}"
-            first = (("input", window), ("filter_sizes", ir.Call("tf.shape", (weights,))))
+            kernel = f"conv{rank.lower()}_backprop_filter"
+            first = (("input", window), ("filter_sizes", ir.Call("shape", (weights,))))
         else:
-            kernel = f"tf.raw_ops.Conv{rank}BackpropInput{version}"
-            first = (("input_sizes", ir.Call("tf.shape", (window,))), ("filter", weights))
+            kernel = f"conv{rank.lower()}_backprop_input"
+            first = (("input_sizes", ir.Call("shape", (window,))), ("filter", weights))
         value: ir.Expr = ir.Call(
             kernel,
             (),
@@ -612,7 +611,7 @@ class Lowerer:
         )
         if flat:  # the added axis: 0 of the filter's shape, 1 of the input's
             axis = "0" if filter_gradient else "1"
-            value = ir.Call("tf.squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit(axis)),))
+            value = ir.Call("squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit(axis)),))
         return value
 
     def convolution_input_gradient(self, body: _Body, conv) -> ir.Expr:
@@ -623,10 +622,10 @@ class Lowerer:
         bounds = self.window_bounds(body, conv)
         zero = ir.List((ir.Lit("0"), ir.Lit("0")))
         paddings = [ir.List((start, after)) for _, _, start, _, _, after in bounds]
-        padded = ir.Var(body.bind(ir.Call("tf.pad", (value, ir.List((zero, *paddings, zero))))))
+        padded = ir.Var(body.bind(ir.Call("pad", (value, ir.List((zero, *paddings, zero))))))
         begin = ir.List((ir.Lit("0"), *(b[0] for b in bounds), ir.Lit("0")))
         size = ir.List((ir.Lit("-1"), *(b[4] for b in bounds), ir.Lit("-1")))
-        return ir.Call("tf.slice", (padded, begin, size))
+        return ir.Call("slice", (padded, begin, size))
 
     def prefix_sum(self, body, e, summed, out, eyes):
         """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n
@@ -669,7 +668,7 @@ class Lowerer:
             keywords.append(("exclusive", ir.Lit("True")))
         if op in (">", ">="):
             keywords.append(("reverse", ir.Lit("True")))
-        total = ir.Call("tf.cumsum", (value,), tuple(keywords))
+        total = ir.Call("cumsum", (value,), tuple(keywords))
         return total, tuple(i if j == k else j for j in axes)
 
     def same_size(self, i: Index, k: Index) -> bool:
@@ -708,7 +707,7 @@ class Lowerer:
         center_labels = tuple(i for i in first.indices if i in common)
         points = ir.Var(body.tensors[first.base.label.name])
         center = ir.Var(
-            body.bind(ir.Call("tf.reduce_mean", (points,), (("axis", ir.Lit(repr(axes))),)))
+            body.bind(ir.Call("reduce_mean", (points,), (("axis", ir.Lit(repr(axes))),)))
         )
         mapping = {}
         for access in found:
@@ -788,7 +787,7 @@ class Lowerer:
         for left, right in eyes:
             eye = body.bind(
                 ir.Call(
-                    "tf.eye", (ir.Var(self.index_size(body, left)),), (("dtype", ir.Var("dtype")),)
+                    "eye", (ir.Var(self.index_size(body, left)),), (("dtype", ir.Var("dtype")),)
                 )
             )
             body.uses_dtype = True
@@ -871,7 +870,7 @@ class Lowerer:
         if axes:
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
-            operand = reduction(body, "tf.reduce_sum", operand, axes)
+            operand = reduction(body, "reduce_sum", operand, axes)
             labels = tuple(i for i in labels if i in out)
         if labels == out:
             return operand
@@ -937,9 +936,9 @@ class Lowerer:
         if not ir.names_in(aligned):
             # A constant (`A - A + 2`): a Python number would broadcast as int32.
             body.uses_dtype = True
-            aligned = ir.Call("tf.cast", (aligned, ir.Var("dtype")))
+            aligned = ir.Call("cast", (aligned, ir.Var("dtype")))
         shape = ir.Shape(tuple((self.index_size(body, i),) for i in out))
-        return ir.Call("tf.broadcast_to", (aligned, shape))
+        return ir.Call("broadcast_to", (aligned, shape))
 
     # -- levels -------------------------------------------------------------------------
 
@@ -965,10 +964,10 @@ class Lowerer:
             if not bounded:
                 size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
                 inside = ir.Call(
-                    "tf.logical_and",
+                    "logical_and",
                     (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
                 )
-                valid = inside if valid is None else ir.Call("tf.logical_and", (valid, inside))
+                valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
             if flat is None:
                 flat = position
             else:
@@ -982,9 +981,9 @@ class Lowerer:
         )
         if not spans:  # an index tensor read at exactly the inner indices has their shape
             shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
-            flat = ir.Var(body.bind(ir.Call("tf.broadcast_to", (flat, shape))))
+            flat = ir.Var(body.bind(ir.Call("broadcast_to", (flat, shape))))
             if valid is not None:
-                valid = ir.Var(body.bind(ir.Call("tf.broadcast_to", (valid, shape))))
+                valid = ir.Var(body.bind(ir.Call("broadcast_to", (valid, shape))))
         elif valid is not None:
             valid = ir.Var(body.bind(valid))
         return flat, valid, inner
@@ -1045,18 +1044,18 @@ class Lowerer:
             dims += [
                 (self.axis_size(body, gather.source, n),) for n in range(computed[-1] + 1, rank)
             ]
-            source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
+            source = ir.Call("reshape", (source, ir.Shape(tuple(dims))))
         else:
             order = (*computed, *plain)
             if order != tuple(range(rank)):
-                source = ir.Call("tf.transpose", (source, ir.Lit(repr(list(order)))))
+                source = ir.Call("transpose", (source, ir.Lit(repr(list(order)))))
             dims = [self.rows(body, gather)]
             dims += [(self.axis_size(body, gather.source, n),) for n in plain]
-            source = ir.Call("tf.reshape", (source, ir.Shape(tuple(dims))))
+            source = ir.Call("reshape", (source, ir.Shape(tuple(dims))))
             axis = 0
 
         def read(index: ir.Expr) -> ir.Expr:
-            return ir.Call("tf.gather", (source, index), (("axis", ir.Lit(str(axis))),))
+            return ir.Call("gather", (source, index), (("axis", ir.Lit(str(axis))),))
 
         if valid is None:
             return read(flat)
@@ -1080,18 +1079,18 @@ class Lowerer:
     @staticmethod
     def clipped(flat: ir.Expr, valid: ir.Expr) -> ir.Expr:
         """Positions with those out of bounds sent to 0 (TF's CPU gather raises on them)."""
-        return ir.Call("tf.where", (valid, flat, ir.Lit("0")))
+        return ir.Call("where", (valid, flat, ir.Lit("0")))
 
     def all_in_bounds(self, body: _Body, valid: ir.Expr) -> ir.Expr:
-        return ir.Var(body.bind(ir.Call("tf.reduce_all", (valid,))))
+        return ir.Var(body.bind(ir.Call("reduce_all", (valid,))))
 
     def zero_outside(self, body: _Body, value: ir.Expr, valid: ir.Expr, inner, indices):
         """`value` (axes `indices`) with zeros where its reads were out of bounds (`valid`,
         over `inner`, is false)."""
         body.uses_dtype = True
-        zero = ir.Call("tf.zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+        zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
         mask = self.align(body, valid, inner, indices)
-        return ir.Call("tf.where", (mask, value, zero))
+        return ir.Call("where", (mask, value, zero))
 
     def reads_rows(self, scatter: Scatter) -> bool:
         """Whether a gather reads whole rows (computed positions on the first axis only,
@@ -1118,10 +1117,10 @@ class Lowerer:
             ir.Lit("-1"),
             *(ir.Var(self.axis_size(body, gather.source, n)) for n in range(1, rank)),
         ]
-        values = ir.Call("tf.reshape", (grad, ir.List(tuple(rows))))
-        ids = ir.Call("tf.reshape", (flat, ir.List((ir.Lit("-1"),))))
-        shape = ir.Call("tf.shape", (ir.Var(body.tensors[gather.source]),))
-        return ir.Call("tf.IndexedSlices", (values, ids, shape))
+        values = ir.Call("reshape", (grad, ir.List(tuple(rows))))
+        ids = ir.Call("reshape", (flat, ir.List((ir.Lit("-1"),))))
+        shape = ir.Call("shape", (ir.Var(body.tensors[gather.source]),))
+        return ir.Call("sparse_rows", (values, ids, shape))
 
     def gather_blocks(self, body: _Body, level: Level, blocks) -> ir.Expr:
         """x[:, :s*n_i, ..] reshaped to (.., n_i, s, ..)."""
@@ -1140,10 +1139,10 @@ class Lowerer:
                 size.append(ir.Lit("-1"))
                 shape.append((self.axis_size(body, gather.source, n),))
         window = ir.Call(
-            "tf.slice",
+            "slice",
             (ir.Var(body.tensors[gather.source]), ir.List(tuple(begin)), ir.List(tuple(size))),
         )
-        return ir.Call("tf.reshape", (window, ir.Shape(tuple(shape))))
+        return ir.Call("reshape", (window, ir.Shape(tuple(shape))))
 
     def scatter_blocks(self, body: _Body, level: Level, blocks) -> ir.Expr:
         """The transpose of `gather_blocks`: reshape back, pad with zeros to x's size."""
@@ -1163,8 +1162,8 @@ class Lowerer:
                 shape.append((size,))
                 paddings.append(ir.List((ir.Lit("0"), ir.Lit("0"))))
         grad = ir.Var(body.tensors[grad_name(level.name)])
-        window = ir.Var(body.bind(ir.Call("tf.reshape", (grad, ir.Shape(tuple(shape))))))
-        return ir.Call("tf.pad", (window, ir.List(tuple(paddings))))
+        window = ir.Var(body.bind(ir.Call("reshape", (grad, ir.Shape(tuple(shape))))))
+        return ir.Call("pad", (window, ir.List(tuple(paddings))))
 
     def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
         """The transpose of a gather: its gradient added back where it read (reads out of
@@ -1183,7 +1182,7 @@ class Lowerer:
         rows = self.rows(body, gather)
         ids = flat
         if valid is not None:  # dropped by unsorted_segment_sum
-            ids = ir.Var(body.bind(ir.Call("tf.where", (valid, flat, ir.Lit("-1")))))
+            ids = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
         grad = ir.Var(body.tensors[grad_name(level.name)])
         rest = tuple(i for i in level.indices if i not in inner)
         grad = align(grad, level.indices, (*inner, *rest))
@@ -1192,18 +1191,18 @@ class Lowerer:
         count: ir.Expr = ir.Var(rows[0])
         for row in rows[1:]:
             count = ir.Binary("*", count, ir.Var(row))
-        total = ir.Var(body.bind(ir.Call("tf.math.unsorted_segment_sum", (grad, ids, count))))
+        total = ir.Var(body.bind(ir.Call("segment_sum", (grad, ids, count))))
         # `total` has the computed axes (flattened) first, then the plain ones in order.
         if len(computed) == 1:
             order = (computed[0], *plain)
             value: ir.Expr = total
         else:
             dims = [(self.axis_size(body, gather.source, n),) for n in (*computed, *plain)]
-            value = ir.Call("tf.reshape", (total, ir.Shape(tuple(dims))))
+            value = ir.Call("reshape", (total, ir.Shape(tuple(dims))))
             order = (*computed, *plain)
         if order != tuple(range(rank)):
             inverse = [order.index(n) for n in range(rank)]
-            value = ir.Call("tf.transpose", (value, ir.Lit(repr(inverse))))
+            value = ir.Call("transpose", (value, ir.Lit(repr(inverse))))
         return value
 
     def level(self, body: _Body, level: Level) -> ir.Expr:
@@ -1212,7 +1211,7 @@ class Lowerer:
             return self.gather(body, level)
         if level.kind in ("max", "min"):
             (term,) = level.terms
-            function = "tf.reduce_max" if level.kind == "max" else "tf.reduce_min"
+            function = "reduce_max" if level.kind == "max" else "reduce_min"
             read = term.expr
             labels = tuple(read.indices) if isinstance(read, sp.Indexed) else ()
             if (
@@ -1243,7 +1242,7 @@ class Lowerer:
             if len(term.summed) == 1 and body.stem == "_f" and level.name in self.is_output:
                 return self.logsumexp_keeping_softmax(body, operand)
             axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
-            return ir.Call("tf.reduce_logsumexp", (operand,), (("axis", axes),))
+            return ir.Call("reduce_logsumexp", (operand,), (("axis", axes),))
         pieces = []
         for term in level.terms:
             parts = self.term(body, term.expr, term.summed, level.indices)
@@ -1253,12 +1252,12 @@ class Lowerer:
                 value, axes = self.sum_terms(body, parts, level.indices)
                 if not _is_simple(value):
                     value = ir.Var(body.bind(value))
-                parts = [(ir.Call("tf.maximum", (value, ir.Lit("0"))), axes)]
+                parts = [(ir.Call("maximum", (value, ir.Lit("0"))), axes)]
             pieces += parts
         if not pieces:  # the formula is identically zero
             body.uses_dtype = True
             shape = ir.Shape(tuple((self.index_size(body, i),) for i in level.indices))
-            return ir.Call("tf.zeros", (shape,), (("dtype", ir.Var("dtype")),))
+            return ir.Call("zeros", (shape,), (("dtype", ir.Var("dtype")),))
         value, axes = self.sum_terms(body, pieces, level.indices)
         return self.full(body, value, axes, level.indices)
 
@@ -1296,7 +1295,7 @@ def _tensor_argument(body: _Body, value: ir.Expr) -> ir.Expr:
     if ir.names_in(value):
         return value
     body.uses_dtype = True
-    return ir.Call("tf.cast", (value, ir.Var("dtype")))
+    return ir.Call("cast", (value, ir.Var("dtype")))
 
 
 def _sum_of_squares(e: sp.Expr) -> bool:
@@ -1406,10 +1405,9 @@ def align(operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]
     return ir.View(operand, perm, slots)
 
 
-def lower(program: Program, backward: Backward | None = None) -> ir.Module:
-    """The whole module for one op (`backward`: its derivation, if already done)."""
+def lower(program: Program, backward: Backward) -> ir.Module:
+    """The whole module for one op, from its program and its derivation."""
     lowerer = Lowerer(program, backward)
-    backward = lowerer.backward
     inputs = {name: name for name in program.inputs}
 
     # Forward: intermediates in order, then outputs.
@@ -1426,7 +1424,7 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
             shape = ir.Shape(
                 tuple(tuple(lowerer.index_size(fwd, i) for i in group) for group in output.groups)
             )
-            value = ir.Call("tf.reshape", (value, shape))
+            value = ir.Call("reshape", (value, shape))
         fwd.bind(value, name=level.name)
         fwd.tensors[level.name] = level.name
         outputs.append(level.name)
@@ -1445,7 +1443,7 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         if any(len(group) > 1 for group in output.groups):
             shape = ir.Shape(tuple((lowerer.index_size(bwd, i),) for i in level.indices))
             bwd.bind(
-                ir.Call("tf.reshape", (ir.Var(name), shape)),
+                ir.Call("reshape", (ir.Var(name), shape)),
                 name=name,
                 comment="split the composite axes",
             )
@@ -1474,7 +1472,7 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         scatters = [s for s in backward.scatters if s.target == name]
         gname = grad_name(name)
         if not contributions and not scatters:
-            bwd.bind(ir.Call("tf.zeros_like", (ir.Var(name),)), name=gname)
+            bwd.bind(ir.Call("zeros_like", (ir.Var(name),)), name=gname)
         elif not contributions and len(scatters) == 1 and lowerer.reads_rows(scatters[0]):
             bwd.bind(lowerer.sparse_rows(bwd, scatters[0]), name=gname)
         else:
@@ -1558,7 +1556,7 @@ def lower(program: Program, backward: Backward | None = None) -> ir.Module:
         sparse_gradients=tuple(
             step.target
             for step in backward_block.steps
-            if isinstance(step.value, ir.Call) and step.value.function == "tf.IndexedSlices"
+            if isinstance(step.value, ir.Call) and step.value.function == "sparse_rows"
         ),
     )
 
@@ -1589,7 +1587,7 @@ def integer(e: sp.Expr) -> ir.Expr:
         numerator, denominator = sp.fraction(sp.together(e.args[0]))
         return ir.Binary("//", integer(numerator), integer(denominator))
     if isinstance(e, sp.Max | sp.Min):
-        function = "tf.maximum" if isinstance(e, sp.Max) else "tf.minimum"
+        function = "maximum" if isinstance(e, sp.Max) else "minimum"
         args = sorted(e.args, key=lambda a: (not a.is_Integer, sp.default_sort_key(a)))
         result = integer(args[-1])
         for arg in reversed(args[:-1]):

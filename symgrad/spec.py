@@ -10,6 +10,7 @@ import difflib
 import functools
 import importlib.resources
 import keyword
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from .parse import check_name
 
 OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 ATTR_TYPES = ("float", "int", "bool")
-TOP_KEYS = ("out", "ops")
+TOP_KEYS = ("out", "targets", "ops")
+# The frameworks a spec may write modules for, and each one's folder when none is named.
+TARGET_FOLDERS = {"tensorflow": "generated", "pytorch": "generated_torch", "jax": "generated_jax"}
 OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges")
 MAX_SIZE = 2**31
 MAX_OPS = 500
@@ -95,6 +98,8 @@ class Spec:
     path: str  # as given by the user (used in messages and generated headers)
     out: str | None  # output folder from the file, relative to the spec's folder
     ops: tuple[OpSpec, ...]  # sorted by name, so spec order never changes the output
+    # `[targets]`: (framework, output folder) in spec order; empty: TensorFlow into `out`
+    targets: tuple[tuple[str, str], ...] = ()
 
 
 def _type_name(value: object) -> str:
@@ -266,6 +271,7 @@ def parse_spec(text: str, path: str) -> Spec:
     out = data.get("out")
     if out is not None:
         _check_out(out, path)
+    targets = _targets(data.get("targets"), out, path)
     ops_table = data.get("ops")
     if ops_table is None:
         raise SymgradError("no `[ops.<Name>]` tables: nothing to generate", where=path)
@@ -285,7 +291,44 @@ def parse_spec(text: str, path: str) -> Spec:
                 where=path,
             )
         modules[module] = op.name
-    return Spec(path, out, tuple(sorted(ops, key=lambda op: op.name)))
+    return Spec(path, out, tuple(sorted(ops, key=lambda op: op.name)), targets)
+
+
+def _targets(table: object, out: object, path: str) -> tuple[tuple[str, str], ...]:
+    """`[targets]`: framework name -> output folder, each like `out`, no two the same."""
+    if table is None:
+        return ()
+    if not isinstance(table, dict) or not table:
+        raise SymgradError(
+            '`targets` must be a table of framework = "folder" (e.g. tensorflow = '
+            '"generated", pytorch = "generated_torch", jax = "generated_jax")',
+            where=path,
+        )
+    if out is not None:
+        raise SymgradError(
+            "`out` and `[targets]` both name output folders; give each target's folder in "
+            "`[targets]` only",
+            where=path,
+        )
+    folders: dict[str, str] = {}
+    for name, folder in table.items():
+        if name not in TARGET_FOLDERS:
+            raise SymgradError(
+                f"unknown target {_show(name)} in `[targets]` (known: "
+                f"{', '.join(TARGET_FOLDERS)}){_hint(name, tuple(TARGET_FOLDERS))}",
+                where=path,
+            )
+        _check_out(folder, path, f"`targets.{name}`")
+        normal = os.path.normpath(folder)
+        if normal in folders.values():
+            other = next(n for n, f in folders.items() if f == normal)
+            raise SymgradError(
+                f"targets {other} and {name} both write to {_show(folder)}; give each its own "
+                "folder",
+                where=path,
+            )
+        folders[name] = normal
+    return tuple((name, table[name]) for name in table)
 
 
 def _check_path(path: str) -> None:
@@ -296,39 +339,50 @@ def _check_path(path: str) -> None:
         )
 
 
-def _check_out(out: object, path: str) -> None:
+def _check_out(out: object, path: str, key: str = "`out`") -> None:
     if not isinstance(out, str) or not out.strip():
-        raise SymgradError("`out` must be a non-empty string (a folder)", where=path)
+        raise SymgradError(f"{key} must be a non-empty string (a folder)", where=path)
     if not out.isprintable():
         raise SymgradError(
-            f"`out` {_show(out)} contains control or invisible characters", where=path
+            f"{key} {_show(out)} contains control or invisible characters", where=path
         )
     folder = PurePath(out)
     if folder.is_absolute() or folder.drive or ".." in folder.parts:
         raise SymgradError(
-            f"`out` {_show(out)} must be a folder inside the spec's folder (relative, no "
+            f"{key} {_show(out)} must be a folder inside the spec's folder (relative, no "
             "'..'); use --out to write elsewhere",
             where=path,
         )
 
 
-def output_folder(spec: Spec) -> Path:
-    """The folder `out` names (default `generated`), relative to the spec's folder; it must
-    stay inside that folder once symbolic links are resolved (`out = "link/gen"`)."""
+def output_folder(spec: Spec, target: str = "tensorflow") -> Path:
+    """A target's folder (`[targets]`, else `out` for TensorFlow, else the target's
+    default), relative to the spec's folder; it must stay inside that folder once
+    symbolic links are resolved (`out = "link/gen"`)."""
     base = Path(spec.path).parent
-    folder = base / (spec.out or "generated")
+    named = dict(spec.targets).get(target)
+    key = f"`targets.{target}`" if named is not None else "`out`"
+    if named is None and target == "tensorflow" and not spec.targets:
+        named = spec.out
+    folder = base / (named or TARGET_FOLDERS[target])
     try:
-        target = folder.resolve()
+        resolved = folder.resolve()
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
-        raise SymgradError(f"cannot resolve `out`: {exc}", where=spec.path) from None
-    if not target.is_relative_to(base.resolve()):
-        shown = _show(spec.out) if spec.out is not None else "'generated' (the default)"
+        raise SymgradError(f"cannot resolve {key}: {exc}", where=spec.path) from None
+    if not resolved.is_relative_to(base.resolve()):
+        default = f"{_show(TARGET_FOLDERS[target])} (the default)"
+        shown = _show(named) if named is not None else default
         raise SymgradError(
-            f"`out` {shown} leads outside the spec's folder through a symbolic link "
-            f"(to {_show(str(target), 80)}); use --out to write there",
+            f"{key} {shown} leads outside the spec's folder through a symbolic link "
+            f"(to {_show(str(resolved), 80)}); use --out to write there",
             where=spec.path,
         )
     return folder
+
+
+def spec_targets(spec: Spec) -> tuple[str, ...]:
+    """The targets a spec writes: those of `[targets]`, else TensorFlow alone."""
+    return tuple(name for name, _ in spec.targets) or ("tensorflow",)
 
 
 def load_spec(path: str | Path) -> Spec:

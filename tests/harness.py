@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import tensorflow as tf
 
-from symgrad.emit import module_text
 from symgrad.model import build
+from symgrad.pipeline import module_text
 from symgrad.reference import evaluate
 from symgrad.spec import OpSpec
 

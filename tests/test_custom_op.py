@@ -34,7 +34,7 @@ from harness import Case, load_module, op_spec
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import registry as tf_registry
 
-from symgrad.emit import module_text
+from symgrad.pipeline import module_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from symgrad.emit import generate
+from symgrad.pipeline import generate
 from symgrad.spec import load_spec
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

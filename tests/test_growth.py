@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from symgrad.emit import module_text
+from symgrad.pipeline import module_text
 from symgrad.spec import OpSpec
 
 

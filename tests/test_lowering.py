@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from symgrad.errors import SymgradError
-from symgrad.lower import lower
 from symgrad.model import build
+from symgrad.pipeline import compile_op
 from symgrad.render import code
 from symgrad.spec import OpSpec, parse_spec
 
@@ -23,7 +23,7 @@ CHAIN = "y[b,i,l] = A[b,i,j] * B[b,j,k] * C[b,k,l]"
 
 
 def test_chain_is_contracted_pairwise_and_its_gradient_shares_the_pair():
-    module = lower(build(op(CHAIN)))
+    module = compile_op(op(CHAIN))
     assert steps(module.forward) == [
         '_s1 = tf.einsum("bij,bjk->bik", A, B)',
         'y = tf.einsum("bik,bkl->bil", _s1, C)',
@@ -34,7 +34,7 @@ def test_chain_is_contracted_pairwise_and_its_gradient_shares_the_pair():
 
 def test_typical_sizes_choose_the_cheaper_chain_order():
     sizes = {"b": 32, "i": 128, "j": 64, "k": 256, "l": 32}
-    module = lower(build(op(CHAIN, sizes=sizes.items())))
+    module = compile_op(op(CHAIN, sizes=sizes.items()))
     assert steps(module.forward) == [
         '_s1 = tf.einsum("bjk,bkl->bjl", B, C)',
         'y = tf.einsum("bij,bjl->bil", A, _s1)',
@@ -51,7 +51,7 @@ def test_sizes_in_the_spec_are_validated():
 
 
 def test_softmax_lowers_to_one_fused_op_and_its_gradient_reads_the_output():
-    module = lower(build(op("y[b,i] = exp(x[b,i]) / sum(exp(x[b,k]), k)")))
+    module = compile_op(op("y[b,i] = exp(x[b,i]) / sum(exp(x[b,k]), k)"))
     assert any(line.endswith("= tf.nn.softmax(x, axis=-1)") for line in steps(module.forward))
     assert not any("reduce_logsumexp" in line for line in steps(module.forward))
     backward = "\n".join(steps(module.backward))
@@ -60,7 +60,7 @@ def test_softmax_lowers_to_one_fused_op_and_its_gradient_reads_the_output():
 
 
 def test_logsumexp_keeps_its_softmax_for_the_gradient():
-    module = lower(build(op("y[b,i] = log(sum(exp(A[b,i,k]), k))")))
+    module = compile_op(op("y[b,i] = log(sum(exp(A[b,i,k]), k))"))
     assert steps(module.forward) == [
         "_f1 = tf.reduce_max(A, axis=-1, keepdims=True)",
         # a row that is all -inf: log 0 = -inf, like tf.reduce_logsumexp
@@ -77,10 +77,10 @@ def test_logsumexp_keeps_its_softmax_for_the_gradient():
 
 
 def test_a_logsumexp_inside_the_formula_stays_one_fused_op():
-    module = lower(build(op("y[b,i] = 2 * log(sum(exp(A[b,i,k]), k))")))
+    module = compile_op(op("y[b,i] = 2 * log(sum(exp(A[b,i,k]), k))"))
     assert steps(module.forward)[0] == "_lse1 = tf.reduce_logsumexp(A, axis=[2])"
 
 
 def test_nothing_contracted_is_a_multiply_not_an_einsum():
-    module = lower(build(op("y[b,i] = A[b,i] * B[b,i]")))
+    module = compile_op(op("y[b,i] = A[b,i] * B[b,i]"))
     assert steps(module.backward) == ["grad_A = B * grad_y", "grad_B = A * grad_y"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from symgrad import emit
+from symgrad import emit, pipeline
 from symgrad.cli import main
 from symgrad.render import HEADER
 from symgrad.spec import load_spec
@@ -247,12 +247,12 @@ def test_output_is_identical_across_runs_and_the_order_of_ops(tmp_path):
     text = REPO_SPEC.read_text(encoding="utf-8")
     count = len(re.findall(r"(?m)^\[ops\.", text))
     assert count >= 4
-    reference = emit.generate(emit_spec(text, tmp_path, "a"))
-    assert emit.generate(emit_spec(text, tmp_path, "b")) == reference  # a second run
+    reference = pipeline.generate(emit_spec(text, tmp_path, "a"))
+    assert pipeline.generate(emit_spec(text, tmp_path, "b")) == reference  # a second run
     for order in (list(reversed(range(count))), [*range(1, count), 0]):
         permuted = _permuted(text, order)
         assert permuted != text
-        assert emit.generate(emit_spec(permuted, tmp_path, "c")) == reference
+        assert pipeline.generate(emit_spec(permuted, tmp_path, "c")) == reference
 
 
 def emit_spec(text: str, folder: Path, name: str):
@@ -341,7 +341,7 @@ def _two_updates(project, capsys):
             "Scale": 'formula = "y[i] = alpha * x[i] + x[i]"\nattrs = { alpha = "float" }',
         },
     )
-    new = {name: text.encode() for name, text in emit.generate(load_spec(spec)).items()}
+    new = {name: text.encode() for name, text in pipeline.generate(load_spec(spec)).items()}
     assert {n for n in new if new[n] != old[n]} == {"batched_mat_mul.py", "scale.py"}
     return spec, out, old, new
 
@@ -543,7 +543,7 @@ def test_a_hand_edited_orphan_is_refused_unless_forced(project, capsys):
 
 
 def _ruff() -> str:
-    return emit._ruff()
+    return pipeline._ruff()
 
 
 def _generated_folders() -> list[Path]:
@@ -684,10 +684,17 @@ def test_generate_never_imports_tensorflow(tmp_path):
 # ------------------------------------------------------------------------- pre-commit
 
 
-def test_the_pre_commit_hook_runs_check_mode_on_spec_changes():
+def _hooks() -> dict[str, dict[str, str]]:
     text = (REPO / ".pre-commit-hooks.yaml").read_text(encoding="utf-8")
-    assert re.search(r"(?m)^- id: symgrad-check$", text)
-    fields = dict(re.findall(r"(?m)^  (\w+): (.+)$", text))
+    hooks = {}
+    for block in re.split(r"(?m)^- ", text)[1:]:
+        fields = dict(re.findall(r"(?m)^ {0,2}(\w+): (.+)$", block))
+        hooks[fields["id"]] = fields
+    return hooks
+
+
+def test_the_pre_commit_hook_runs_check_mode_on_spec_changes():
+    fields = _hooks()["symgrad-check"]
     assert fields["entry"] == "symgrad generate --check"
     assert fields["language"] == "python"
     assert fields["pass_filenames"] == "false"
@@ -696,3 +703,14 @@ def test_the_pre_commit_hook_runs_check_mode_on_spec_changes():
         assert files.search(path), path
     for path in ("README.md", "src/model.py"):
         assert not files.search(path), path
+
+
+def test_the_check_ops_hook_runs_symgrad_check_with_tensorflow():
+    fields = _hooks()["symgrad-check-ops"]
+    assert fields["entry"] == "symgrad check"
+    assert fields["language"] == "python"
+    assert "tensorflow" in fields["additional_dependencies"]
+    files = re.compile(fields["files"].strip("'\""))
+    for path in ("symgrad.toml", "generated/batched_mat_mul.py"):
+        assert files.search(path), path
+    assert not files.search("README.md")

@@ -1,0 +1,120 @@
+"""The part of printing that is plain Python: literals, names, arithmetic, lists.
+
+A target's printer subclasses `Printer` and says how each neutral op (`ir.Call` by name,
+`ir.Einsum`, `ir.View`, `ir.Cond`, sizes) is spelled in its framework. Parentheses are
+only those Python's precedence needs.
+"""
+
+from __future__ import annotations
+
+from .. import ir
+
+# Precedence, low to high, as Python parses it.
+PRECEDENCE = {
+    ">=": 0,
+    "<=": 0,
+    ">": 0,
+    "<": 0,
+    "==": 0,
+    "!=": 0,
+    "+": 1,
+    "-": 1,
+    "*": 2,
+    "/": 2,
+    "//": 2,
+    "neg": 3,
+    "**": 4,
+}
+ATOM = 5
+
+
+def precedence(e: ir.Expr) -> int:
+    if isinstance(e, ir.Binary):
+        if e.op == "*" and e.left == ir.Lit("-1"):
+            return PRECEDENCE["neg"]
+        return PRECEDENCE[e.op]
+    if isinstance(e, ir.Negate):
+        return PRECEDENCE["neg"]
+    if isinstance(e, ir.Lit) and e.text.startswith("-"):
+        return PRECEDENCE["neg"]
+    return ATOM
+
+
+class Printer:
+    """Python source for IR expressions. `in_module` is True when printing a generated
+    module (which has helpers such as `_dim`), False for a self-contained line (explain)."""
+
+    def __init__(self, in_module: bool = True) -> None:
+        self.in_module = in_module
+
+    def code(self, e: ir.Expr) -> str:
+        if isinstance(e, ir.Lit):
+            return e.text
+        if isinstance(e, ir.Var):
+            return e.name
+        if isinstance(e, ir.List):
+            return "[" + ", ".join(self.code(item) for item in e.items) + "]"
+        if isinstance(e, ir.Shape):
+            return "[" + ", ".join(" * ".join(dim) for dim in e.dims) + "]"
+        if isinstance(e, ir.Negate):
+            inner = self.code(e.operand)
+            return f"-{inner}" if precedence(e.operand) > PRECEDENCE["neg"] else f"-({inner})"
+        if isinstance(e, ir.Binary):
+            return self.binary(e)
+        if isinstance(e, ir.DType):
+            return f"{e.tensor}.dtype"
+        if isinstance(e, ir.AxisSize):
+            return self.axis_size(e)
+        if isinstance(e, ir.FloatSize):
+            return self.float_size(e)
+        if isinstance(e, ir.Einsum):
+            return self.einsum(e)
+        if isinstance(e, ir.Call):
+            return self.call(e)
+        if isinstance(e, ir.View):
+            return self.view(e)
+        if isinstance(e, ir.Cond):
+            return self.cond(e)
+        raise TypeError(f"not an IR expression: {e!r}")
+
+    def binary(self, e: ir.Binary) -> str:
+        if e.op == "*" and e.left == ir.Lit("-1"):
+            return self.code(ir.Negate(e.right))
+        mine = PRECEDENCE[e.op]
+        left, right = self.code(e.left), self.code(e.right)
+        left_prec, right_prec = precedence(e.left), precedence(e.right)
+        if e.op == "**":
+            if left_prec <= mine:
+                left = f"({left})"
+            if right_prec < mine:
+                right = f"({right})"
+        else:
+            if left_prec < mine:
+                left = f"({left})"
+            if right_prec <= mine:
+                right = f"({right})"
+        return f"{left} {e.op} {right}"
+
+    def arguments(self, e: ir.Call) -> str:
+        parts = [self.code(a) for a in e.args] + [f"{k}={self.code(v)}" for k, v in e.keywords]
+        return ", ".join(parts)
+
+    # -- what each framework spells its own way ---------------------------------------
+
+    def axis_size(self, e: ir.AxisSize) -> str:
+        raise NotImplementedError
+
+    def float_size(self, e: ir.FloatSize) -> str:
+        raise NotImplementedError
+
+    def einsum(self, e: ir.Einsum) -> str:
+        raise NotImplementedError
+
+    def call(self, e: ir.Call) -> str:
+        raise NotImplementedError
+
+    def view(self, e: ir.View) -> str:
+        raise NotImplementedError
+
+    def cond(self, e: ir.Cond) -> str:
+        raise NotImplementedError

@@ -1,0 +1,105 @@
+"""TensorFlow: the neutral ops are TF's own (their semantics are TF's), so printing is
+mostly spelling; `ir.Cond` is `tf.cond`, a new axis is `tf.expand_dims`."""
+
+from __future__ import annotations
+
+from .. import ir
+from .printer import ATOM, Printer, precedence
+
+NAMES = {
+    "abs": "tf.abs",
+    "broadcast_to": "tf.broadcast_to",
+    "cast": "tf.cast",
+    "conv2d_backprop_filter": "tf.raw_ops.Conv2DBackpropFilter",
+    "conv2d_backprop_input": "tf.raw_ops.Conv2DBackpropInput",
+    "conv3d_backprop_filter": "tf.raw_ops.Conv3DBackpropFilterV2",
+    "conv3d_backprop_input": "tf.raw_ops.Conv3DBackpropInputV2",
+    "convolution": "tf.nn.convolution",
+    "cos": "tf.cos",
+    "cosh": "tf.cosh",
+    "cumsum": "tf.cumsum",
+    "erf": "tf.math.erf",
+    "exp": "tf.exp",
+    "eye": "tf.eye",
+    "gather": "tf.gather",
+    "is_finite": "tf.math.is_finite",
+    "log": "tf.math.log",
+    "log_softmax": "tf.nn.log_softmax",
+    "logical_and": "tf.logical_and",
+    "logical_not": "tf.logical_not",
+    "logical_or": "tf.logical_or",
+    "maximum": "tf.maximum",
+    "minimum": "tf.minimum",
+    "pad": "tf.pad",
+    "range": "tf.range",
+    "reduce_all": "tf.reduce_all",
+    "reduce_logsumexp": "tf.reduce_logsumexp",
+    "reduce_max": "tf.reduce_max",
+    "reduce_mean": "tf.reduce_mean",
+    "reduce_min": "tf.reduce_min",
+    "reduce_sum": "tf.reduce_sum",
+    "reshape": "tf.reshape",
+    "rsqrt": "tf.math.rsqrt",
+    "segment_sum": "tf.math.unsorted_segment_sum",
+    "shape": "tf.shape",
+    "sigmoid": "tf.sigmoid",
+    "sign": "tf.sign",
+    "sin": "tf.sin",
+    "sinh": "tf.sinh",
+    "slice": "tf.slice",
+    "softmax": "tf.nn.softmax",
+    "softplus": "tf.nn.softplus",
+    "sparse_rows": "tf.IndexedSlices",
+    "sqrt": "tf.sqrt",
+    "square": "tf.square",
+    "squeeze": "tf.squeeze",
+    "tan": "tf.tan",
+    "tanh": "tf.tanh",
+    "tile": "tf.tile",
+    "transpose": "tf.transpose",
+    "where": "tf.where",
+    "zeros": "tf.zeros",
+    "zeros_like": "tf.zeros_like",
+}
+
+
+class TensorFlowPrinter(Printer):
+    def axis_size(self, e: ir.AxisSize) -> str:
+        # In a module, `_dim(X, k)` reads a static size as a Python int (no op to run
+        # eagerly); elsewhere (`symgrad explain`) the self-contained `tf.shape(X)[k]`.
+        if self.in_module:
+            return f"_dim({e.tensor}, {e.axis})"
+        return f"tf.shape({e.tensor})[{e.axis}]"
+
+    def float_size(self, e: ir.FloatSize) -> str:
+        return f"tf.cast({e.size}, dtype)"
+
+    def einsum(self, e: ir.Einsum) -> str:
+        operands = ", ".join(self.code(o) for o in e.operands)
+        return f'tf.einsum("{e.subscripts}", {operands})'
+
+    def call(self, e: ir.Call) -> str:
+        if e.function == "to_int64":
+            return f"tf.cast({self.arguments(e)}, tf.int64)"
+        return f"{NAMES[e.function]}({self.arguments(e)})"
+
+    def cond(self, e: ir.Cond) -> str:
+        predicate, then, otherwise = (
+            self.code(e.predicate),
+            self.code(e.then),
+            self.code(e.otherwise),
+        )
+        return f"tf.cond({predicate}, lambda: {then}, lambda: {otherwise})"
+
+    def view(self, e: ir.View) -> str:
+        inner = self.code(e.operand)
+        if e.perm is not None:
+            inner = f"tf.transpose({inner}, {list(e.perm)})"
+        # New axes by tf.expand_dims, left to right: in eager mode `x[:, tf.newaxis]`
+        # costs several times as much (it builds begin/end/stride tensors each call).
+        for position, slot in enumerate(e.slots):
+            if slot is None:
+                inner = f"tf.expand_dims({inner}, {position})"
+        if e.perm is None and None not in e.slots and precedence(e.operand) < ATOM:
+            inner = f"({inner})"  # nothing to do; never made by `lower.align`
+        return inner
