@@ -1,0 +1,111 @@
+"""One numeric check for every target: a module generated for PyTorch or JAX against the
+independent TF reference of the formula (`symgrad.reference`) and TF autodiff on it, and
+against the framework's own autodiff through the generated forward ops.
+
+A target's test supplies a `Framework` adapter (tensors in and out, its autodiff) and runs
+`check_target` over the shared corpora (`test_numeric.CORPUS`, `test_indexing.KNOWN`), so
+every target is held to the same numbers as the TensorFlow one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from harness import Case, load_module, make_tensors, op_spec, reference
+
+from symgrad.model import build
+from symgrad.pipeline import module_text
+
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Framework:
+    """What `check_target` needs of a framework."""
+
+    target: str  # the symgrad target name
+    tensor: Callable[[np.ndarray], Any]  # a NumPy array as the framework's tensor
+    numpy: Callable[[Any], np.ndarray]  # and back
+    # autodiff(f, inputs, wrt, grads): the framework's own vector-Jacobian product of
+    # f(*inputs) (a tuple of outputs) with `grads`, for the inputs at positions `wrt`.
+    autodiff: Callable[..., list]
+
+
+def generate_for(case: Case, target: str, folder: Path, prefix: str = "Target"):
+    """The module of `case` for `target`, imported under a unique name."""
+    name = f"{prefix}{next(_counter)}"
+    text = module_text(op_spec(case, name), "test.toml", target)
+    return load_module(text, folder, f"symgrad_{target}_{name.lower()}")
+
+
+def _expected(case: Case, names, tensors, grads):
+    """TF reference outputs and TF autodiff gradients (None where no gradient flows)."""
+    floats = [t for n, t in zip(names, tensors, strict=True) if n not in case.index_inputs]
+    with tf.GradientTape() as tape:
+        tape.watch(floats)
+        outs = reference(case, dict(zip(names, tensors, strict=True)))
+    tf_grads = [tf.constant(g) for g in grads]
+    want = tape.gradient(outs, tensors, output_gradients=tf_grads)
+    return [o.numpy() for o in outs], want
+
+
+def check_target(case: Case, module, fw: Framework, seed: int = 0) -> None:
+    """forward, vjp, autodiff through `forward` (the generated backward) and through the
+    generated ops themselves (`_compute`), against the TF reference, in float64."""
+    program = build(op_spec(case, module.OP_NAME))
+    names = program.inputs
+    tensors = make_tensors(case, names, seed)
+    rng = np.random.default_rng(seed + 1)
+    outputs = reference(case, dict(zip(names, tensors, strict=True)))
+    grads = [rng.standard_normal(o.shape.as_list()) for o in outputs]
+    want_y, want_g = _expected(case, names, tensors, grads)
+    args = [fw.tensor(t.numpy()) for t in tensors]
+    attrs = dict(case.attrs)
+
+    got = module.forward(*args, **attrs)
+    got = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(got, want_y, strict=True):
+        np.testing.assert_allclose(fw.numpy(g), w, rtol=case.rtol, atol=1e-9, err_msg="forward")
+
+    differentiable = [
+        k for k, n in enumerate(names) if n not in case.index_inputs and n not in case.no_gradient
+    ]
+
+    def compare(got_grads, how: str) -> None:
+        for k, name in enumerate(names):
+            g = got_grads[k]
+            if k not in differentiable:
+                assert g is None, f"{how}: {name} should get None"
+                continue
+            w = want_g[k]
+            w = np.zeros(tensors[k].shape) if w is None else tf.convert_to_tensor(w).numpy()
+            np.testing.assert_allclose(
+                fw.numpy(g), w, rtol=case.rtol, atol=1e-9, err_msg=f"{how}: gradient of {name}"
+            )
+
+    fw_grads = [fw.tensor(g) for g in grads]
+    compare(list(module.vjp(*args, *fw_grads, **attrs)), "vjp")
+
+    def through(f):
+        found = fw.autodiff(f, args, differentiable, fw_grads)
+        full = [None] * len(names)
+        for k, g in zip(differentiable, found, strict=True):
+            full[k] = g
+        return full
+
+    def forward(*xs):
+        out = module.forward(*xs, **attrs)
+        return out if isinstance(out, tuple) else (out,)
+
+    compare(through(forward), "autodiff through forward (the generated backward)")
+
+    def ops_only(*xs):
+        return tuple(module._compute(*xs, **attrs)[0])
+
+    compare(through(ops_only), "the framework's own autodiff of the generated forward ops")
