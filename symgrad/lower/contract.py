@@ -1,0 +1,335 @@
+"""Contractions: a term (a product summed over indices) as einsums, pairwise in the order
+opt_einsum finds, with pre-reductions, diagonal embedding, centring and polynomial
+expansion.
+"""
+
+from __future__ import annotations
+
+import opt_einsum
+import sympy as sp
+
+from .. import indexing, ir
+from ..model import Index, tensor
+from .common import (
+    MAX_BROADCAST_RANK,
+    MAX_EXPANDED_TERMS,
+    REPRESENTATIVE_SIZE,
+    _axes_of,
+    _Body,
+    _index_set,
+    _is_gradient,
+    _is_simple,
+    _letters,
+    _word,
+    align,
+    reduction,
+)
+
+
+class Contraction:
+    """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
+
+    def term(
+        self,
+        body: _Body,
+        e: sp.Expr,
+        summed: tuple[Index, ...],
+        out: tuple[Index, ...],
+        eyes: tuple[tuple[Index, Index], ...] = (),
+    ) -> list[tuple[ir.Expr, tuple[Index, ...]]]:
+        """Σ_summed e, as (expression, axes) pieces whose sum is the term (axes ⊆ out)."""
+        convolution = self.convolution_term(body, e, out)
+        if convolution is not None:
+            return [convolution]
+        prefix = self.prefix_sum(body, e, summed, out, eyes)
+        if prefix is not None:
+            return [prefix]
+        factors = sp.Mul.make_args(e)
+        operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
+        for factor in factors:
+            if isinstance(factor, sp.Indexed) or not factor.atoms(sp.Indexed):
+                continue
+            needed = _index_set(factor)
+            if any(needed <= s for s in operand_sets):
+                continue
+            if factor.is_polynomial(*factor.atoms(sp.Indexed)):
+                centered = self.centered(body, factor)
+                if centered is not None:
+                    e = e.xreplace({factor: centered})
+                expanded = sp.expand(e, power_base=False, power_exp=False, log=False)
+                parts = sp.Add.make_args(expanded)
+                if 1 < len(parts) <= MAX_EXPANDED_TERMS:
+                    pieces = []
+                    for part in parts:
+                        pieces += self.term(body, part, summed, out, eyes)
+                    return pieces
+        return [self.contract(body, e, summed, out, eyes)]
+
+    def same_size(self, i: Index, k: Index) -> bool:
+        """Whether two indices are known to have the same size."""
+
+        def key(index):
+            source = self.size_of.get(index)
+            if isinstance(source, tuple):
+                return indexing.shape_symbol(*source)
+            return source
+
+        return key(i) is not None and key(i) == key(k)
+
+    def centered(self, body: _Body, factor: sp.Expr) -> sp.Expr | None:
+        """A translation-invariant polynomial (`(x[b,i,k] - z[b,j,k])**2`) over points
+        moved next to the origin, before it is expanded into monomials.
+
+        Expanded, `x² + z² - 2xz` cancels catastrophically for points far from the
+        origin (float32 at offset 100 gives negative squared distances). Every access
+        is shifted by the same center `c` over the indices all accesses share -- the
+        mean of one set of points over its other indices -- which changes nothing in
+        exact arithmetic: the polynomial is checked to be invariant under `u -> u + t`.
+        """
+        found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+        if any(len(set(a.indices)) != len(a.indices) for a in found):
+            return None
+        shift = sp.Dummy("t")
+        if sp.expand(factor.xreplace({a: a + shift for a in found}) - factor) != 0:
+            return None
+        common = set.intersection(*(set(a.indices) for a in found))
+        spread = [a for a in found if not set(a.indices) <= common]
+        if not spread:
+            return None
+        first = spread[0]  # a set of points: an access with indices the others lack
+        axes = [n for n, i in enumerate(first.indices) if i not in common]
+        center_labels = tuple(i for i in first.indices if i in common)
+        points = ir.Var(body.tensors[first.base.label.name])
+        center = ir.Var(
+            body.bind(ir.Call("reduce_mean", (points,), (("axis", ir.Lit(repr(axes))),)))
+        )
+        mapping = {}
+        for access in found:
+            labels = tuple(access.indices)
+            shifted = ir.Binary(
+                "-",
+                ir.Var(body.tensors[access.base.label.name]),
+                self.align(body, center, center_labels, labels),
+            )
+            name = body.bind(shifted)
+            body.tensors[name] = name
+            mapping[access] = tensor(name)[labels]
+        return factor.xreplace(mapping)
+
+    def contract(
+        self,
+        body: _Body,
+        e: sp.Expr,
+        summed: tuple[Index, ...],
+        out: tuple[Index, ...],
+        eyes: tuple[tuple[Index, Index], ...],
+    ) -> tuple[ir.Expr, tuple[Index, ...]]:
+        """One product, summed: an elementwise expression or an einsum."""
+        present = _index_set(e) | {i for pair in eyes for i in pair}
+        result_axes = tuple(i for i in out if i in present)
+        absent = [s for s in summed if s not in present]
+        summed = tuple(s for s in summed if s in present)
+        coefficient = sp.Integer(1)
+        for index in absent:  # Σ over an index nothing depends on: times its size
+            coefficient *= sp.Symbol(f"|{index.name}|")
+        if not summed and not eyes:
+            return self.expr(body, coefficient * e, result_axes), result_axes
+        operands: list[tuple[ir.Expr, tuple[Index, ...]]] = []
+        pointwise: list[sp.Expr] = []
+        for factor in sp.Mul.make_args(e):
+            if not factor.atoms(sp.Indexed):
+                coefficient *= factor
+            elif isinstance(factor, sp.Indexed):
+                operands.append((factor, tuple(factor.indices)))
+            else:
+                pointwise.append(factor)
+        # Pointwise factors are materialized over their own indices only: factors merge
+        # (and accesses fold in, one operand less) only into a factor covering them, so
+        # `tanh(A[b,i,k]) * tanh(A[b,j,k])` stays two (b,_,k) operands, never (b,i,j,k).
+        groups: list[tuple[set[Index], sp.Expr]] = []
+        for factor in sorted(
+            pointwise, key=lambda f: (-len(_index_set(f)), sp.default_sort_key(f))
+        ):
+            need = _index_set(factor)
+            for n, (cover, merged) in enumerate(groups):
+                if need <= cover:
+                    groups[n] = (cover, merged * factor)
+                    break
+            else:
+                groups.append((need, factor))
+        keep = []
+        for access, labels in operands:
+            for n, (cover, merged) in enumerate(groups):
+                if set(labels) <= cover:
+                    groups[n] = (cover, merged * access)
+                    break
+            else:
+                keep.append((access, labels))
+        operands = keep + [
+            (("pointwise", merged), _axes_of(merged, result_axes, summed)) for _, merged in groups
+        ]
+        # The incoming gradient first: `grad_y[b,i,j] * B[b,k,j]` as in the docstring.
+        operands.sort(key=lambda item: not _is_gradient(item[0]))
+        einsum_operands = []
+        for operand, labels in operands:
+            if isinstance(operand, tuple):
+                merged = operand[1]
+                name = body.bind(self.expr(body, merged, labels))
+                einsum_operands.append((ir.Var(name), labels))
+            else:
+                einsum_operands.append((ir.Var(body.tensors[operand.base.label.name]), labels))
+        for left, right in eyes:
+            eye = body.bind(
+                ir.Call(
+                    "eye", (ir.Var(self.index_size(body, left)),), (("dtype", ir.Var("dtype")),)
+                )
+            )
+            body.uses_dtype = True
+            einsum_operands.append((ir.Var(eye), (left, right)))
+        value = self.einsum(body, einsum_operands, result_axes)
+        if coefficient != 1:
+            if not _is_simple(value):  # bound, so the same sum elsewhere is shared
+                value = ir.Var(body.bind(value))
+            if coefficient == -1:
+                value = ir.Negate(value)
+            elif coefficient.could_extract_minus_sign():
+                value = ir.Negate(ir.Binary("*", self.expr(body, -coefficient, ()), value))
+            else:
+                value = ir.Binary("*", self.expr(body, coefficient, ()), value)
+        return value, result_axes
+
+    def einsum(
+        self,
+        body: _Body,
+        operands: list[tuple[ir.Expr, tuple[Index, ...]]],
+        out: tuple[Index, ...],
+    ) -> ir.Expr:
+        """Contract operands to `out`, pairwise in an optimal order."""
+        labels = [lab for _, lab in operands]
+        if any(len(set(lab)) != len(lab) for lab in labels):
+            return self._einsum_call(operands, out)  # diagonals: leave to einsum
+        summed = {i for lab in labels for i in lab} - set(out)
+        # (R3) Operands without a summed index multiply the contraction of the others.
+        if summed and len(operands) > 1:
+            carrying = [op for op in operands if set(op[1]) & summed]
+            free = [op for op in operands if not set(op[1]) & summed]
+            if free:
+                kept = {i for _, lab in carrying for i in lab} & set(out)
+                axes = tuple(i for i in out if i in kept)
+                inner = self.einsum(body, carrying, axes)
+                if not _is_simple(inner):
+                    inner = ir.Var(body.bind(inner))
+                return self.einsum(body, [*free, (inner, axes)], out)
+        while len(operands) > 2:
+            operands = self.contract_pair(body, operands, out)
+        if len(operands) == 1:
+            return self._reduce(body, *operands[0], out)
+        (x, lx), (y, ly) = operands
+        # (R2) Sum an index only one operand has before anything else.
+        x, lx = self._pre_reduce(body, x, lx, set(ly) | set(out))
+        y, ly = self._pre_reduce(body, y, ly, set(lx) | set(out))
+        shared_summed = (set(lx) & set(ly)) - set(out)
+        if not shared_summed or set(lx) == set(ly):
+            # A broadcasting product, summed over what both have: 'bij,bij->bi' would be
+            # a BatchMatMul of 1x1 results, far slower than multiply + reduce_sum.
+            union = tuple(dict.fromkeys((*lx, *ly)))
+            order = tuple(i for i in out if i in union) + tuple(i for i in union if i not in out)
+            product = ir.Binary("*", self.align(body, x, lx, order), self.align(body, y, ly, order))
+            return self._reduce(body, product, order, out)
+        # (R1) TF's einsum runs BatchMatMul, whose result is [batch, free of the first
+        # operand, free of the second]; list operands so that is `out`, or einsum adds
+        # a transpose of the result.
+        first_free = next((i for i in out if (i in lx) != (i in ly)), None)
+        if first_free is not None and first_free in ly:
+            (x, lx), (y, ly) = (y, ly), (x, lx)
+        return self._einsum_call([(x, lx), (y, ly)], out)
+
+    def _einsum_call(self, operands, out):
+        labels = [lab for _, lab in operands]
+        if len(operands) == 1 and labels[0] == out:
+            return operands[0][0]
+        letters = _letters([*labels, out], self.preferred)
+        inputs = ",".join(_word(lab, letters) for lab in labels)
+        return ir.Einsum(f"{inputs}->{_word(out, letters)}", tuple(op for op, _ in operands))
+
+    def _pre_reduce(self, body, operand, labels, keep):
+        if not any(i not in keep for i in labels):
+            return operand, labels
+        rest = tuple(i for i in labels if i in keep)
+        return ir.Var(body.bind(self._reduce(body, operand, labels, rest))), rest
+
+    def _reduce(self, body, operand, labels, out):
+        """`operand` (axes `labels`) summed over the labels not in `out`, permuted to out."""
+        axes = [n for n, i in enumerate(labels) if i not in out]
+        if axes:
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            operand = reduction(body, "reduce_sum", operand, axes)
+            labels = tuple(i for i in labels if i in out)
+        if labels == out:
+            return operand
+        if not _is_simple(operand):
+            operand = ir.Var(body.bind(operand))
+        return align(operand, labels, out)
+
+    def contract_pair(self, body, operands, out):
+        letters = _letters([*[lab for _, lab in operands], out], self.preferred)
+        words = [_word(lab, letters) for _, lab in operands]
+        equation = f"{','.join(words)}->{_word(out, letters)}"
+        shapes = [(REPRESENTATIVE_SIZE,) * len(lab) for _, lab in operands]
+        path, _ = opt_einsum.contract_path(
+            equation, *shapes, shapes=True, optimize="optimal", memory_limit="max_input"
+        )
+        first, second = sorted(path[0])
+        pair = [operands[first], operands[second]]
+        rest = [op for n, op in enumerate(operands) if n not in (first, second)]
+        needed = set(out) | {i for _, lab in rest for i in lab}
+        kept = {i for _, lab in pair for i in lab if i in needed}
+        # Axes the result keeps first in the output's order (batch first), then the rest.
+        axes = tuple(i for i in out if i in kept)
+        axes += tuple(dict.fromkeys(i for _, lab in pair for i in lab if i in kept - set(out)))
+        name = body.bind(self.einsum(body, pair, axes))
+        return [*rest, (ir.Var(name), axes)]
+
+    def sum_terms(
+        self,
+        body: _Body,
+        pieces: list[tuple[ir.Expr, tuple[Index, ...]]],
+        out: tuple[Index, ...],
+    ) -> tuple[ir.Expr, tuple[Index, ...]]:
+        """Add pieces over subsets of `out`; the result's axes are their union, in order."""
+        union = {i for _, axes in pieces for i in axes}
+        axes = tuple(i for i in out if i in union)
+        result: ir.Expr | None = None
+        for value, piece_axes in pieces:
+            if piece_axes != axes and not _is_simple(value):
+                value = ir.Var(body.bind(value))
+            aligned = self.align(body, value, piece_axes, axes)
+            if result is None:
+                result = aligned
+            elif isinstance(aligned, ir.Negate):
+                result = ir.Binary("-", result, aligned.operand)
+            else:
+                result = ir.Binary("+", result, aligned)
+        assert result is not None
+        return result, axes
+
+    def full(
+        self,
+        body: _Body,
+        value: ir.Expr,
+        axes: tuple[Index, ...],
+        out: tuple[Index, ...],
+    ) -> ir.Expr:
+        """Broadcast a value over `axes` ⊆ `out` to the full shape of `out`."""
+        if axes == out:
+            return value
+        if len(out) > MAX_BROADCAST_RANK and axes:
+            return self.align(body, value, axes, out)  # tiled: already the full shape
+        aligned = align(value, axes, out)
+        if not ir.names_in(aligned):
+            # A constant (`A - A + 2`): a Python number would broadcast as int32.
+            body.uses_dtype = True
+            aligned = ir.Call("cast", (aligned, ir.Var("dtype")))
+        shape = ir.Shape(tuple((self.index_size(body, i),) for i in out))
+        return ir.Call("broadcast_to", (aligned, shape))

@@ -1,0 +1,281 @@
+"""Reads at computed positions (`gather`, windows as slices) and their transposes
+(`segment_sum`, sparse rows, pads), with zero outside the source.
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .. import indexing, ir
+from ..derive import Scatter, grad_name
+from ..model import Index, Level
+from .common import (
+    _Body,
+    _is_simple,
+    align,
+)
+
+
+class Gathers:
+    """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
+
+    def position(self, body: _Body, e: sp.Expr, axes: tuple[Index, ...]) -> ir.Expr:
+        """An affine position (index values, index tensors, int attrs) over `axes`: int32,
+        or int64 when index tensors take part."""
+        return self.expr(body, indexing.index_values(e), axes)
+
+    def gather_plan(self, body: _Body, level: Level):
+        """The positions of a gather: (flat position P over the inner indices, the mask of
+        reads in bounds or None, the inner indices)."""
+        gather = level.gather
+        computed = gather.computed
+        inner = gather.inner(level.indices)
+        flat: ir.Expr | None = None
+        valid: ir.Expr | None = None
+        for axis, bounded in zip(computed, gather.bounded, strict=True):
+            position = self.position(body, gather.positions[axis], inner)
+            if not _is_simple(position):
+                position = ir.Var(body.bind(position))
+            if not bounded:
+                size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
+                inside = ir.Call(
+                    "logical_and",
+                    (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
+                )
+                valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
+            if flat is None:
+                flat = position
+            else:
+                size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
+                flat = ir.Binary("+", ir.Binary("*", flat, size), position)
+        positions = [gather.positions[n] for n in computed]
+        spans = (
+            len(positions) == 1
+            and isinstance(positions[0], sp.Indexed)
+            and tuple(positions[0].indices) == inner
+        )
+        if not spans:  # an index tensor read at exactly the inner indices has their shape
+            shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
+            flat = ir.Var(body.bind(ir.Call("broadcast_to", (flat, shape))))
+            if valid is not None:
+                valid = ir.Var(body.bind(ir.Call("broadcast_to", (valid, shape))))
+        elif valid is not None:
+            valid = ir.Var(body.bind(valid))
+        return flat, valid, inner
+
+    def rows(self, body: _Body, gather) -> tuple[str, ...]:
+        """The sizes of the computed axes (their product is the number of rows read)."""
+        return tuple(self.axis_size(body, gather.source, n) for n in gather.computed)
+
+    def blocks(self, level: Level):
+        """Non-overlapping windows: every computed axis read at `s*i + u` with u's range s
+        (`x[b, 2*i+u, 2*j+v, c]` with u, v < 2), in bounds, and laid out as (.., i, u, ..).
+        Such a gather is a slice and a reshape, its transpose a reshape and a pad: no index
+        arithmetic, gather or scatter-add. Returns [(axis, i, u, s)] or None."""
+        gather = level.gather
+        found = []
+        for axis, bounded in zip(gather.computed, gather.bounded, strict=True):
+            position = sp.expand(gather.positions[axis])
+            symbols = [x for x in position.free_symbols if indexing.is_plain(x)]
+            if not bounded or len(symbols) != 2 or position.atoms(sp.Indexed):
+                return None
+            for i, u in (symbols, symbols[::-1]):
+                stride = position.coeff(i)
+                if (
+                    stride.is_Integer
+                    and stride > 1
+                    and position.coeff(u) == 1
+                    and position - stride * i - u == 0
+                    and self.size_of.get(u) == stride
+                ):
+                    found.append((axis, i, u, int(stride)))
+                    break
+            else:
+                return None
+        inner = [x for _, i, u, _ in found for x in (i, u)]
+        start = level.indices.index(inner[0]) if inner[0] in level.indices else -1
+        if tuple(level.indices[start : start + len(inner)]) != tuple(inner):
+            return None
+        return found
+
+    def gather(self, body: _Body, level: Level) -> ir.Expr:
+        """`X` read at computed positions: one `tf.gather` (several computed axes are
+        flattened into one first); reads out of bounds are zero."""
+        blocks = self.blocks(level)
+        if blocks is not None:
+            return self.gather_blocks(body, level, blocks)
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
+        flat, valid, inner = self.gather_plan(body, level)
+        source: ir.Expr = ir.Var(body.tensors[gather.source])
+        if len(computed) == 1:
+            axis = computed[0]
+        elif computed == tuple(range(computed[0], computed[-1] + 1)):  # adjacent: merge
+            axis = computed[0]
+            dims = [(self.axis_size(body, gather.source, n),) for n in range(axis)]
+            dims.append(self.rows(body, gather))
+            dims += [
+                (self.axis_size(body, gather.source, n),) for n in range(computed[-1] + 1, rank)
+            ]
+            source = ir.Call("reshape", (source, ir.Shape(tuple(dims))))
+        else:
+            order = (*computed, *plain)
+            if order != tuple(range(rank)):
+                source = ir.Call("transpose", (source, ir.Lit(repr(list(order)))))
+            dims = [self.rows(body, gather)]
+            dims += [(self.axis_size(body, gather.source, n),) for n in plain]
+            source = ir.Call("reshape", (source, ir.Shape(tuple(dims))))
+            axis = 0
+
+        def read(index: ir.Expr) -> ir.Expr:
+            return ir.Call("gather", (source, index), (("axis", ir.Lit(str(axis))),))
+
+        if valid is None:
+            return read(flat)
+        if self.looks_up(gather):
+            if not _is_simple(source):  # read by both branches
+                source = ir.Var(body.bind(source))
+            # Positions from index tensors are nearly always in bounds: mask only when
+            # some are not (the mask is a second pass over everything read).
+            masked = self.zero_outside(
+                body, read(self.clipped(flat, valid)), valid, inner, level.indices
+            )
+            return ir.Cond(self.all_in_bounds(body, valid), read(flat), masked)
+        index = ir.Var(body.bind(self.clipped(flat, valid)))
+        return self.zero_outside(body, ir.Var(body.bind(read(index))), valid, inner, level.indices)
+
+    @staticmethod
+    def looks_up(gather) -> bool:
+        """Whether a gather reads at positions taken from index tensors."""
+        return any(gather.positions[n].atoms(sp.Indexed) for n in gather.computed)
+
+    @staticmethod
+    def clipped(flat: ir.Expr, valid: ir.Expr) -> ir.Expr:
+        """Positions with those out of bounds sent to 0 (TF's CPU gather raises on them)."""
+        return ir.Call("where", (valid, flat, ir.Lit("0")))
+
+    def all_in_bounds(self, body: _Body, valid: ir.Expr) -> ir.Expr:
+        return ir.Var(body.bind(ir.Call("reduce_all", (valid,))))
+
+    def zero_outside(self, body: _Body, value: ir.Expr, valid: ir.Expr, inner, indices):
+        """`value` (axes `indices`) with zeros where its reads were out of bounds (`valid`,
+        over `inner`, is false)."""
+        body.uses_dtype = True
+        zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+        mask = self.align(body, valid, inner, indices)
+        return ir.Call("where", (mask, value, zero))
+
+    def reads_rows(self, scatter: Scatter) -> bool:
+        """Whether a gather reads whole rows (computed positions on the first axis only,
+        like `W[ids[b, t], d]`): its gradient can then be sparse, as TF's Gather's is."""
+        if scatter.level in self.convolutions:
+            return False
+        return self.levels[scatter.level].gather.computed == (0,)
+
+    def sparse_rows(self, body: _Body, scatter: Scatter) -> ir.Expr:
+        """The gradient of a row gather as `tf.IndexedSlices`: the rows read and their
+        gradients, never a dense tensor the size of the table (rows read out of bounds
+        carry zeros)."""
+        level = self.levels[scatter.level]
+        gather = level.gather
+        flat, valid, inner = self.gather_plan(body, level)
+        grad: ir.Expr = ir.Var(body.tensors[grad_name(level.name)])
+        rank = self.program.rank(gather.source)
+        if valid is not None:  # as in `gather`: mask only when some read is out of bounds
+            inside = self.all_in_bounds(body, valid)
+            masked = self.zero_outside(body, grad, valid, inner, level.indices)
+            grad = ir.Var(body.bind(ir.Cond(inside, grad, masked)))
+            flat = ir.Var(body.bind(self.clipped(flat, valid)))  # small: one cond is enough
+        rows = [
+            ir.Lit("-1"),
+            *(ir.Var(self.axis_size(body, gather.source, n)) for n in range(1, rank)),
+        ]
+        values = ir.Call("reshape", (grad, ir.List(tuple(rows))))
+        ids = ir.Call("reshape", (flat, ir.List((ir.Lit("-1"),))))
+        shape = ir.Call("shape", (ir.Var(body.tensors[gather.source]),))
+        return ir.Call("sparse_rows", (values, ids, shape))
+
+    def gather_blocks(self, body: _Body, level: Level, blocks) -> ir.Expr:
+        """x[:, :s*n_i, ..] reshaped to (.., n_i, s, ..)."""
+        gather = level.gather
+        rank = self.program.rank(gather.source)
+        by_axis = {axis: (i, stride) for axis, i, _, stride in blocks}
+        begin, size, shape = [], [], []
+        for n in range(rank):
+            begin.append(ir.Lit("0"))
+            if n in by_axis:
+                i, stride = by_axis[n]
+                count = self.index_size(body, i)
+                size.append(ir.Binary("*", ir.Lit(str(stride)), ir.Var(count)))
+                shape += [(count,), (str(stride),)]
+            else:
+                size.append(ir.Lit("-1"))
+                shape.append((self.axis_size(body, gather.source, n),))
+        window = ir.Call(
+            "slice",
+            (ir.Var(body.tensors[gather.source]), ir.List(tuple(begin)), ir.List(tuple(size))),
+        )
+        return ir.Call("reshape", (window, ir.Shape(tuple(shape))))
+
+    def scatter_blocks(self, body: _Body, level: Level, blocks) -> ir.Expr:
+        """The transpose of `gather_blocks`: reshape back, pad with zeros to x's size."""
+        gather = level.gather
+        rank = self.program.rank(gather.source)
+        by_axis = {axis: (i, stride) for axis, i, _, stride in blocks}
+        shape, paddings = [], []
+        for n in range(rank):
+            size = self.axis_size(body, gather.source, n)
+            if n in by_axis:
+                i, stride = by_axis[n]
+                count = self.index_size(body, i)
+                shape.append((str(stride), count))
+                used = ir.Binary("*", ir.Lit(str(stride)), ir.Var(count))
+                paddings.append(ir.List((ir.Lit("0"), ir.Binary("-", ir.Var(size), used))))
+            else:
+                shape.append((size,))
+                paddings.append(ir.List((ir.Lit("0"), ir.Lit("0"))))
+        grad = ir.Var(body.tensors[grad_name(level.name)])
+        window = ir.Var(body.bind(ir.Call("reshape", (grad, ir.Shape(tuple(shape))))))
+        return ir.Call("pad", (window, ir.List(tuple(paddings))))
+
+    def scatter(self, body: _Body, scatter: Scatter, indices: tuple[Index, ...]) -> ir.Expr:
+        """The transpose of a gather: its gradient added back where it read (reads out of
+        bounds add nothing), shaped like the source with axes `indices`."""
+        if scatter.level in self.convolutions:
+            return self.convolution_input_gradient(body, self.convolutions[scatter.level])
+        level = self.levels[scatter.level]
+        blocks = self.blocks(level)
+        if blocks is not None:
+            return self.scatter_blocks(body, level, blocks)
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
+        flat, valid, inner = self.gather_plan(body, level)
+        rows = self.rows(body, gather)
+        ids = flat
+        if valid is not None:  # dropped by unsorted_segment_sum
+            ids = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
+        grad = ir.Var(body.tensors[grad_name(level.name)])
+        rest = tuple(i for i in level.indices if i not in inner)
+        grad = align(grad, level.indices, (*inner, *rest))
+        if not _is_simple(grad):
+            grad = ir.Var(body.bind(grad))
+        count: ir.Expr = ir.Var(rows[0])
+        for row in rows[1:]:
+            count = ir.Binary("*", count, ir.Var(row))
+        total = ir.Var(body.bind(ir.Call("segment_sum", (grad, ids, count))))
+        # `total` has the computed axes (flattened) first, then the plain ones in order.
+        if len(computed) == 1:
+            order = (computed[0], *plain)
+            value: ir.Expr = total
+        else:
+            dims = [(self.axis_size(body, gather.source, n),) for n in (*computed, *plain)]
+            value = ir.Call("reshape", (total, ir.Shape(tuple(dims))))
+            order = (*computed, *plain)
+        if order != tuple(range(rank)):
+            inverse = [order.index(n) for n in range(rank)]
+            value = ir.Call("transpose", (value, ir.Lit(repr(inverse))))
+        return value

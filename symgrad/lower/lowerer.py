@@ -1,0 +1,425 @@
+"""The lowering of one op: `Lowerer` (sizes, axes, levels, gradients) made of its parts by
+concern, and `lower`, which assembles the module's function bodies."""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .. import ir, patterns
+from ..derive import Backward, Contribution, Scatter, fresh_indices, grad_name
+from ..model import Index, Level, Program
+from ..notation import gradient_lines
+from .common import (
+    MAX_BROADCAST_RANK,
+    _Body,
+    _is_simple,
+    _plain,
+    _preferred_letters,
+    _sum_of_squares,
+    align,
+    integer,
+    reduction,
+)
+from .contract import Contraction
+from .gathers import Gathers
+from .kernels import Kernels
+from .pointwise import Pointwise
+
+
+class Lowerer(Pointwise, Contraction, Kernels, Gathers):
+    """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
+    here, the rest by concern in the classes it is made of."""
+
+    def __init__(self, program: Program, backward: Backward) -> None:
+        self.program = program
+        self.backward = backward
+        # Where each index's size can be read: index -> (input, axis), or an integer
+        # expression (an extent: from `ranges`, or inferred).
+        self.size_of: dict[Index, tuple[str, int] | sp.Expr] = {
+            index: sources[0] for index, sources in program.dims if sources
+        }
+        for index, extent in program.extents:
+            self.size_of.setdefault(index, extent)
+        self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}
+        for output in program.outputs:
+            self.levels[output.level.name] = output.level
+        self.preferred = _preferred_letters(program, self.backward)
+        # Gathers that are exactly a convolution with the one term reading them.
+        self.convolutions = patterns.convolutions(program)
+        # Set while lowering the operands of one elementwise op whose broadcast patterns
+        # TF merges into few enough groups: no operand needs tiling.
+        self.broadcast_safe = False
+        self.is_output: set[str] = {o.level.name for o in program.outputs}
+        # Logsumexp levels, by their name and by the name of an output equal to one.
+        self.logsumexp_of: dict[str, Level] = {
+            lv.name: lv for lv in program.intermediates if lv.kind == "logsumexp"
+        }
+        for output in program.outputs:
+            terms = output.level.terms
+            if len(terms) == 1 and not terms[0].summed and isinstance(terms[0].expr, sp.Indexed):
+                source = self.logsumexp_of.get(terms[0].expr.base.label.name)
+                if source is not None and tuple(terms[0].expr.indices) == output.level.indices:
+                    self.logsumexp_of[output.level.name] = source
+                    self.is_output.add(source.name)
+
+    def index_size(self, body: _Body, index: Index) -> str:
+        source = self.size_of.get(index)
+        if source is None:
+            raise AssertionError(f"no size known for index {index}")
+        for var, known in body.sizes.items():
+            if known == source:
+                return var
+        name = index.name if not index.name.startswith("_") else self.preferred.get(index, "")
+        var = f"_n_{_plain(name.rstrip(chr(39)))}" if name else ""
+        if not name or var in body.sizes:
+            if isinstance(source, tuple):
+                var = f"_n_{source[0]}_{source[1]}"
+            else:
+                var = f"_n_{len(body.sizes) + 1}"
+        body.sizes[var] = source
+        return var
+
+    def position_int(self, size: ir.Expr) -> ir.Expr:
+        """A size as an integer of the positions' dtype: int64 when index tensors take
+        part (an int64 id must not wrap around in int32 arithmetic), else as it is."""
+        if not self.program.index_inputs:
+            return size
+        return ir.Call("to_int64", (size,))
+
+    def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
+        """The variable holding the size of one axis of an input."""
+        source = (tensor_name, axis)
+        for var, known in body.sizes.items():
+            if known == source:
+                return var
+        var = f"_n_{tensor_name}_{axis}"
+        body.sizes[var] = source
+        return var
+
+    def register_axes(self, tensor_name: str, labels: tuple[Index, ...]) -> None:
+        """Teach `size_of` the indices of a tensor's axes (for gradient indices)."""
+        axes = self.axis_sources(tensor_name)
+        for label, source in zip(labels, axes, strict=True):
+            self.size_of.setdefault(label, source)
+
+    def axis_sources(self, tensor_name: str) -> tuple:
+        if tensor_name in self.program.inputs:
+            return tuple((tensor_name, a) for a in range(self.program.rank(tensor_name)))
+        level = self.levels[tensor_name]
+        return tuple(self.size_of[i] for i in level.indices)
+
+    def align(
+        self, body: _Body, operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]
+    ) -> ir.Expr:
+        """`align`, made safe for TensorFlow's broadcasting limit: beyond
+        MAX_BROADCAST_RANK target axes a broadcast operand is tiled to the full shape
+        first, so the elementwise op that reads it never broadcasts."""
+        aligned = align(operand, labels, target)
+        if len(target) <= MAX_BROADCAST_RANK or not labels or set(labels) >= set(target):
+            return aligned
+        if self.broadcast_safe:  # the operands of this op merge into few enough groups
+            return aligned
+        order = tuple(i for i in target if i in labels)
+        perm = None if order == labels else tuple(labels.index(i) for i in order)
+        slots = tuple(order.index(i) if i in order else None for i in target)
+        multiples = tuple(("1",) if i in order else (self.index_size(body, i),) for i in target)
+        return ir.Call("tile", (ir.View(operand, perm, slots), ir.Shape(multiples)))
+
+    def level(self, body: _Body, level: Level) -> ir.Expr:
+        """The value of an intermediate or an output over its own indices."""
+        if level.kind == "gather":
+            return self.gather(body, level)
+        if level.kind in ("max", "min"):
+            (term,) = level.terms
+            function = "reduce_max" if level.kind == "max" else "reduce_min"
+            read = term.expr
+            labels = tuple(read.indices) if isinstance(read, sp.Indexed) else ()
+            if (
+                labels
+                and len(set(labels)) == len(labels)
+                and set(labels)
+                == {
+                    *level.indices,
+                    *term.summed,
+                }
+            ):  # reduce in the tensor's own layout: no transpose
+                axes = [n for n, i in enumerate(labels) if i in term.summed]
+                value = reduction(body, function, self.access(body, read, labels), axes)
+                kept = tuple(i for i in labels if i not in term.summed)
+                return align(ir.Var(body.bind(value)), kept, level.indices)
+            order = (*level.indices, *term.summed)
+            operand = self.expr(body, term.expr, order)
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
+            return ir.Call(function, (operand,), (("axis", axes),))
+        if level.kind == "logsumexp":
+            (term,) = level.terms
+            order = (*level.indices, *term.summed)
+            operand = self.expr(body, term.expr, order)
+            if not _is_simple(operand):
+                operand = ir.Var(body.bind(operand))
+            if len(term.summed) == 1 and body.stem == "_f" and level.name in self.is_output:
+                return self.logsumexp_keeping_softmax(body, operand)
+            axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
+            return ir.Call("reduce_logsumexp", (operand,), (("axis", axes),))
+        pieces = []
+        for term in level.terms:
+            parts = self.term(body, term.expr, term.summed, level.indices)
+            if len(parts) > 1 and term.summed and _sum_of_squares(term.expr):
+                # Expanded, a sum of squares can round below zero (to -0.03 in float32
+                # at distance 0): clamp it where it is exactly nonnegative.
+                value, axes = self.sum_terms(body, parts, level.indices)
+                if not _is_simple(value):
+                    value = ir.Var(body.bind(value))
+                parts = [(ir.Call("maximum", (value, ir.Lit("0"))), axes)]
+            pieces += parts
+        if not pieces:  # the formula is identically zero
+            body.uses_dtype = True
+            shape = ir.Shape(tuple((self.index_size(body, i),) for i in level.indices))
+            return ir.Call("zeros", (shape,), (("dtype", ir.Var("dtype")),))
+        value, axes = self.sum_terms(body, pieces, level.indices)
+        return self.full(body, value, axes, level.indices)
+
+    def gradient(
+        self,
+        body: _Body,
+        target: str,
+        contributions: list[Contribution],
+        scatters: list[Scatter] = (),
+    ) -> ir.Expr:
+        """Σ of contributions to one tensor's gradient, shaped like that tensor."""
+        if contributions:
+            indices = contributions[0].indices
+        else:
+            indices = fresh_indices(target, self.program.rank(target))
+        self.register_axes(target, indices)
+        pieces = [(self.scatter(body, s, indices), indices) for s in scatters]
+        # Pointwise contributions add up into one expression with common factors pulled
+        # out: softmax's `grad*y + s*y` becomes `(grad + s) * y`, two passes, not four.
+        pointwise = [c for c in contributions if not c.summed and not c.diagonal]
+        if len(pointwise) > 1:
+            merged = sp.factor_terms(sp.Add(*[c.grad * c.partial for c in pointwise]))
+            pieces += self.term(body, merged, (), indices)
+            contributions = [c for c in contributions if c not in pointwise]
+        for c in contributions:
+            expr = c.grad * c.partial
+            pieces += self.term(body, expr, c.summed, indices, c.diagonal)
+        value, axes = self.sum_terms(body, pieces, indices)
+        return self.full(body, value, axes, indices)
+
+
+def lower(program: Program, backward: Backward) -> ir.Module:
+    """The whole module for one op, from its program and its derivation."""
+    lowerer = Lowerer(program, backward)
+    inputs = {name: name for name in program.inputs}
+
+    # Forward: intermediates in order, then outputs.
+    fwd = _Body(program, dict(inputs), stem="_f")
+    for level in program.intermediates:
+        fwd.tensors[level.name] = level.name
+        fwd.bind(lowerer.level(fwd, level), name=level.name)
+    outputs = []
+    for output in program.outputs:
+        level = output.level
+        value = lowerer.level(fwd, level)
+        if any(len(group) > 1 for group in output.groups):
+            value = ir.Var(fwd.bind(value))
+            shape = ir.Shape(
+                tuple(tuple(lowerer.index_size(fwd, i) for i in group) for group in output.groups)
+            )
+            value = ir.Call("reshape", (value, shape))
+        fwd.bind(value, name=level.name)
+        fwd.tensors[level.name] = level.name
+        outputs.append(level.name)
+
+    # Backward.
+    bwd = _Body(program, dict(inputs))
+    for output in program.outputs:
+        bwd.tensors[output.level.name] = output.level.name
+    for level in program.intermediates:
+        bwd.tensors[level.name] = level.name
+    grads = []
+    for output in program.outputs:
+        level = output.level
+        name = grad_name(level.name)
+        grads.append(name)
+        if any(len(group) > 1 for group in output.groups):
+            shape = ir.Shape(tuple((lowerer.index_size(bwd, i),) for i in level.indices))
+            bwd.bind(
+                ir.Call("reshape", (ir.Var(name), shape)),
+                name=name,
+                comment="split the composite axes",
+            )
+        bwd.tensors[name] = name
+    by_target: dict[str, list[Contribution]] = {}
+    for c in backward.contributions:
+        by_target.setdefault(c.target, []).append(c)
+    for name in backward.order:
+        if name in lowerer.convolutions:
+            continue  # TF's convolution backprop kernels read the consumer's gradient
+        if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
+            level = lowerer.levels[name]
+            gname = grad_name(name)
+            value = lowerer.gradient(bwd, name, by_target[name])
+            if isinstance(value, ir.Var):  # passed through unchanged: no new name
+                bwd.tensors[gname] = value.name
+                continue
+            bwd.bind(value, name=gname, comment=f"∂L/∂{name}")
+            bwd.tensors[gname] = gname
+    returns: list[str | None] = []
+    for name in program.inputs:
+        if name not in backward.targets:
+            returns.append(None)
+            continue
+        contributions = by_target.get(name, [])
+        scatters = [s for s in backward.scatters if s.target == name]
+        gname = grad_name(name)
+        if not contributions and not scatters:
+            bwd.bind(ir.Call("zeros_like", (ir.Var(name),)), name=gname)
+        elif not contributions and len(scatters) == 1 and lowerer.reads_rows(scatters[0]):
+            bwd.bind(lowerer.sparse_rows(bwd, scatters[0]), name=gname)
+        else:
+            bwd.bind(lowerer.gradient(bwd, name, contributions, scatters), name=gname)
+        returns.append(gname)
+    backward_block = _finish(bwd, tuple(returns))
+
+    # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
+    # Borrowing forward values can leave a dtype or size definition nothing reads.
+    backward_block = _borrow(backward_block, fwd.memo)
+    backward_block = ir.prune(backward_block, backward_block.returns, set())
+    read = ir.names_read(backward_block)
+    forward_block = _finish(fwd, tuple(outputs))
+    keep = set(outputs) | {name for name in read if name not in program.inputs}
+    forward_block = ir.prune(
+        forward_block,
+        tuple(sorted(keep & {s.target for s in forward_block.steps})),
+        set(program.inputs),
+    )
+    forward_block = ir.Block(forward_block.steps, tuple(outputs))
+    saved = tuple(
+        step.target
+        for step in forward_block.steps
+        if step.target in read
+        and step.target not in outputs
+        and step.target not in program.inputs
+        and step.target not in _PRELUDE_NAMES
+        and not step.target.startswith("_n_")
+    )
+    recompute = ir.prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
+    # Per output axis, the input axes whose sizes multiply to its size; (None, None) for
+    # an index sized by a range (from the spec, or inferred), which has no input axis.
+    output_axes = tuple(
+        tuple(
+            tuple(
+                lowerer.size_of[i] if isinstance(lowerer.size_of[i], tuple) else (None, None)
+                for i in group
+            )
+            for group in output.groups
+        )
+        for output in program.outputs
+    )
+    return ir.Module(
+        op=program.op,
+        source=program.source,
+        formulas=program.formulas,
+        gradient_lines=gradient_lines(program, backward),
+        inputs=program.inputs,
+        ranks=tuple(program.rank(n) for n in program.inputs),
+        outputs=tuple(outputs),
+        output_axes=output_axes,
+        unsized_outputs=any(
+            source == (None, None) for axes in output_axes for group in axes for source in group
+        ),
+        attrs=tuple(
+            ir.Attr(name, kind, {"float": "float", "int": "int", "bool": "bool"}[kind])
+            for name, kind in program.attrs
+        ),
+        grads=tuple(grads),
+        dim_checks=tuple(
+            ir.DimCheck(index.name, axes) for index, axes in program.dims if len(axes) > 1
+        ),
+        forward=forward_block,
+        saved=saved,
+        recompute=recompute,
+        backward=backward_block,
+        index_inputs=program.index_inputs,
+        positive_attrs=tuple(
+            sorted(
+                {
+                    *program.positive_attrs,
+                    *(
+                        spatial.stride.name.removeprefix("_int_")
+                        for conv in lowerer.convolutions.values()
+                        for spatial in conv.spatial
+                        if isinstance(spatial.stride, sp.Symbol)
+                    ),
+                }
+            )
+        ),
+        sparse_gradients=tuple(
+            step.target
+            for step in backward_block.steps
+            if isinstance(step.value, ir.Call) and step.value.function == "sparse_rows"
+        ),
+    )
+
+
+def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
+    """Prepend the size and dtype definitions the steps use."""
+    prelude = []
+    if body.uses_dtype:
+        prelude.append(ir.Assign("dtype", ir.DType(body.program.value_inputs[0])))
+    for var, source in sorted(body.sizes.items()):
+        if isinstance(source, tuple):
+            prelude.append(ir.Assign(var, ir.AxisSize(*source)))
+        else:
+            prelude.append(ir.Assign(var, integer(source)))
+    return ir.Block(tuple(prelude + body.steps), returns)
+
+
+_PRELUDE_NAMES = ("dtype",)
+
+
+def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
+    """Read values the forward pass already computed (`tanh(A)`) instead of recomputing.
+
+    The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
+    """
+    usable = {
+        expr: name
+        for expr, name in forward.items()
+        if not any(n.startswith("_n_") for n in ir.names_in(expr))
+    }
+
+    def walk(e: ir.Expr) -> ir.Expr:
+        if e in usable:
+            return ir.Var(usable[e])
+        if isinstance(e, ir.View):
+            return ir.View(walk(e.operand), e.perm, e.slots)
+        if isinstance(e, ir.Call):
+            return ir.Call(
+                e.function,
+                tuple(walk(a) for a in e.args),
+                tuple((k, walk(v)) for k, v in e.keywords),
+            )
+        if isinstance(e, ir.Einsum):
+            return ir.Einsum(e.subscripts, tuple(walk(a) for a in e.operands))
+        if isinstance(e, ir.Binary):
+            return ir.Binary(e.op, walk(e.left), walk(e.right))
+        if isinstance(e, ir.Negate):
+            return ir.Negate(walk(e.operand))
+        if isinstance(e, ir.List):
+            return ir.List(tuple(walk(a) for a in e.items))
+        if isinstance(e, ir.Cond):
+            return ir.Cond(walk(e.predicate), walk(e.then), walk(e.otherwise))
+        return e
+
+    steps = []
+    for step in block.steps:
+        value = walk(step.value)
+        if isinstance(value, ir.Var) and step.target.startswith("_t"):
+            usable[ir.Var(step.target)] = value.name  # an alias: read the original
+            continue
+        steps.append(ir.Assign(step.target, value, step.comment))
+    return ir.Block(tuple(steps), block.returns)

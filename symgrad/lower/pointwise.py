@@ -1,0 +1,289 @@
+"""Elementwise steps: functions, conditions and masks, softmax and logsumexp in log space,
+reads of tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import sympy as sp
+
+from .. import functions as fn
+from .. import ir
+from ..indexing import IOTA
+from ..model import Index, index_of_size
+from .common import (
+    BINARY,
+    LOGIC,
+    MASKS,
+    MAX_BROADCAST_RANK,
+    RELATIONS,
+    UNARY,
+    _Body,
+    _index_set,
+    _is_simple,
+    _letters,
+    _merged_groups,
+    _print_order,
+    _tensor_argument,
+    _word,
+)
+
+
+class Pointwise:
+    """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
+
+    def expr(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
+        """A pointwise SymPy expression as TF code over the axes `target`."""
+        if len(target) > MAX_BROADCAST_RANK and len(e.args) > 1 and not isinstance(e, sp.Indexed):
+            before = self.broadcast_safe
+            self.broadcast_safe = _merged_groups(e.args, target) <= MAX_BROADCAST_RANK
+            try:
+                return self.pointwise(body, e, target)
+            finally:
+                self.broadcast_safe = before
+        return self.pointwise(body, e, target)
+
+    def pointwise(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
+        if isinstance(e, sp.Indexed):
+            return self.access(body, e, target)
+        if e.is_Integer:
+            return ir.Lit(str(int(e)))
+        if e.is_number:  # 1/2, pi, sqrt(pi): a Python float takes the tensors' dtype
+            return ir.Lit(repr(float(e)))
+        if e == fn.NEG_INF:
+            body.uses_dtype = True
+            return ir.Call("cast", (ir.Lit('float("-inf")'), ir.Var("dtype")))
+        if isinstance(e, sp.Symbol):
+            index = index_of_size(e)
+            if index is not None:
+                body.uses_dtype = True
+                return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
+            return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
+        if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
+            terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
+            groups = self.normalized_logits(terms)
+            if groups:
+                return self.sum_of_normalized(body, groups, terms, target)
+            result = self.expr(body, terms[0], target)
+            for term in terms[1:]:
+                coeff, _ = term.as_coeff_Mul()
+                if coeff.is_negative:
+                    result = ir.Binary("-", result, self.expr(body, -term, target))
+                else:
+                    result = ir.Binary("+", result, self.expr(body, term, target))
+            return result
+        if isinstance(e, sp.Mul):
+            coeff, _ = e.as_coeff_Mul()
+            if coeff.is_negative:
+                return ir.Negate(self.expr(body, -e, target))
+            numerator, denominator = [], []
+            for factor in sp.Mul.make_args(e):
+                base, exponent = factor.as_base_exp()
+                if exponent.is_Number and exponent.is_negative and not factor.is_Number:
+                    denominator.append(base ** (-exponent))
+                else:
+                    numerator.append(factor)
+            top = [self.expr(body, f, target) for f in sorted(numerator, key=_print_order)]
+            result = top[0] if top else ir.Lit("1")
+            for factor in top[1:]:
+                result = ir.Binary("*", result, factor)
+            for factor in sorted(denominator, key=_print_order):
+                result = ir.Binary("/", result, self.expr(body, factor, target))
+            return result
+        if isinstance(e, sp.Pow):
+            base, exponent = e.args
+            if exponent == -1:
+                return ir.Binary("/", ir.Lit("1"), self.expr(body, base, target))
+            inner = self.expr(body, base, target)
+            if exponent == 2:
+                return ir.Call("square", (inner,))
+            if exponent == sp.Rational(1, 2):
+                return ir.Call("sqrt", (inner,))
+            if exponent == -sp.Rational(1, 2):
+                return ir.Call("rsqrt", (inner,))
+            return ir.Binary("**", inner, self.expr(body, exponent, target))
+        if isinstance(e, sp.exp):
+            softmax = self.softmax(body, e, target)
+            if softmax is not None:
+                return softmax
+        if isinstance(e, fn.select):
+            cond, then, otherwise = e.args
+            if then == 1 and otherwise == 0:  # a mask
+                body.uses_dtype = True
+                return ir.Call("cast", (self.condition(body, cond, target), ir.Var("dtype")))
+            return ir.Call(
+                "where",
+                (
+                    self.condition(body, cond, target),
+                    self.value(body, then, target),
+                    self.value(body, otherwise, target),
+                ),
+            )
+        if isinstance(e, sp.Function):
+            func = type(e)
+            args = tuple(self.expr(body, a, target) for a in e.args)
+            if func in UNARY or func in BINARY:
+                args = tuple(_tensor_argument(body, a) for a in args)
+            if func in UNARY:
+                return ir.Call(UNARY[func], args)
+            if func in BINARY:
+                return ir.Call(BINARY[func], args)
+            if func in MASKS:
+                body.uses_dtype = True
+                return ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
+        raise AssertionError(f"cannot lower {e!r}")
+
+    def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
+        """A pointwise value where TF wants a tensor of the computation dtype (a branch
+        of tf.where): constants are cast, since a Python number would become int32 or
+        float32."""
+        result = self.expr(body, e, target)
+        if not ir.names_in(result) or e.is_number:
+            body.uses_dtype = True
+            return ir.Call("cast", (result, ir.Var("dtype")))
+        return result
+
+    def condition(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
+        """A condition as a boolean tensor over (a subset of) `target`'s axes."""
+        if cond is sp.true or cond is sp.false:
+            return ir.Lit(repr(bool(cond)))
+        if isinstance(cond, sp.Not):
+            return ir.Call("logical_not", (self.condition(body, cond.args[0], target),))
+        for kind, function in LOGIC.items():
+            if isinstance(cond, kind):
+                parts = [self.condition(body, a, target) for a in cond.args]
+                parts.sort(key=repr)  # SymPy's argument order is canonical but unstable
+                result = parts[0]
+                for part in parts[1:]:
+                    result = ir.Call(function, (result, part))
+                return result
+        op = RELATIONS[type(cond)]
+        left, right = cond.args
+        return ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target))
+
+    def normalized_logits(self, terms: list[sp.Expr]) -> list[tuple[list[sp.Expr], sp.Expr, tuple]]:
+        """In a sum, each `-L` (L = log Σ_m exp(u)) with the terms of its own logits `u`
+        and the axes of `u` (m last): `u - L <= 0` stays small, where `A + B - L_A - L_B`
+        adds the large values first (float16 loses ~2% at logits near 30)."""
+        groups = []
+        free = list(terms)
+        for term in terms:
+            coefficient, access = term.as_coeff_Mul()
+            if coefficient != -1 or not isinstance(access, sp.Indexed):
+                continue
+            level = self.logsumexp_of.get(access.base.label.name)
+            if level is None or len(set(access.indices)) != len(access.indices):
+                continue
+            (logits_term,) = level.terms
+            summed = logits_term.summed
+            mapping = dict(zip(level.indices, access.indices, strict=True))
+            present = set().union(*(_index_set(t) for t in free)) - set(access.indices)
+            for chosen in itertools.permutations(sorted(present, key=str), len(summed)):
+                mapping.update(zip(summed, chosen, strict=True))
+                logits = sp.Add.make_args(logits_term.expr.xreplace(mapping))
+                if all(part in free and not part.could_extract_minus_sign() for part in logits):
+                    groups.append((list(logits), term, (*access.indices, *chosen)))
+                    free = [t for t in free if t not in logits and t != term]
+                    break
+        return groups
+
+    def sum_of_normalized(self, body, groups, terms, target) -> ir.Expr:
+        """`(u1 - L1) + (u2 - L2) + rest`, each group as `normalized_logits` found it."""
+        used = {t for logits, term, _ in groups for t in (*logits, term)}
+        parts = []
+        for logits, term, order in groups:
+            if len(order) - len(term.as_coeff_Mul()[1].indices) == 1:
+                # One summed index: u - L is TF's log_softmax over it, which rounds once
+                # (float16: 4x closer than subtracting a rounded logsumexp).
+                operand = self.expr(body, sp.Add(*logits), order)
+                if not _is_simple(operand):
+                    operand = ir.Var(body.bind(operand))
+                call = ir.Call("log_softmax", (operand,), (("axis", ir.Lit("-1")),))
+                parts.append(self.align(body, ir.Var(body.bind(call)), order, target))
+            else:
+                u = self.expr(body, sp.Add(*logits), target)
+                parts.append(ir.Binary("-", u, self.expr(body, -term, target)))
+        result = parts[0]
+        for part in parts[1:]:
+            result = ir.Binary("+", result, part)
+        for term in terms:
+            if term in used:
+                continue
+            coeff, _ = term.as_coeff_Mul()
+            if coeff.is_negative:
+                result = ir.Binary("-", result, self.expr(body, -term, target))
+            else:
+                result = ir.Binary("+", result, self.expr(body, term, target))
+        return result
+
+    def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr) -> ir.Expr:
+        """log Σ exp over the last axis, step by step, keeping exp(u - max) / Σ as the
+        softmax the gradient needs (as TF's tape keeps it); `gradient(op)` recomputes
+        that softmax with one fused `tf.nn.softmax` instead."""
+        last = (("axis", ir.Lit("-1")), ("keepdims", ir.Lit("True")))
+        peak = body.bind(ir.Call("reduce_max", (operand,), last))
+        # A row that is all -inf (every entry masked): log 0 = -inf, as tf.reduce_logsumexp.
+        finite = ir.Call("is_finite", (ir.Var(peak),))
+        peak = body.bind(
+            ir.Call("where", (finite, ir.Var(peak), ir.Call("zeros_like", (ir.Var(peak),))))
+        )
+        shifted = body.bind(ir.Call("exp", (ir.Binary("-", operand, ir.Var(peak)),)))
+        total = body.bind(ir.Call("reduce_sum", (ir.Var(shifted),), last))
+        softmax = body.bind(ir.Binary("/", ir.Var(shifted), ir.Var(total)))
+        fused = ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),))
+        body.memo[fused] = softmax
+        body.recompute[softmax] = fused
+        value = ir.Binary("+", ir.Call("log", (ir.Var(total),)), ir.Var(peak))
+        return ir.Call("squeeze", (value,), (("axis", ir.Lit("-1")),))
+
+    def softmax(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr | None:
+        """`exp(u - L)` with `L = log Σ_m exp(u)`: one fused `tf.nn.softmax(u)` over m.
+
+        L may appear as the logsumexp intermediate or as an output equal to it.
+        """
+        argument = e.args[0]
+        for term in sp.Add.make_args(argument):
+            coefficient, access = term.as_coeff_Mul()
+            if coefficient != -1 or not isinstance(access, sp.Indexed):
+                continue
+            level = self.logsumexp_of.get(access.base.label.name)
+            if level is None or len(level.terms[0].summed) != 1:
+                continue
+            if len(set(access.indices)) != len(access.indices):
+                continue
+            logits = argument - term
+            (m,) = level.terms[0].summed
+            mapping = dict(zip(level.indices, access.indices, strict=True))
+            for candidate in sorted(_index_set(logits) - set(access.indices), key=str):
+                mapping[m] = candidate
+                if level.terms[0].expr.xreplace(mapping) != logits:
+                    continue
+                order = (*access.indices, candidate)
+                operand = self.expr(body, logits, order)
+                if not _is_simple(operand):
+                    operand = ir.Var(body.bind(operand))
+                weights = body.bind(ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),)))
+                return self.align(body, ir.Var(weights), order, target)
+        return None
+
+    def access(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
+        """`X[i, j]` aligned to `target` axes (diagonals read with a one-operand einsum)."""
+        labels = tuple(access.indices)
+        name = access.base.label.name
+        if name == IOTA:  # the value of an index: 0, 1, ..., size - 1
+            (label,) = labels
+            size = self.position_int(ir.Var(self.index_size(body, label)))
+            operand = ir.Var(body.bind(ir.Call("range", (size,))))
+            return self.align(body, operand, labels, target)
+        if name in self.program.index_inputs:  # compared and added with tf.range values
+            operand = ir.Var(body.bind(ir.Call("to_int64", (ir.Var(name),))))
+            return self.align(body, operand, labels, target)
+        operand: ir.Expr = ir.Var(body.tensors[name])
+        if len(set(labels)) != len(labels):
+            unique = tuple(dict.fromkeys(labels))
+            letters = _letters([labels, unique], self.preferred)
+            subscripts = f"{_word(labels, letters)}->{_word(unique, letters)}"
+            operand = ir.Var(body.bind(ir.Einsum(subscripts, (operand,))))
+            labels = unique
+        return self.align(body, operand, labels, target)
