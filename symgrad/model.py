@@ -209,7 +209,8 @@ class _Builder:
         self.reads: list[tuple[sp.Expr, str, int]] = []
         # Indices used at computed positions -> (formula, column) of the first use.
         self.index_uses: dict[Index, tuple[str, int]] = {}
-        self.positive_attrs: set[str] = set()  # int attrs an inferred range takes as > 0
+        # int attrs an inferred range takes as > 0, or a range divides by
+        self.positive_attrs: set[str] = set()
 
     # -- errors -----------------------------------------------------------------------
 
@@ -1059,6 +1060,13 @@ def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
         if node.op == "//":
             if right == 0:
                 raise fail(f"range of {index!r} divides by zero")
+            # An int attr it divides by is checked > 0 at call time, not left to divide
+            # by zero there.
+            builder.positive_attrs |= {
+                x.name.removeprefix("_int_")
+                for x in right.free_symbols
+                if x.name.startswith("_int_")
+            }
             return sp.floor(left / right)
         return {"+": left + right, "-": left - right, "*": left * right}[node.op]
     raise AssertionError(f"unexpected range node {node!r}")

@@ -338,3 +338,34 @@ def test_explain_prints_sizes_without_the_modules_helpers(capsys):
     printed = capsys.readouterr().out
     assert "tf.shape(A)[0]" in printed
     assert "_dim(" not in printed
+
+
+def test_an_int_attr_refuses_bools_and_floats_instead_of_truncating(tmp_path):
+    """`s=True` would read as a stride of 1 and `s=2.5` fail deep inside TF: both are one
+    line naming the attr; NumPy integers are ints."""
+    case = Case(
+        "y[b,i] = x[b, s*i]",
+        {"x": (2, 6)},
+        attr_types={"s": "int"},
+        ranges={"i": "x.shape[1] // s"},
+    )
+    module = generate(case, tmp_path, prefix="IntAttr")
+    x = rand(2, 6)
+    for bad, kind in ((True, "bool"), (2.5, "float")):
+        with pytest.raises(TypeError, match=rf"attr s must be an int, not {kind}"):
+            module.forward(x, s=bad)
+    np.testing.assert_array_equal(module.forward(x, s=np.int64(2)).numpy(), x.numpy()[:, ::2])
+
+
+def test_an_int_attr_a_range_divides_by_must_be_positive(tmp_path):
+    case = Case(
+        "y[b,i] = x[b, i + 1]",
+        {"x": (2, 6)},
+        attr_types={"n": "int"},
+        ranges={"i": "x.shape[1] // n"},
+    )
+    module = generate(case, tmp_path, prefix="DivAttr")
+    x = rand(2, 6)
+    with pytest.raises(ValueError, match="attr n is 0; it scales an index or divides a range"):
+        module.forward(x, n=0)
+    np.testing.assert_array_equal(module.forward(x, n=3).numpy(), x.numpy()[:, 1:3])
