@@ -2,10 +2,11 @@
 vjp, torch autograd through `forward` and through the generated ops), in float64; the
 TF module of the same formula; gradcheck and gradgradcheck; torch.compile(fullgraph=True);
 `register` on real custom ops (Python with an opaque NumPy body, and compiled C++); the
-call-time errors; generation."""
+call-time errors; and the README example."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from target_harness import Framework, check_target, generate_for
 from test_indexing import KNOWN
 from test_numeric import CORPUS
 
+from symgrad.cli import main
 from symgrad.model import build
 from symgrad.pipeline import module_text
 
@@ -519,3 +521,29 @@ def test_the_module_shows_the_formula_and_the_gradients(folder):
     assert (module.INPUTS, module.OUTPUTS, module.ATTRS) == (("A", "B"), ("y",), ("alpha",))
     program = build(op_spec(MATMUL, module.OP_NAME))
     assert module.INPUTS == tuple(program.inputs)
+
+
+README_CHECK = """
+# The custom op now has the derived backward: the same gradient as plain torch ops.
+A.grad = None
+((my_op(A, B, 0.5) - target) ** 2).mean().backward()
+plain = A.detach().clone().requires_grad_()
+((0.5 * torch.einsum("bik,bkj->bij", plain, B) - target) ** 2).mean().backward()
+torch.testing.assert_close(A.grad, plain.grad)
+print("same gradient")
+"""
+
+
+def test_readme_example(tmp_path):
+    """The README section's spec and Python code, run as a user would run them."""
+    text = (ROOT / "README_pytorch_section.md").read_text(encoding="utf-8")
+    toml = re.search(r"```toml\n(.*?)```", text, re.DOTALL).group(1)
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
+    (tmp_path / "symgrad.toml").write_text(toml, encoding="utf-8")
+    assert main(["generate", str(tmp_path / "symgrad.toml")]) == 0
+    (tmp_path / "example.py").write_text(code + README_CHECK, encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "example.py"], capture_output=True, text=True, check=False, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "same gradient"
