@@ -178,16 +178,26 @@ def test_second_order_needs_the_recomputed_intermediates(folder):
         module._recompute = recompute
 
 
-@pytest.mark.parametrize("name", ["deep_chain", "indexing_gather"])
-def test_torch_compile_fullgraph_forward_and_backward(name, folder):
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        ("deep_chain", "inductor"),
+        ("indexing_gather", "inductor"),
+        ("indexing_conv2d_same", "aot_eager"),
+    ],
+)
+def test_torch_compile_fullgraph_forward_and_backward(name, backend, folder):
     """forward under torch.compile(fullgraph=True) (no graph break), its backward through
-    AOTAutograd, against eager vjp. About 25 s for the first (Inductor's warm-up), 5 s for
-    the second on two cores."""
+    AOTAutograd, against eager vjp. With Inductor about 25 s for the first case (its
+    warm-up; 7 s with a warm cache), 3-5 s for the next, on two cores; the convolution
+    (torch.nn.grad's kernels in the backward) traced without code generation."""
     case = CASES[name]
     module = generate_for(case, "pytorch", folder)
     inputs = _inputs(case, module, requires_grad=True)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *xs: module.forward(*xs, **case.attrs), fullgraph=True)
+    compiled = torch.compile(
+        lambda *xs: module.forward(*xs, **case.attrs), fullgraph=True, backend=backend
+    )
     started = time.perf_counter()
     out = compiled(*inputs)
     grad = torch.randn_like(out)
@@ -198,7 +208,37 @@ def test_torch_compile_fullgraph_forward_and_backward(name, folder):
     want = [g for g in module.vjp(*inputs, grad, **case.attrs) if g is not None]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    print(f"{name}: torch.compile forward + backward in {elapsed:.1f} s")
+    print(f"{name}: torch.compile ({backend}) forward + backward in {elapsed:.1f} s")
+
+
+CONV3D = {
+    "valid": (
+        Case(
+            "y[b,i,j,l,o] = sum(x[b,i+u,j+v,l+t,c] * w[u,v,t,c,o], u, v, t, c)",
+            {"x": (1, 4, 5, 3, 2), "w": (2, 3, 2, 2, 2)},
+        ),
+        (1, 1, 1),
+    ),
+    "strided": (
+        Case(
+            "y[b,i,j,l,o] = sum(x[b,2*i+u,j+v,2*l+t,c] * w[u,v,t,c,o], u, v, t, c)",
+            {"x": (1, 5, 4, 5, 1), "w": (3, 2, 2, 1, 2)},
+        ),
+        (2, 1, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONV3D))
+def test_conv3d_against_torch_and_gradcheck(name, folder):
+    """3-D convolutions (no corpus has one: the TF reference cannot broadcast that many
+    axes) against torch's conv3d, and their backprop kernels by gradcheck."""
+    case, stride = CONV3D[name]
+    module = generate_for(case, "pytorch", folder)
+    x, w = _inputs(case, module, requires_grad=True)
+    want = torch.nn.functional.conv3d(x.movedim(-1, 1), w.permute(4, 3, 0, 1, 2), stride=stride)
+    torch.testing.assert_close(module.forward(x, w), want.movedim(1, -1))
+    assert torch.autograd.gradcheck(module.forward, (x, w))
 
 
 # -- register(op) on custom ops ------------------------------------------------------------
