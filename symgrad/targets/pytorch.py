@@ -64,7 +64,7 @@ REDUCTIONS = {
     "reduce_sum": "torch.sum",
     "softmax": "torch.softmax",
 }
-# Ops whose keyword names, in TF's order (the IR may pass them by position).
+# Each op's parameter names in TF's order (the IR passes some by position, some by name).
 PARAMETERS = {
     "broadcast_to": ("x", "shape"),
     "cast": ("x", "dtype"),
