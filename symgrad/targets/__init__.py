@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .printer import Printer
+from .pytorch import PyTorchPrinter
 from .tensorflow import TensorFlowPrinter
 
 
@@ -24,6 +25,7 @@ class Target:
 
 TARGETS: dict[str, Target] = {
     "tensorflow": Target("tensorflow", "module.py.j2", TensorFlowPrinter, "generated"),
+    "pytorch": Target("pytorch", "pytorch.py.j2", PyTorchPrinter, "generated_torch"),
 }
 
 __all__ = ["TARGETS", "Printer", "Target"]

@@ -1,0 +1,504 @@
+"""PyTorch: the neutral ops (whose semantics are TensorFlow's) spelled with torch ops.
+
+Most ops map one to one (`tf.reduce_sum(x, axis=[1])` is `torch.sum(x, dim=[1])`); the
+rest are spelled from what the IR says statically:
+
+- Sizes are Python ints (`x.shape[k]`), so size arithmetic (`maximum` of sizes) is
+  Python's `max`, and `to_int64` of a size is the size itself.
+- Layout ops with literal arguments become indexing: `slice` is `x[:, 1:1 + n]`, a new
+  axis is `x[:, None]`, `pad` is `torch.nn.functional.pad` with its pairs reversed.
+- Convolutions are NHWC in the IR: torch's NCHW kernels between `movedim`s; the
+  backprop kernels are `torch.nn.grad.conv{2,3}d_weight` / `_input` (module helpers).
+- `gather`, `segment_sum` and `cumsum` with `exclusive`/`reverse` are small module
+  helpers (`_gather`, `_segment_sum`, `_cumsum`); `sparse_rows` is a dense scatter-add
+  (`index_add`), since torch autograd wants dense gradients.
+- `ir.Cond` prints its `otherwise` branch alone: equal to `then` whenever the predicate
+  holds, and data-dependent Python control flow would break `torch.compile(fullgraph=
+  True)`. The predicate's own step (`reduce_all`) is then unread, and dropped.
+
+A function body (`code(block, module, kind)`) is printed here, not in the template:
+which steps and prelude lines (`dtype`, sizes, attrs, `_device`) are read is known only
+once the expressions are printed, and generated code must be free of unused variables.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+from functools import cache
+
+from .. import ir
+from .printer import ATOM, Printer, precedence
+
+# Elementwise ops on tensors, and reductions (axis= -> dim=, keepdims= -> keepdim=).
+ELEMENTWISE = {
+    "abs": "torch.abs",
+    "cos": "torch.cos",
+    "cosh": "torch.cosh",
+    "erf": "torch.erf",
+    "exp": "torch.exp",
+    "is_finite": "torch.isfinite",
+    "log": "torch.log",
+    "logical_and": "torch.logical_and",
+    "logical_not": "torch.logical_not",
+    "logical_or": "torch.logical_or",
+    "rsqrt": "torch.rsqrt",
+    "sigmoid": "torch.sigmoid",
+    "sign": "torch.sign",
+    "sin": "torch.sin",
+    "sinh": "torch.sinh",
+    "softplus": "torch.nn.functional.softplus",
+    "sqrt": "torch.sqrt",
+    "square": "torch.square",
+    "tan": "torch.tan",
+    "tanh": "torch.tanh",
+    "zeros_like": "torch.zeros_like",
+}
+REDUCTIONS = {
+    "log_softmax": "torch.log_softmax",
+    "reduce_all": "torch.all",
+    "reduce_logsumexp": "torch.logsumexp",
+    "reduce_max": "torch.amax",
+    "reduce_mean": "torch.mean",
+    "reduce_min": "torch.amin",
+    "reduce_sum": "torch.sum",
+    "softmax": "torch.softmax",
+}
+# Each op's parameter names in TF's order (the IR passes some by position, some by name).
+PARAMETERS = {
+    "broadcast_to": ("x", "shape"),
+    "cast": ("x", "dtype"),
+    "conv2d_backprop_filter": ("input", "filter_sizes", "out_backprop", "strides", "padding"),
+    "conv3d_backprop_filter": ("input", "filter_sizes", "out_backprop", "strides", "padding"),
+    "conv2d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
+    "conv3d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
+    "convolution": ("x", "filters", "strides", "padding"),
+    "cumsum": ("x", "axis", "exclusive", "reverse"),
+    "eye": ("n", "dtype"),
+    "gather": ("x", "positions", "axis"),
+    "pad": ("x", "paddings"),
+    "range": ("n",),
+    "reshape": ("x", "shape"),
+    "segment_sum": ("data", "ids", "n"),
+    "shape": ("x",),
+    "slice": ("x", "begin", "size"),
+    "sparse_rows": ("values", "rows", "shape"),
+    "squeeze": ("x", "axis"),
+    "tile": ("x", "multiples"),
+    "to_int64": ("x",),
+    "transpose": ("x", "perm"),
+    "where": ("condition", "x", "y"),
+    "zeros": ("shape", "dtype"),
+    "maximum": ("x", "y"),
+    "minimum": ("x", "y"),
+    **{name: ("x", "axis", "keepdims") for name in REDUCTIONS},
+}
+# Parameters an op may leave out (TF's defaults apply); every other one must be given.
+OPTIONAL = {"axis", "keepdims", "exclusive", "reverse", "padding"}
+SIZE_PREFIXES = ("_n_", "_int_")  # sizes and int attrs in index arithmetic: Python ints
+
+
+def is_python(e: ir.Expr) -> bool:
+    """Whether `e` is a Python number in the generated code (a size, an int attr in index
+    arithmetic, a literal), not a tensor."""
+    if isinstance(e, ir.Lit | ir.AxisSize | ir.FloatSize):
+        return True
+    if isinstance(e, ir.Var):
+        return e.name.startswith(SIZE_PREFIXES)
+    if isinstance(e, ir.Binary):
+        return is_python(e.left) and is_python(e.right)
+    if isinstance(e, ir.Negate):
+        return is_python(e.operand)
+    if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64"):
+        return all(is_python(a) for a in e.args)
+    return False
+
+
+def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
+    return list(e.items) if isinstance(e, ir.List) else None
+
+
+class PyTorchPrinter(Printer):
+    # -- function bodies ----------------------------------------------------------------
+
+    def code(self, e, module: ir.Module | None = None, kind: str = "") -> str:
+        if isinstance(e, ir.Block):
+            return self.body(e, module, kind)
+        return super().code(_without_conds(e))
+
+    def body(self, block: ir.Block, m: ir.Module, kind: str) -> str:
+        """The statements of `_compute` (kind "forward"), `_recompute` or `_backward`,
+        indented, without the steps and prelude lines nothing reads."""
+        roots = {
+            "forward": (*m.outputs, *m.saved),
+            "recompute": m.saved,
+            "backward": tuple(r for r in block.returns if r),
+        }[kind]
+        live = set(roots)
+        kept: list[tuple[ir.Assign, str]] = []
+        for step in reversed(block.steps):
+            if step.target not in live:
+                continue
+            text = self.code(step.value)
+            live.discard(step.target)
+            live |= _names_read(text)
+            kept.append((step, text))
+        kept.reverse()
+        reference = m.value_inputs[0]
+        lines = []
+        if kind == "backward" and len(m.grads) > 1:
+            # An output nothing downstream reads may come without a gradient.
+            for grad, output in zip(m.grads, m.outputs, strict=True):
+                if grad in live:
+                    lines.append(
+                        f"{grad} = torch.zeros_like({output}) if {grad} is None else {grad}"
+                    )
+        for attr in m.attrs:
+            if f"_int_{attr.name}" in live:
+                lines.append(f"_int_{attr.name} = {attr.name}")
+                if attr.name in m.positive_attrs:
+                    lines += [
+                        f"if _int_{attr.name} <= 0:",
+                        (
+                            f'    raise ValueError(f"{{OP_NAME}}: attr {attr.name} is '
+                            f"{{{attr.name}}}; it scales an index (a stride) and must be "
+                            'positive")'
+                        ),
+                    ]
+        for attr in m.attrs:
+            if attr.name in live:  # a value in the formula: a tensor of the inputs' dtype
+                lines.append(
+                    f"{attr.name} = torch.as_tensor({attr.name}, dtype={reference}.dtype, "
+                    f"device={reference}.device)"
+                )
+        # Read but not defined by a step (a Python number made a tensor, say): from the
+        # first value input, like the attrs.
+        if "dtype" in live:
+            lines.append(f"dtype = {reference}.dtype")
+        if "_device" in live:
+            lines.append(f"_device = {reference}.device")
+        for step, text in kept:
+            if step.comment:
+                lines.append(f"# {step.comment}")
+            lines.append(f"{step.target} = {text}")
+        return "".join(f"    {line}\n" for line in lines)
+
+    # -- expressions ----------------------------------------------------------------------
+
+    def atom(self, e: ir.Expr) -> str:
+        """`e` where an attribute or a subscript follows it."""
+        text = self.code(e)
+        return text if precedence(_without_conds(e)) >= ATOM else f"({text})"
+
+    def tensor(self, e: ir.Expr, dtype: bool = True) -> str:
+        """`e` where torch wants a tensor: a Python number becomes one."""
+        if not is_python(e):
+            return self.code(e)
+        keywords = ", dtype=dtype" if dtype else ""
+        return f"torch.as_tensor({self.code(e)}{keywords}, device=_device)"
+
+    def scalar(self, e: ir.Expr) -> str | None:
+        """A Python number where torch takes a scalar: a literal, a size, or a literal
+        cast to the computation dtype; None for a tensor."""
+        if isinstance(e, ir.Call) and e.function == "cast" and is_python(e.args[0]):
+            return self.code(e.args[0])
+        if isinstance(e, ir.Call) and e.function == "zeros" and e.args == (ir.Lit("[]"),):
+            return "0"
+        if is_python(e):
+            return self.code(e)
+        return None
+
+    def axis_size(self, e: ir.AxisSize) -> str:
+        return f"{e.tensor}.shape[{e.axis}]"
+
+    def float_size(self, e: ir.FloatSize) -> str:
+        return f"float({e.size})"
+
+    def einsum(self, e: ir.Einsum) -> str:
+        operands = ", ".join(self.tensor(o) for o in e.operands)
+        return f'torch.einsum("{e.subscripts}", {operands})'
+
+    def cond(self, e: ir.Cond) -> str:
+        return self.code(e.otherwise)
+
+    def view(self, e: ir.View) -> str:
+        if e.perm is None and None not in e.slots:
+            return self.code(e.operand)  # nothing to do; never made by `lower.align`
+        inner = self.atom(e.operand)
+        if e.perm is not None:
+            inner = f"{inner}.permute({', '.join(map(str, e.perm))})"
+        if None not in e.slots:
+            return inner
+        items = ["None" if slot is None else ":" for slot in e.slots]
+        first_new = items.index("None")
+        if all(item == "None" for item in items[first_new:]) and first_new > 0:
+            items = ["...", *items[first_new:]]  # new trailing axes: x[..., None]
+        while items[-1] == ":":
+            items.pop()
+        return f"{inner}[{', '.join(items)}]"
+
+    def call(self, e: ir.Call) -> str:
+        args = dict(zip(PARAMETERS.get(e.function, ()), e.args))
+        args.update(e.keywords)
+        name = e.function
+        if name in ELEMENTWISE:
+            operands = ", ".join(
+                self.tensor(a, dtype=not name.startswith("logical")) for a in e.args
+            )
+            return f"{ELEMENTWISE[name]}({operands})"
+        if name in REDUCTIONS:
+            return self.reduction(name, args)
+        method = getattr(self, f"call_{name}", None)
+        if method is None:
+            raise NotImplementedError(f"no PyTorch spelling for the neutral op {name!r}")
+        if any(p not in args for p in PARAMETERS[name] if p not in OPTIONAL):
+            # Not a call lowering makes: spelled as it came, TF-style, after an underscore.
+            return f"_{name}({self.arguments(e)})"
+        return method(args)
+
+    def reduction(self, name: str, args: dict) -> str:
+        x = self.code(args["x"])
+        axis = args.get("axis")
+        if isinstance(axis, ir.Lit) and axis.text == "[]":  # TF: nothing to reduce
+            return x
+        if axis is None and name == "reduce_logsumexp":  # over every axis
+            return f"torch.logsumexp({self.atom(args['x'])}.flatten(), dim=0)"
+        parts = [x]
+        if axis is not None:
+            parts.append(f"dim={self.code(axis)}")
+        keepdims = args.get("keepdims")
+        if keepdims is not None and name not in ("softmax", "log_softmax"):
+            parts.append(f"keepdim={self.code(keepdims)}")
+        if name in ("softmax", "log_softmax") and axis is None:
+            parts.append("dim=-1")
+        return f"{REDUCTIONS[name]}({', '.join(parts)})"
+
+    # -- one method per op that is not a plain rename --------------------------------------
+
+    def call_maximum(self, args: dict) -> str:
+        return self.extremum(args, "max", "torch.maximum", "torch.clamp_min")
+
+    def call_minimum(self, args: dict) -> str:
+        return self.extremum(args, "min", "torch.minimum", "torch.clamp_max")
+
+    def extremum(self, args: dict, python: str, both: str, clamp: str) -> str:
+        x, y = args["x"], args["y"]
+        if is_python(x) and is_python(y):
+            return f"{python}({self.code(x)}, {self.code(y)})"
+        # A constant bound: torch.clamp_min(A, 0) (the gradient at a tie goes to A, as
+        # TF's maximum gives it to its first argument).
+        bound_y, bound_x = self.scalar(y), self.scalar(x)
+        if bound_y is not None:
+            return f"{clamp}({self.code(x)}, {bound_y})"
+        if bound_x is not None:
+            return f"{clamp}({self.code(y)}, {bound_x})"
+        return f"{both}({self.code(x)}, {self.code(y)})"
+
+    def call_where(self, args: dict) -> str:
+        condition, x, y = args["condition"], args["x"], args["y"]
+        # torch.where takes a Python number for one branch; it keeps the other's dtype.
+        x_text = self.scalar(x) if self.scalar(y) is None else None
+        y_text = self.scalar(y) if self.scalar(x) is None else None
+        return (
+            f"torch.where({self.tensor(condition, dtype=False)}, "
+            f"{x_text or self.code(x)}, {y_text or self.code(y)})"
+        )
+
+    def call_cast(self, args: dict) -> str:
+        x, dtype = args["x"], self.code(args["dtype"])
+        if is_python(x):
+            return f"torch.as_tensor({self.code(x)}, dtype={dtype}, device=_device)"
+        return f"{self.atom(x)}.to({dtype})"
+
+    def call_to_int64(self, args: dict) -> str:
+        x = args["x"]
+        if is_python(x):  # a Python int is exact as it is
+            return self.code(x)
+        return f"{self.atom(x)}.to(torch.int64)"
+
+    def call_broadcast_to(self, args: dict) -> str:
+        x, shape = args["x"], self.code(args["shape"])
+        value = self.scalar(x)
+        if value is not None:
+            dtype = (
+                self.code(x.args[1]) if isinstance(x, ir.Call) and x.function == "cast" else "dtype"
+            )
+            return f"torch.full({shape}, {value}, dtype={dtype}, device=_device)"
+        return f"torch.broadcast_to({self.code(x)}, {shape})"
+
+    def call_eye(self, args: dict) -> str:
+        return (
+            f"torch.eye({self.code(args['n'])}, dtype={self.code(args['dtype'])}, device=_device)"
+        )
+
+    def call_zeros(self, args: dict) -> str:
+        shape, dtype = self.code(args["shape"]), self.code(args["dtype"])
+        return f"torch.zeros({shape}, dtype={dtype}, device=_device)"
+
+    def call_range(self, args: dict) -> str:
+        return f"torch.arange({self.code(args['n'])}, device=_device)"
+
+    def call_reshape(self, args: dict) -> str:
+        return f"torch.reshape({self.code(args['x'])}, {self.code(args['shape'])})"
+
+    def call_transpose(self, args: dict) -> str:
+        return f"torch.permute({self.code(args['x'])}, {self.code(args['perm'])})"
+
+    def call_tile(self, args: dict) -> str:
+        return f"torch.tile({self.code(args['x'])}, {self.code(args['multiples'])})"
+
+    def call_squeeze(self, args: dict) -> str:
+        return f"torch.squeeze({self.code(args['x'])}, {self.code(args['axis'])})"
+
+    def call_shape(self, args: dict) -> str:
+        return f"{self.atom(args['x'])}.shape"
+
+    def call_pad(self, args: dict) -> str:
+        x, paddings = self.code(args["x"]), args["paddings"]
+        pairs = _literal_list(paddings)
+        if pairs is None or any(_literal_list(p) is None for p in pairs):
+            flat = f"[_v for _pair in reversed({self.code(paddings)}) for _v in _pair]"
+            return f"torch.nn.functional.pad({x}, {flat})"
+        # torch pads the last axis first; leading axes without padding are left out.
+        while pairs and all(_is_zero(v) for v in _literal_list(pairs[0])):
+            pairs = pairs[1:]
+        if not pairs:
+            return x
+        flat = [self.code(v) for pair in reversed(pairs) for v in _literal_list(pair)]
+        return f"torch.nn.functional.pad({x}, [{', '.join(flat)}])"
+
+    def call_slice(self, args: dict) -> str:
+        x, begin, size = args["x"], args["begin"], args["size"]
+        starts, sizes = _literal_list(begin), _literal_list(size)
+        if starts is None or sizes is None or len(starts) != len(sizes):
+            index = (
+                f"tuple(slice(_b, None if _s == -1 else _b + _s) for _b, _s in "
+                f"zip({self.code(begin)}, {self.code(size)}))"
+            )
+            return f"{self.atom(x)}[{index}]"
+        items = []
+        for start, count in zip(starts, sizes, strict=True):
+            first = "" if _is_zero(start) else self.code(start)
+            if isinstance(count, ir.Lit) and count.text == "-1":
+                items.append(f"{first}:")
+            elif _is_zero(start):
+                items.append(f":{self.code(count)}")
+            else:
+                items.append(f"{first}:{self.code(ir.Binary('+', start, count))}")
+        while items and items[-1] == ":":
+            items.pop()
+        if not items:
+            return self.code(x)
+        return f"{self.atom(x)}[{', '.join(items)}]"
+
+    def call_cumsum(self, args: dict) -> str:
+        x, axis = self.code(args["x"]), self.code(args.get("axis", ir.Lit("0")))
+        exclusive, reverse = args.get("exclusive"), args.get("reverse")
+        if _is_false(exclusive) and _is_false(reverse):
+            return f"torch.cumsum({x}, dim={axis})"
+        flags = "".join(
+            f", {k}={self.code(v)}"
+            for k, v in (("exclusive", exclusive), ("reverse", reverse))
+            if v is not None
+        )
+        return f"_cumsum({x}, {axis}{flags})"
+
+    def call_gather(self, args: dict) -> str:
+        x, positions = self.code(args["x"]), self.code(args["positions"])
+        return f"_gather({x}, {positions}, {self.code(args.get('axis', ir.Lit('0')))})"
+
+    def call_segment_sum(self, args: dict) -> str:
+        parts = (self.code(args["data"]), self.code(args["ids"]), self.code(args["n"]))
+        return f"_segment_sum({', '.join(parts)})"
+
+    def call_sparse_rows(self, args: dict) -> str:
+        values, rows, shape = args["values"], args["rows"], args["shape"]
+        if isinstance(shape, ir.Call) and shape.function == "shape":
+            zeros = f"torch.zeros_like({self.code(shape.args[0])})"
+        else:
+            zeros = f"{self.atom(values)}.new_zeros({self.code(shape)})"
+        return f"{zeros}.index_add(0, {self.code(rows)}, {self.code(values)})"
+
+    def call_convolution(self, args: dict) -> str:
+        x, w = self.atom(args["x"]), self.atom(args["filters"])
+        _check_valid(args)
+        strides = _literal_list(args["strides"])
+        if strides is None:  # the number of spatial axes is the length of `strides`
+            return f"_convolution({x}, {w}, {self.code(args['strides'])})"
+        n = len(strides)
+        order = ", ".join(map(str, (n + 1, n, *range(n))))  # (spatial.., in, out) -> OI..
+        stride = ", ".join(self.code(s) for s in strides)
+        return (
+            f"torch.nn.functional.conv{n}d({x}.movedim(-1, 1), {w}.permute({order}), "
+            f"stride=[{stride}]).movedim(1, -1)"
+        )
+
+    def call_conv2d_backprop_filter(self, args: dict) -> str:
+        return self.backprop_filter(args)
+
+    def call_conv3d_backprop_filter(self, args: dict) -> str:
+        return self.backprop_filter(args)
+
+    def call_conv2d_backprop_input(self, args: dict) -> str:
+        return self.backprop_input(args)
+
+    def call_conv3d_backprop_input(self, args: dict) -> str:
+        return self.backprop_input(args)
+
+    def backprop_filter(self, args: dict) -> str:
+        _check_valid(args)
+        parts = [args["input"], args["filter_sizes"], args["out_backprop"]]
+        text = ", ".join(self.code(p) for p in parts)
+        return f"_conv_backprop_filter({text}, strides={self.code(args['strides'])})"
+
+    def backprop_input(self, args: dict) -> str:
+        _check_valid(args)
+        parts = [args["input_sizes"], args["filter"], args["out_backprop"]]
+        text = ", ".join(self.code(p) for p in parts)
+        return f"_conv_backprop_input({text}, strides={self.code(args['strides'])})"
+
+
+def _check_valid(args: dict) -> None:
+    padding = args.get("padding")
+    if padding is not None and padding != ir.Lit('"VALID"'):
+        raise ValueError(f"PyTorch target: only VALID padding is lowered, not {padding}")
+
+
+def _is_zero(e: ir.Expr) -> bool:
+    return isinstance(e, ir.Lit) and e.text == "0"
+
+
+def _is_false(e: ir.Expr | None) -> bool:
+    return e is None or (isinstance(e, ir.Lit) and e.text == "False")
+
+
+@cache
+def _without_conds(e: ir.Expr) -> ir.Expr:
+    """`e` with every `ir.Cond` replaced by its `otherwise` branch (before printing, so
+    that precedence sees the expression actually printed)."""
+    if isinstance(e, ir.Cond):
+        return _without_conds(e.otherwise)
+    if isinstance(e, ir.View):
+        return replace(e, operand=_without_conds(e.operand))
+    if isinstance(e, ir.Negate):
+        return ir.Negate(_without_conds(e.operand))
+    if isinstance(e, ir.Binary):
+        return ir.Binary(e.op, _without_conds(e.left), _without_conds(e.right))
+    if isinstance(e, ir.Einsum):
+        return ir.Einsum(e.subscripts, tuple(_without_conds(o) for o in e.operands))
+    if isinstance(e, ir.List):
+        return ir.List(tuple(_without_conds(i) for i in e.items))
+    if isinstance(e, ir.Call):
+        args = tuple(_without_conds(a) for a in e.args)
+        keywords = tuple((k, _without_conds(v)) for k, v in e.keywords)
+        return ir.Call(e.function, args, keywords)
+    return e
+
+
+def _names_read(text: str) -> set[str]:
+    """The names a printed expression reads."""
+    tree = ast.parse(text, mode="eval")
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+__all__ = ["PyTorchPrinter", "is_python"]
