@@ -640,3 +640,40 @@ def test_generate_with_target_jax_never_imports_jax(tmp_path):
 def test_an_input_named_like_the_jax_module_is_refused(tmp_path):
     with pytest.raises(SymgradError):
         module_text(op_spec(Case("y[b,i] = exp(jnp[b,i])", {"jnp": (2, 3)}), "Named"), "t", "jax")
+
+
+# ----------------------------------------------------------------------------- README
+
+
+def jax_section() -> str:
+    """The README's JAX section (its draft, README_jax_section.md, until it is merged)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    if "\n## JAX\n" in readme:
+        return readme.split("\n## JAX\n", 1)[1].split("\n## ", 1)[0]
+    return (ROOT / "README_jax_section.md").read_text(encoding="utf-8")
+
+
+def test_readme_jax_example_runs(tmp_path):
+    """The example as it is, after `symgrad generate --target jax`, in a fresh process:
+    a pure_callback kernel through `wrap`, trained with jax.grad under jax.jit."""
+    (example,) = re.findall(r"```python\n(.*?)\n```", jax_section(), flags=re.DOTALL)
+    (tmp_path / "symgrad.toml").write_text(
+        '[ops.BatchedMatMul]\nformula = "y[b,i,j] = A[b,i,k] * B[b,k,j]"\ninputs = ["A", "B"]\n',
+        encoding="utf-8",
+    )
+    env = {"PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    generate = [sys.executable, "-m", "symgrad", "generate", "--target", "jax"]
+    subprocess.run(generate, cwd=tmp_path, env=env, check=True, capture_output=True)
+    (tmp_path / "example.py").write_text(example + "\n", encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    claimed = re.search(r"down to (\d\.\d+)", example).group(1)
+    assert result.stdout.strip() == f"loss {claimed}", result.stdout
