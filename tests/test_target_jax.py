@@ -398,6 +398,53 @@ def test_wrap_a_pure_callback_primitive(name, modules):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-12, atol=1e-12)
 
 
+FLOAT32 = ["gather_out_of_range", "conv2d_stride2", "layer_norm", "cumsum_reverse_exclusive"]
+
+
+def test_float32_stays_float32_without_x64(modules):
+    """JAX's default (no jax_enable_x64, int64 unavailable), in a fresh process with
+    warnings as errors: float32 in, float32 out, forward, vjp and jax.grad under jit."""
+    runs = [
+        (modules(n).__name__, CASES[n].attrs, CASES[n].shapes, CASES[n].index_inputs)
+        for n in FLOAT32
+    ]
+    script = f"""
+import importlib, sys, warnings
+warnings.simplefilter("error")
+sys.path.insert(0, {str(modules.folder)!r})
+import jax, jax.numpy as jnp, numpy as np
+for name, attrs, shapes, index_inputs in {runs!r}:
+    m = importlib.import_module(name)
+    rng = np.random.default_rng(0)
+    arrays = [
+        jnp.asarray(rng.integers(*index_inputs[n][1:3], index_inputs[n][0]), jnp.int32)
+        if n in index_inputs
+        else jnp.asarray(rng.uniform(0.5, 1.0, shapes[n]), jnp.float32)
+        for n in m.INPUTS
+    ]
+    y = m.forward(*arrays, **attrs)
+    assert y.dtype == jnp.float32, (name, y.dtype)
+    grads = m.vjp(*arrays, jnp.ones_like(y), **attrs)
+    assert all(g is None or g.dtype == jnp.float32 for g in grads), name
+    floats = [k for k, n in enumerate(m.INPUTS) if n not in index_inputs]
+
+    def loss(*xs):
+        args = list(arrays)
+        for k, x in zip(floats, xs):
+            args[k] = x
+        return jnp.sum(m.forward(*args, **attrs))
+
+    found = jax.jit(jax.grad(loss, argnums=tuple(range(len(floats)))))(*(arrays[k] for k in floats))
+    assert all(g.dtype == jnp.float32 for g in found), name
+print("ok")
+"""
+    env = {"PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- errors
 
 
