@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .jax import JaxPrinter
 from .printer import Printer
 from .pytorch import PyTorchPrinter
 from .tensorflow import TensorFlowPrinter
@@ -26,6 +27,7 @@ class Target:
 TARGETS: dict[str, Target] = {
     "tensorflow": Target("tensorflow", "module.py.j2", TensorFlowPrinter, "generated"),
     "pytorch": Target("pytorch", "pytorch.py.j2", PyTorchPrinter, "generated_torch"),
+    "jax": Target("jax", "jax.py.j2", JaxPrinter, "generated_jax"),
 }
 
 __all__ = ["TARGETS", "Printer", "Target"]
