@@ -116,8 +116,12 @@ def test_readme_install_from_a_checkout(tmp_path):
         "symgrad/data/stdlib_modules.txt",
         "symgrad/data/tf_gradient_ops.txt",
         "symgrad/templates/module.py.j2",
+        "symgrad/templates/pytorch.py.j2",
+        "symgrad/templates/jax.py.j2",
+        "symgrad/targets/tensorflow.py",
+        "symgrad/lower/lowerer.py",
     ):
-        assert needed in names
+        assert needed in names, needed
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "symgrad = symgrad.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -263,30 +264,40 @@ def emit_spec(text: str, folder: Path, name: str):
 
 
 def test_output_is_byte_identical_across_hash_seeds(tmp_path):
-    """`python -m symgrad generate` under PYTHONHASHSEED 0, 1 and 12345 (in parallel)."""
+    """`python -m symgrad generate` of this repo's spec (all three targets) under
+    PYTHONHASHSEED 0, 1 and 12345 (in parallel)."""
     runs = {}
     for seed in ("0", "1", "12345"):
-        out = tmp_path / f"seed{seed}"
+        folder = tmp_path / f"seed{seed}"
+        folder.mkdir()
+        shutil.copy(REPO_SPEC, folder / "symgrad.toml")
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        command = [sys.executable, "-m", "symgrad", "generate", str(REPO_SPEC), "--out", out]
+        command = [sys.executable, "-m", "symgrad", "generate"]
         runs[seed] = (
-            out,
+            folder,
             subprocess.Popen(
                 command,
                 env=env,
-                cwd=tmp_path,
+                cwd=folder,
                 text=True,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
             ),
         )
     outputs = {}
-    for seed, (out, process) in runs.items():
+    for seed, (folder, process) in runs.items():
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr
-        outputs[seed] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+        outputs[seed] = {
+            str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.py"))
+        }
     assert outputs["0"] == outputs["1"] == outputs["12345"]
-    assert len(outputs["0"]) == len(re.findall(r"(?m)^\[ops\.", REPO_SPEC.read_text())) + 1
+    ops = len(re.findall(r"(?m)^\[ops\.", REPO_SPEC.read_text()))
+    assert len(outputs["0"]) == 3 * (ops + 1)
+    for target in ("generated", "generated_torch", "generated_jax"):
+        for name, text in outputs["0"].items():
+            if name.startswith(f"{target}/"):
+                assert text == (REPO / name).read_bytes(), name  # and the committed ones
 
 
 # ------------------------------------------------------------ writing: only, all, atomic
@@ -547,7 +558,12 @@ def _ruff() -> str:
 
 
 def _generated_folders() -> list[Path]:
-    folders = [REPO / "generated", *sorted(GOLDEN.glob("*/expected"))]
+    folders = [
+        REPO / "generated",
+        REPO / "generated_torch",
+        REPO / "generated_jax",
+        *sorted(GOLDEN.glob("*/expected")),
+    ]
     assert len(folders) > 1, "no golden cases found"
     return folders
 
@@ -648,19 +664,20 @@ NO_TENSORFLOW = textwrap.dedent(
 
     class NoTensorFlow(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("tensorflow", "keras", "tf_keras"):
+            if name.split(".")[0] in FRAMEWORKS:
                 raise ImportError(f"symgrad imported {name}")
 
+    FRAMEWORKS = ("tensorflow", "keras", "tf_keras", "torch", "jax", "jaxlib")
     sys.meta_path.insert(0, NoTensorFlow())
     sys.modules["tensorflow"] = None
 
     from symgrad.cli import main
 
-    spec, out = sys.argv[1:]
-    code = main(["generate", spec, "--out", out])
-    code |= main(["generate", spec, "--out", out, "--check"])
+    (spec,) = sys.argv[1:]
+    code = main(["generate", spec])  # every target of the spec
+    code |= main(["generate", spec, "--check"])
     code |= main(["explain", "--op", "BatchedMatMul", "--spec", spec])
-    loaded = sorted(m for m, v in sys.modules.items() if m.startswith("tensorflow") and v)
+    loaded = sorted(m for m, v in sys.modules.items() if m.split(".")[0] in FRAMEWORKS and v)
     print("loaded:", loaded)
     sys.exit(code or bool(loaded))
     """
@@ -668,8 +685,10 @@ NO_TENSORFLOW = textwrap.dedent(
 
 
 def test_generate_never_imports_tensorflow(tmp_path):
+    """Nor PyTorch or JAX: generating all three targets imports no framework."""
+    shutil.copy(REPO_SPEC, tmp_path / "symgrad.toml")
     result = subprocess.run(
-        [sys.executable, "-c", NO_TENSORFLOW, str(REPO_SPEC), str(tmp_path / "out")],
+        [sys.executable, "-c", NO_TENSORFLOW, "symgrad.toml"],
         capture_output=True,
         text=True,
         check=False,
@@ -678,7 +697,8 @@ def test_generate_never_imports_tensorflow(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "loaded: []" in result.stdout
-    assert (tmp_path / "out" / "batched_mat_mul.py").is_file()
+    for folder in ("generated", "generated_torch", "generated_jax"):
+        assert (tmp_path / folder / "batched_mat_mul.py").is_file()
 
 
 # ------------------------------------------------------------------------- pre-commit
