@@ -691,11 +691,9 @@ def test_an_input_named_like_a_module_generated_code_calls_is_refused(name):
 
 
 def jax_section() -> str:
-    """The README's JAX section (its draft, README_jax_section.md, until it is merged)."""
+    """The README's JAX section."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    if "\n## JAX\n" in readme:
-        return readme.split("\n## JAX\n", 1)[1].split("\n## ", 1)[0]
-    return (ROOT / "README_jax_section.md").read_text(encoding="utf-8")
+    return readme.split("\n## JAX\n", 1)[1].split("\n## ", 1)[0]
 
 
 def test_readme_jax_example_runs(tmp_path):
