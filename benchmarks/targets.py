@@ -163,7 +163,7 @@ def main() -> int:
     args = parser.parse_args()
     import tensorflow as tf  # only for the shared case table (inputs and attrs)
 
-    table = cases(tf)
+    table, _ = cases(tf)
     spec = load_spec(HERE / "bench.toml")
     by_module = {snake_case(op.name): op for op in spec.ops}
     chosen = args.ops.split(",") if args.ops else list(table)
