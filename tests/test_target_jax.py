@@ -525,7 +525,7 @@ def test_index_and_attr_errors_are_one_line_naming_the_op(modules):
     one_line_error(
         ValueError,
         lambda: m.forward(x, w, s=0),
-        "attr s is 0; it scales an index (a stride) and must be positive",
+        "attr s is 0; it scales an index or divides a range, and must be positive",
         m.OP_NAME,
     )
     one_line_error(

@@ -73,3 +73,37 @@ def test_an_unknown_target_on_the_command_line_is_exit_2(tmp_path, capsys):
     code, _, err = run(capsys, "generate", str(spec), "--target", "mxnet")
     assert code == 2 and "unknown target 'mxnet'" in err
     assert not (tmp_path / "generated").exists()
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_target_refuses_a_bool_or_float_int_attr(target, tmp_path):
+    """The same call-time checks in every target: `s=True` is not a stride of 1, `s=2.5`
+    not 2, and `s=0` is named as the attr that must be positive."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = tmp_path / "symgrad.toml"
+    spec.write_text(
+        "[ops.StridedRead]\n"
+        'formula = "y[b,i] = x[b, s*i]"\n'
+        'attrs = { s = "int" }\n'
+        'ranges = { i = "x.shape[1] // s" }\n',
+        encoding="utf-8",
+    )
+    assert main(["generate", str(spec), "--target", target, "--out", str(tmp_path / "out")]) == 0
+    path = tmp_path / "out" / "strided_read.py"
+    module_spec = importlib.util.spec_from_file_location(f"strided_read_{target}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    x = np.arange(12.0).reshape(2, 6)
+    if target == "pytorch":
+        import torch
+
+        x = torch.tensor(x)
+    for bad in (True, 2.5):
+        with pytest.raises(TypeError, match=r"StridedRead: attr s "):
+            module.forward(x, s=bad)
+    with pytest.raises(ValueError, match=r"StridedRead: attr s is 0; .* must be positive"):
+        module.forward(x, s=0)
+    np.testing.assert_array_equal(np.asarray(module.forward(x, s=np.int64(2))), x[:, ::2])

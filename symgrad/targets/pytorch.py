@@ -155,14 +155,14 @@ class PyTorchPrinter(Printer):
                     )
         for attr in m.attrs:
             if f"_int_{attr.name}" in live:
-                lines.append(f"_int_{attr.name} = {attr.name}")
+                lines.append(f"_int_{attr.name} = _int_attr({attr.name!r}, {attr.name})")
                 if attr.name in m.positive_attrs:
                     lines += [
                         f"if _int_{attr.name} <= 0:",
                         (
                             f'    raise ValueError(f"{{OP_NAME}}: attr {attr.name} is '
-                            f"{{{attr.name}}}; it scales an index (a stride) and must be "
-                            'positive")'
+                            f"{{{attr.name}}}; it scales an index or divides a range, and "
+                            'must be positive")'
                         ),
                     ]
         for attr in m.attrs:
