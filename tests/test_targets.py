@@ -107,3 +107,44 @@ def test_every_target_refuses_a_bool_or_float_int_attr(target, tmp_path):
     with pytest.raises(ValueError, match=r"StridedRead: attr s is 0; .* must be positive"):
         module.forward(x, s=0)
     np.testing.assert_array_equal(np.asarray(module.forward(x, s=np.int64(2))), x[:, ::2])
+
+
+THREE = """
+[targets]
+tensorflow = "gen_tf"
+pytorch = "gen_torch"
+jax = "gen_jax"
+"""
+
+
+def test_check_force_and_all_or_nothing_hold_across_targets(tmp_path, capsys):
+    """One spec, three folders: a module edited by hand in one target stops the whole run
+    (no target is written), `--check` names it, `--force` rewrites it; `--out` needs one
+    target."""
+    spec = write_spec(tmp_path, THREE)
+    code, out, err = run(capsys, "generate", str(spec))
+    assert code == 0, err
+    for folder in ("gen_tf", "gen_torch", "gen_jax"):
+        assert (tmp_path / folder / "my_mat_mul.py").is_file()
+    edited = tmp_path / "gen_jax" / "my_mat_mul.py"
+    edited.write_text(edited.read_text() + "# tweaked\n")
+    text = spec.read_text().replace("A[b,i,k] * B[b,k,j]", "A[b,i,k] * B[b,k,j] * 2")
+    spec.write_text(text)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*.py")}
+    code, _, err = run(capsys, "generate", str(spec))
+    assert code == 2 and "gen_jax/my_mat_mul.py" in err and "changed by hand" in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*.py")} == before  # nothing written
+    code, out, _ = run(capsys, "generate", str(spec), "--check")
+    assert code == 1
+    assert "gen_jax/my_mat_mul.py: stale and edited by hand" in out
+    assert "gen_torch/my_mat_mul.py: stale" in out and "gen_tf/my_mat_mul.py: stale" in out
+    code, _, err = run(capsys, "generate", str(spec), "--force")
+    assert code == 0, err
+    assert run(capsys, "generate", str(spec), "--check")[0] == 0
+    code, _, err = run(capsys, "generate", str(spec), "--out", str(tmp_path / "x"))
+    assert code == 2 and "--out names one folder, and 3 targets are selected" in err
+    code, _, err = run(
+        capsys, "generate", str(spec), "--target", "jax", "--out", str(tmp_path / "x")
+    )
+    assert code == 0, err
+    assert (tmp_path / "x" / "my_mat_mul.py").read_bytes() == edited.read_bytes()
