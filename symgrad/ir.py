@@ -8,7 +8,8 @@ hashable, which is how lowering computes a common subexpression once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 # ----------------------------------------------------------------------------- expressions
 
@@ -293,6 +294,53 @@ def names_in(e: Expr) -> set[str]:
     if isinstance(e, Cond):
         return names_in(e.predicate) | names_in(e.then) | names_in(e.otherwise)
     return set()
+
+
+def rewrite(e: Expr, swap: Callable[[Expr], Expr | None]) -> Expr:
+    """`e` with every subexpression for which `swap` gives a replacement replaced (outermost
+    first; a replacement is not searched further)."""
+    found = swap(e)
+    if found is not None:
+        return found
+    if isinstance(e, View):
+        return View(rewrite(e.operand, swap), e.perm, e.slots)
+    if isinstance(e, Call):
+        return Call(
+            e.function,
+            tuple(rewrite(a, swap) for a in e.args),
+            tuple((k, rewrite(v, swap)) for k, v in e.keywords),
+        )
+    if isinstance(e, Einsum):
+        return Einsum(e.subscripts, tuple(rewrite(a, swap) for a in e.operands))
+    if isinstance(e, Binary):
+        return Binary(e.op, rewrite(e.left, swap), rewrite(e.right, swap))
+    if isinstance(e, Negate):
+        return Negate(rewrite(e.operand, swap))
+    if isinstance(e, List):
+        return List(tuple(rewrite(a, swap) for a in e.items))
+    if isinstance(e, Cond):
+        return Cond(rewrite(e.predicate, swap), rewrite(e.then, swap), rewrite(e.otherwise, swap))
+    return e
+
+
+def without_conds(module: Module) -> Module:
+    """The module for a target without branches: every `Cond` as its `otherwise` branch
+    (equal to `then` whenever the predicate holds; `then` is only a fast path), and the
+    steps only a predicate read dropped."""
+
+    def otherwise(e: Expr) -> Expr | None:
+        return rewrite(e.otherwise, otherwise) if isinstance(e, Cond) else None
+
+    def strip(block: Block, wanted: tuple[str, ...]) -> Block:
+        steps = tuple(Assign(s.target, rewrite(s.value, otherwise), s.comment) for s in block.steps)
+        return Block(prune(Block(steps, block.returns), wanted, set()).steps, block.returns)
+
+    return replace(
+        module,
+        forward=strip(module.forward, (*module.outputs, *module.saved)),
+        recompute=strip(module.recompute, module.saved),
+        backward=strip(module.backward, tuple(r for r in module.backward.returns if r)),
+    )
 
 
 def names_read(block: Block) -> set[str]:

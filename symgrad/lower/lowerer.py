@@ -392,32 +392,12 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
         if not any(n.startswith("_n_") for n in ir.names_in(expr))
     }
 
-    def walk(e: ir.Expr) -> ir.Expr:
-        if e in usable:
-            return ir.Var(usable[e])
-        if isinstance(e, ir.View):
-            return ir.View(walk(e.operand), e.perm, e.slots)
-        if isinstance(e, ir.Call):
-            return ir.Call(
-                e.function,
-                tuple(walk(a) for a in e.args),
-                tuple((k, walk(v)) for k, v in e.keywords),
-            )
-        if isinstance(e, ir.Einsum):
-            return ir.Einsum(e.subscripts, tuple(walk(a) for a in e.operands))
-        if isinstance(e, ir.Binary):
-            return ir.Binary(e.op, walk(e.left), walk(e.right))
-        if isinstance(e, ir.Negate):
-            return ir.Negate(walk(e.operand))
-        if isinstance(e, ir.List):
-            return ir.List(tuple(walk(a) for a in e.items))
-        if isinstance(e, ir.Cond):
-            return ir.Cond(walk(e.predicate), walk(e.then), walk(e.otherwise))
-        return e
+    def borrowed(e: ir.Expr) -> ir.Expr | None:
+        return ir.Var(usable[e]) if e in usable else None
 
     steps = []
     for step in block.steps:
-        value = walk(step.value)
+        value = ir.rewrite(step.value, borrowed)
         if isinstance(value, ir.Var) and step.target.startswith("_t"):
             usable[ir.Var(step.target)] = value.name  # an alias: read the original
             continue
