@@ -73,6 +73,8 @@ def content_hash(body: str) -> str:
 def render(module: ir.Module, target: str = "tensorflow") -> str:
     """The module's Python source, before formatting; its hash line is a placeholder."""
     chosen = TARGETS[target]
+    if not chosen.printer.branches:
+        module = ir.without_conds(module)
     shared = tuple((c.index, c.axes) for c in module.dim_checks)
     # `vjp` runs the forward pass only when the backward reads an output or intermediate.
     read = ir.names_read(module.backward)

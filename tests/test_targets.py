@@ -148,3 +148,36 @@ def test_check_force_and_all_or_nothing_hold_across_targets(tmp_path, capsys):
     )
     assert code == 0, err
     assert (tmp_path / "x" / "my_mat_mul.py").read_bytes() == edited.read_bytes()
+
+
+def _conds(block: ir.Block) -> list[ir.Cond]:
+    found = []
+
+    def collect(e):
+        if isinstance(e, ir.Cond):
+            found.append(e)
+
+    for step in block.steps:
+        ir.rewrite(step.value, collect)
+    return found
+
+
+def test_targets_without_branches_get_the_otherwise_branch_and_no_predicate():
+    """A lookup's masked read is `Cond(all ids in bounds, fast read, masked read)`; for
+    PyTorch and JAX (`branches = False`) render takes `ir.without_conds`: the masked read
+    alone, equal to the fast one whenever the predicate holds, and no `reduce_all` step."""
+    from symgrad.pipeline import compile_op
+    from symgrad.spec import OpSpec
+
+    op = OpSpec("Lookup", ("y[b,t,d] = W[ids[b,t], d]",), None, (), (), "t")
+    module = compile_op(op)
+    (cond,) = _conds(module.forward)
+    stripped = ir.without_conds(module)
+    assert not _conds(stripped.forward) and not _conds(stripped.backward)
+    assert cond.otherwise in {s.value for s in stripped.forward.steps}
+    for block in (stripped.forward, stripped.backward):
+        assert not any(
+            isinstance(s.value, ir.Call) and s.value.function == "reduce_all" for s in block.steps
+        )
+    assert stripped.forward.returns == module.forward.returns
+    assert {n for n, t in TARGETS.items() if not t.printer.branches} == {"pytorch", "jax"}

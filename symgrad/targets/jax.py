@@ -3,8 +3,9 @@
 
 Shapes are static in JAX, so sizes are Python ints (`x.shape[k]`) and integer arithmetic
 on them stays Python (`max`, not `jnp.maximum`): a traced size could not shape a pad or a
-slice under `jax.jit`. `ir.Cond` is its `otherwise` branch alone (it equals the fast
-`then` branch whenever the predicate holds). A few ops whose TensorFlow meaning JAX has
+slice under `jax.jit`. No `ir.Cond` reaches this printer (`branches = False`): `render`
+replaces each by its `otherwise` branch, which equals the fast `then` branch whenever the
+predicate holds (`ir.without_conds`). A few ops whose TensorFlow meaning JAX has
 no single function for print calls to small helpers the template defines
 (`_segment_sum`, `_exclusive_cumsum`, `_conv_backprop_filter`, `_conv_backprop_input`,
 `_slice`).
@@ -119,6 +120,8 @@ def contraction_path(subscripts: str) -> list[tuple[int, ...]]:
 
 
 class JaxPrinter(Printer):
+    branches = False  # `jax.lax.cond` would run under `vmap` as a select of both branches
+
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
 
@@ -129,9 +132,6 @@ class JaxPrinter(Printer):
         operands = ", ".join(self.code(o) for o in e.operands)
         path = contraction_path(e.subscripts)
         return f'jnp.einsum("{e.subscripts}", {operands}, optimize={path})'
-
-    def cond(self, e: ir.Cond) -> str:
-        return self.code(e.otherwise)
 
     def view(self, e: ir.View) -> str:
         inner = self.code(e.operand)

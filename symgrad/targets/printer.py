@@ -44,6 +44,11 @@ class Printer:
     """Python source for IR expressions. `in_module` is True when printing a generated
     module (which has helpers such as `_dim`), False for a self-contained line (explain)."""
 
+    # Whether the framework can run one branch of an `ir.Cond` (TF's `tf.cond`). A target
+    # without gets its modules through `ir.without_conds` before printing, so its printer
+    # never sees a `Cond`.
+    branches = True
+
     def __init__(self, in_module: bool = True) -> None:
         self.in_module = in_module
 

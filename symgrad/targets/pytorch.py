@@ -12,9 +12,10 @@ rest are spelled from what the IR says statically:
 - `gather`, `segment_sum` and `cumsum` with `exclusive`/`reverse` are small module
   helpers (`_gather`, `_segment_sum`, `_cumsum`); `sparse_rows` is a dense scatter-add
   (`index_add`), since torch autograd wants dense gradients.
-- `ir.Cond` prints its `otherwise` branch alone: equal to `then` whenever the predicate
-  holds, and data-dependent Python control flow would break `torch.compile(fullgraph=
-  True)`. The predicate's own step (`reduce_all`) is then unread, and dropped.
+- No `ir.Cond` reaches this printer (`branches = False`): `render` replaces each by its
+  `otherwise` branch, equal to `then` whenever the predicate holds, and drops the
+  predicate's steps (`ir.without_conds`); data-dependent Python control flow would break
+  `torch.compile(fullgraph=True)`.
 
 A function body (`code(block, module, kind)`) is printed here, not in the template:
 which steps and prelude lines (`dtype`, sizes, attrs, `_device`) are read is known only
@@ -24,8 +25,6 @@ once the expressions are printed, and generated code must be free of unused vari
 from __future__ import annotations
 
 import ast
-from dataclasses import replace
-from functools import cache
 
 from .. import ir
 from .printer import ATOM, Printer, precedence
@@ -119,12 +118,14 @@ def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
 
 
 class PyTorchPrinter(Printer):
+    branches = False  # data-dependent Python control flow breaks torch.compile(fullgraph)
+
     # -- function bodies ----------------------------------------------------------------
 
     def code(self, e, module: ir.Module | None = None, kind: str = "") -> str:
         if isinstance(e, ir.Block):
             return self.body(e, module, kind)
-        return super().code(_without_conds(e))
+        return super().code(e)
 
     def body(self, block: ir.Block, m: ir.Module, kind: str) -> str:
         """The statements of `_compute` (kind "forward"), `_recompute` or `_backward`,
@@ -188,7 +189,7 @@ class PyTorchPrinter(Printer):
     def atom(self, e: ir.Expr) -> str:
         """`e` where an attribute or a subscript follows it."""
         text = self.code(e)
-        return text if precedence(_without_conds(e)) >= ATOM else f"({text})"
+        return text if precedence(e) >= ATOM else f"({text})"
 
     def tensor(self, e: ir.Expr, dtype: bool = True) -> str:
         """`e` where torch wants a tensor: a Python number becomes one."""
@@ -217,9 +218,6 @@ class PyTorchPrinter(Printer):
     def einsum(self, e: ir.Einsum) -> str:
         operands = ", ".join(self.tensor(o) for o in e.operands)
         return f'torch.einsum("{e.subscripts}", {operands})'
-
-    def cond(self, e: ir.Cond) -> str:
-        return self.code(e.otherwise)
 
     def view(self, e: ir.View) -> str:
         if e.perm is None and None not in e.slots:
@@ -470,29 +468,6 @@ def _is_zero(e: ir.Expr) -> bool:
 
 def _is_false(e: ir.Expr | None) -> bool:
     return e is None or (isinstance(e, ir.Lit) and e.text == "False")
-
-
-@cache
-def _without_conds(e: ir.Expr) -> ir.Expr:
-    """`e` with every `ir.Cond` replaced by its `otherwise` branch (before printing, so
-    that precedence sees the expression actually printed)."""
-    if isinstance(e, ir.Cond):
-        return _without_conds(e.otherwise)
-    if isinstance(e, ir.View):
-        return replace(e, operand=_without_conds(e.operand))
-    if isinstance(e, ir.Negate):
-        return ir.Negate(_without_conds(e.operand))
-    if isinstance(e, ir.Binary):
-        return ir.Binary(e.op, _without_conds(e.left), _without_conds(e.right))
-    if isinstance(e, ir.Einsum):
-        return ir.Einsum(e.subscripts, tuple(_without_conds(o) for o in e.operands))
-    if isinstance(e, ir.List):
-        return ir.List(tuple(_without_conds(i) for i in e.items))
-    if isinstance(e, ir.Call):
-        args = tuple(_without_conds(a) for a in e.args)
-        keywords = tuple((k, _without_conds(v)) for k, v in e.keywords)
-        return ir.Call(e.function, args, keywords)
-    return e
 
 
 def _names_read(text: str) -> set[str]:
