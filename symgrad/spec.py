@@ -18,12 +18,13 @@ from pathlib import Path, PurePath
 
 from .errors import SymgradError
 from .parse import check_name
+from .targets import TARGETS
 
 OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 ATTR_TYPES = ("float", "int", "bool")
 TOP_KEYS = ("out", "targets", "ops")
 # The frameworks a spec may write modules for, and each one's folder when none is named.
-TARGET_FOLDERS = {"tensorflow": "generated", "pytorch": "generated_torch", "jax": "generated_jax"}
+TARGET_FOLDERS = {name: target.default_out for name, target in TARGETS.items()}
 OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges")
 MAX_SIZE = 2**31
 MAX_OPS = 500
