@@ -94,10 +94,12 @@ def load_module(text: str, folder: Path, stem: str):
     return module
 
 
-def generate(case: Case, folder: Path, prefix: str = "Corpus"):
+def generate(case: Case, folder: Path, prefix: str = "Corpus", target: str = "tensorflow"):
+    """The module of `case` for `target`, imported under a unique name."""
     name = f"{prefix}{next(_counter)}"
-    text = module_text(op_spec(case, name), "test.toml")
-    return load_module(text, folder, f"symgrad_test_{name.lower()}")
+    text = module_text(op_spec(case, name), "test.toml", target)
+    stem = "symgrad_test" if target == "tensorflow" else f"symgrad_{target}"
+    return load_module(text, folder, f"{stem}_{name.lower()}")
 
 
 class FakeOp:

@@ -9,7 +9,6 @@ every target is held to the same numbers as the TensorFlow one.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,9 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from harness import Case, load_module, make_tensors, op_spec, reference
+from harness import Case, generate, make_tensors, op_spec, reference
 
 from symgrad.model import build
-from symgrad.pipeline import module_text
-
-_counter = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -39,9 +35,7 @@ class Framework:
 
 def generate_for(case: Case, target: str, folder: Path, prefix: str = "Target"):
     """The module of `case` for `target`, imported under a unique name."""
-    name = f"{prefix}{next(_counter)}"
-    text = module_text(op_spec(case, name), "test.toml", target)
-    return load_module(text, folder, f"symgrad_{target}_{name.lower()}")
+    return generate(case, folder, prefix, target)
 
 
 def _expected(case: Case, names, tensors, grads):
