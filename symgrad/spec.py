@@ -426,6 +426,28 @@ def _data_names(file: str) -> frozenset[str]:
 
 
 def snake_case(name: str) -> str:
-    """`BatchMatMul` -> `batch_mat_mul` (the module name of an op)."""
-    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name)
-    return re.sub(r"_+", "_", words).lower()
+    """The module name of an op: TensorFlow's own name for the op's Python function
+    (`BatchMatMul` -> `batch_mat_mul`, `MaxPool1dK3S2` -> `max_pool1d_k3s2`), so that
+    `from generated import X` and `my_ops.X` (from `tf.load_op_library`) match.
+
+    An exact copy, without importing TensorFlow, of `GenerateLowerCaseOpName` in
+    tensorflow/python/framework/python_op_gen_internal.cc, which `tf.load_op_library`
+    runs through `_pywrap_python_op_gen.GetPythonWrappers`: an upper-case letter after
+    the first is lowered and preceded by `_` when the character before it is lower-case
+    or the one after it is (ASCII, as C's `isupper`/`islower`); nothing else changes.
+    """
+    last = len(name) - 1
+    out = []
+    for i, char in enumerate(name):
+        if _upper(char) and i > 0 and (_lower(name[i - 1]) or (i < last and _lower(name[i + 1]))):
+            out.append("_")
+        out.append(char.lower() if _upper(char) else char)
+    return "".join(out)
+
+
+def _upper(char: str) -> bool:
+    return "A" <= char <= "Z"
+
+
+def _lower(char: str) -> bool:
+    return "a" <= char <= "z"

@@ -72,3 +72,57 @@ def test_tensorflow_ops_with_a_gradient_are_refused(name):
 @pytest.mark.parametrize("name", ["BatchedMatMul", "MySoftmax", "Numpyish", "Tests", "Matmul"])
 def test_near_names_are_accepted(name):
     assert parse_spec(f'[ops.{name}]\nformula = "y[b] = A[b]"\n', "s.toml").ops[0].name == name
+
+
+# Op names and the Python function names TensorFlow gives them (`tf.load_op_library`).
+TF_FUNCTION_NAMES = {
+    "MaxPool1dK3S2": "max_pool1d_k3s2",
+    "BatchedMatMul": "batched_mat_mul",
+    "Conv2dSame": "conv2d_same",
+    "Conv2D": "conv2d",
+    "MaxPool2x2": "max_pool2x2",
+    "LSTMBlockCell": "lstm_block_cell",
+    "HTTPServer": "http_server",
+    "MyOP": "my_op",
+    "ABCDef": "abc_def",
+    "A1B2C3": "a1b2c3",
+    "Op_Name": "op__name",
+    "Foo__Bar": "foo___bar",
+    "Ab_Cd_": "ab__cd_",
+    "X": "x",
+    "XY": "xy",
+    "XyZ": "xy_z",
+    "A_b": "a_b",
+    "Conv3dK3S2D2": "conv3d_k3s2d2",
+    "Top2KPool": "top2k_pool",
+}
+
+
+@pytest.mark.parametrize(("name", "module"), sorted(TF_FUNCTION_NAMES.items()))
+def test_module_names_are_tensorflows_python_function_names(name, module):
+    assert snake_case(name) == module
+
+
+def test_module_names_match_tensorflows_own_conversion():
+    """TensorFlow's own code (the wrappers `tf.load_op_library` builds) names each op's
+    Python function as `snake_case` names its module."""
+    pytest.importorskip("tensorflow")
+    import ast
+
+    from tensorflow.core.framework import op_def_pb2
+    from tensorflow.python.framework import _pywrap_python_op_gen
+
+    ops = op_def_pb2.OpList()
+    for name in TF_FUNCTION_NAMES:
+        op = ops.op.add()
+        op.name = name
+        output = op.output_arg.add()
+        output.name, output.type = "y", 1  # DT_FLOAT
+    source = _pywrap_python_op_gen.GetPythonWrappers(ops.SerializeToString()).decode()
+    functions = [
+        node.name
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) and not node.name.endswith("_eager_fallback")
+    ]
+    assert functions == [snake_case(name) for name in TF_FUNCTION_NAMES]
+    assert functions == list(TF_FUNCTION_NAMES.values())
