@@ -1,14 +1,17 @@
 """The command line: `symgrad generate`, `symgrad explain` and `symgrad check`. I/O only.
 
 Exit codes: 0 written, up to date, or every check passed; 1 stale under --check/--diff, or
-a check failed; 2 on any error.
+a check failed; 2 on any error; 141 (128 + SIGPIPE, as for a program the signal ends),
+quietly, when the reader of the output closes it early (`symgrad generate --diff | head`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -24,6 +27,7 @@ from .targets import TARGETS
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
 EXIT_FAILED = 1  # symgrad check: a check failed
+EXIT_CLOSED_PIPE = 128 + signal.SIGPIPE  # the shell's status for a program SIGPIPE ends
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,8 +166,10 @@ def _generate(args) -> int:
             f"{', '.join(edited)}: changed by hand since symgrad generated it (its hash no "
             "longer matches); edit the spec instead, or pass --force to overwrite"
         )
-    for out, files, changes in work:
+    for out, _, changes in work:
         write(changes, out)
+    # Only then report, so that a reader closing the output early cannot stop a write.
+    for out, files, changes in work:
         for change in changes.changes:
             print(f"{ACTIONS[change.action]:>7} {out / change.name}")
         if not changes.changes:
@@ -278,6 +284,30 @@ def _check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a reader that closes the output early (`| head`) ends it quietly."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # inside the try: buffered output fails here, not at exit
+    except BrokenPipeError:
+        _silence_closed_pipes()
+        return EXIT_CLOSED_PIPE
+
+
+def _silence_closed_pipes() -> None:
+    """Point stdout and stderr at the null device, so that Python's flush at exit does not
+    fail (and print a warning) on the pipe that was closed."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(null, stream.fileno())
+        except (OSError, ValueError, AttributeError):  # not a real file (captured output)
+            pass
+    os.close(null)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
@@ -288,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     except SymgradError as exc:
         print(exc.render(), file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:
+        raise  # the reader closed the output: not a bug (see `main`)
     except Exception as exc:  # noqa: BLE001 - a bug in symgrad, not the user's input
         if args.debug:
             traceback.print_exc()

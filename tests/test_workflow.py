@@ -734,3 +734,42 @@ def test_the_check_ops_hook_runs_symgrad_check_with_tensorflow():
     for path in ("symgrad.toml", "generated/batched_mat_mul.py"):
         assert files.search(path), path
     assert not files.search("README.md")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--check", "--diff"],  # stale: a diff to print
+        ["generate", "--check"],
+        ["generate"],  # writes, then names each file
+        ["explain", "y[b,i,j] = A[b,i,k] * B[b,k,j]"],
+        ["explain", "--op", "Scale", "--format", "markdown"],
+        ["check", "--op", "Scale"],
+    ],
+)
+def test_a_closed_output_pipe_is_a_quiet_exit(tmp_path, argv):
+    """`symgrad generate --check --diff | head`: the reader closes the pipe early. Exit 141
+    (128 + SIGPIPE, what the shell reports for `yes | head`), nothing on stderr."""
+    spec = write_spec(tmp_path, OPS)
+    if argv[0] == "check":
+        assert main(["generate", str(spec)]) == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before symgrad writes anything: every write fails
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "symgrad", *argv],
+            cwd=tmp_path,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+    if argv == ["generate"]:  # every file was written before anything was printed
+        assert sorted(p.name for p in (tmp_path / "generated").iterdir()) == sorted(
+            ["__init__.py", *MODULES.values()]
+        )
+    assert spec.exists()
