@@ -20,9 +20,10 @@ from . import __version__
 from .emit import diff, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
+from .folders import distinct_folders, flag_folder, output_folder
 from .model import build
 from .pipeline import generate
-from .spec import OpSpec, load_spec, output_folder, spec_targets
+from .spec import OpSpec, load_spec, spec_targets
 from .targets import TARGETS
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
@@ -151,10 +152,14 @@ def _generate(args) -> int:
             f"({', '.join(targets)}); pick one with --target",
             where=spec.path,
         )
+    if args.out:
+        folders = [(targets[0], flag_folder(spec, args.out))]
+    else:
+        folders = [(target, output_folder(spec, target)) for target in targets]
+    distinct_folders(spec, folders)
     # Everything is generated and planned before the first write: all or nothing.
     work = []
-    for target in targets:
-        out = Path(args.out) if args.out else output_folder(spec, target)
+    for target, out in folders:
         files = generate(spec, target)
         work.append((out, files, plan(files, out)))
     if args.check or args.diff:

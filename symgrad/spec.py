@@ -74,6 +74,23 @@ PACKAGES = frozenset(
 )
 
 
+# Modules that Python or common tools import by their name alone, from wherever they are
+# found: `site` imports sitecustomize and usercustomize at startup, pytest every conftest,
+# and pip/setuptools run setup.py. A generated module or package of that name runs there.
+IMPORTED_BY_NAME = frozenset({"sitecustomize", "usercustomize", "conftest", "setup"})
+
+
+def shadows(module: str) -> str | None:
+    """What a module or package of this name would shadow (a phrase), or None."""
+    if module in stdlib_modules():
+        return "a standard-library module of that name"
+    if module in PACKAGES:
+        return "a package of that name"
+    if module in IMPORTED_BY_NAME:
+        return "the module that Python or its tools import by that name"
+    return None
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """One `[ops.Name]` table, validated for shape and names."""
@@ -154,10 +171,9 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
             "(a Python keyword); choose another name",
             where=where,
         )
-    if module in PACKAGES or module in stdlib_modules():
-        kind = "a standard-library module" if module in stdlib_modules() else "a package"
+    if kind := shadows(module):
         raise SymgradError(
-            f"op name {name!r} would write {module}.py, which shadows {kind} of that name "
+            f"op name {name!r} would write {module}.py, which shadows {kind} "
             "wherever its folder is on the import path; choose another name",
             where=where,
         )
@@ -354,31 +370,30 @@ def _check_out(out: object, path: str, key: str = "`out`") -> None:
             "'..'); use --out to write elsewhere",
             where=path,
         )
-
-
-def output_folder(spec: Spec, target: str = "tensorflow") -> Path:
-    """A target's folder (`[targets]`, else `out` for TensorFlow, else the target's
-    default), relative to the spec's folder; it must stay inside that folder once
-    symbolic links are resolved (`out = "link/gen"`)."""
-    base = Path(spec.path).parent
-    named = dict(spec.targets).get(target)
-    key = f"`targets.{target}`" if named is not None else "`out`"
-    if named is None and target == "tensorflow" and not spec.targets:
-        named = spec.out
-    folder = base / (named or TARGET_FOLDERS[target])
-    try:
-        resolved = folder.resolve()
-    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
-        raise SymgradError(f"cannot resolve {key}: {exc}", where=spec.path) from None
-    if not resolved.is_relative_to(base.resolve()):
-        default = f"{_show(TARGET_FOLDERS[target])} (the default)"
-        shown = _show(named) if named is not None else default
+    if os.path.normpath(out) == ".":
         raise SymgradError(
-            f"{key} {shown} leads outside the spec's folder through a symbolic link "
-            f"(to {_show(str(resolved), 80)}); use --out to write there",
-            where=spec.path,
+            f"{key} {_show(out)} is the spec's own folder; name a folder inside it for the "
+            "generated package (e.g. 'generated')",
+            where=path,
         )
-    return folder
+    check_package_name(PurePath(os.path.normpath(out)), f"{key} {_show(out)}", path)
+
+
+def check_package_name(folder: PurePath, what: str, where: str) -> None:
+    """An output folder becomes a package named after its last part: refuse a name that
+    shadows a module (`torch`, `typing`, `conftest`), and Python's `__pycache__`."""
+    if "__pycache__" in folder.parts:
+        raise SymgradError(
+            f"{what} is inside a `__pycache__` folder, which Python owns and clears; "
+            "choose another folder",
+            where=where,
+        )
+    if kind := shadows(folder.name):
+        raise SymgradError(
+            f"{what} would make a package named {folder.name}, which shadows {kind} "
+            "wherever its parent folder is on the import path; choose another folder",
+            where=where,
+        )
 
 
 def spec_targets(spec: Spec) -> tuple[str, ...]:

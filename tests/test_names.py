@@ -53,6 +53,18 @@ def test_op_names_that_shadow_a_module_are_refused(name):
     assert f"would write {snake_case(name)}.py, which shadows" in refusal(name)
 
 
+@pytest.mark.parametrize("name", ["Sitecustomize", "Usercustomize", "Conftest", "Setup"])
+def test_op_names_of_modules_imported_by_name_are_refused(name):
+    """`site` imports sitecustomize and usercustomize at startup, pytest imports conftest,
+    pip runs setup: a generated module of that name would run there."""
+    assert refusal(name) == (
+        f"error: s.toml [ops.{name}]: op name '{name}' would write {name.lower()}.py, which "
+        "shadows the module that Python or its tools import by that name wherever its folder "
+        "is on the "
+        "import path; choose another name"
+    )
+
+
 def test_every_listed_package_is_refused_as_an_op_name():
     for module in sorted(PACKAGES):
         name = "".join(word.capitalize() for word in module.split("_"))

@@ -68,6 +68,97 @@ def test_a_bad_targets_table_is_one_line_and_exit_2(tmp_path, capsys, head, mess
     assert not any(tmp_path.glob("*/"))  # nothing written
 
 
+FOLDERS = ["torch", "jax", "numpy", "tensorflow", "typing", "sub/torch", "conftest", "setup"]
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+@pytest.mark.parametrize("key", ["out", "targets.pytorch"])
+def test_a_folder_that_shadows_a_package_is_refused(tmp_path, capsys, folder, key):
+    """A target folder becomes a package of its name: `torch/__init__.py` beside a script
+    replaces PyTorch for it, as an op named `Numpy` would replace NumPy."""
+    head = f'out = "{folder}"\n' if key == "out" else f'[targets]\npytorch = "{folder}"\n'
+    spec = write_spec(tmp_path, head)
+    code, out, err = run(capsys, "generate", str(spec))
+    name = folder.rsplit("/", 1)[-1]
+    assert (code, out) == (2, "")
+    assert f"`{key}` '{folder}' would make a package named {name}, which shadows" in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["symgrad.toml"]
+
+
+@pytest.mark.parametrize(
+    ("folder", "message"),
+    [
+        (".", "`out` '.' is the spec's own folder"),
+        ("./", "`out` './' is the spec's own folder"),
+        ("gen/..", "must be a folder inside the spec's folder"),
+        ("__pycache__", "`out` '__pycache__' is inside a `__pycache__` folder"),
+        ("gen/__pycache__/x", "`out` 'gen/__pycache__/x' is inside a `__pycache__` folder"),
+    ],
+)
+def test_the_specs_own_folder_and_pycache_are_refused(tmp_path, capsys, folder, message):
+    spec = write_spec(tmp_path, f'out = "{folder}"\n')
+    code, _, err = run(capsys, "generate", str(spec))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["symgrad.toml"]
+
+
+def test_out_flag_refuses_the_specs_folder_and_shadowing_names(tmp_path, capsys, monkeypatch):
+    spec = write_spec(tmp_path, "")
+    monkeypatch.chdir(tmp_path)
+    for out, message in [
+        (".", "--out '.' is the spec's own folder"),
+        (str(tmp_path), "is the spec's own folder"),
+        ("numpy", "--out 'numpy' would make a package named numpy, which shadows a package"),
+        ("x/typing", "would make a package named typing, which shadows a standard-library"),
+    ]:
+        code, _, err = run(capsys, "generate", str(spec), "--out", out)
+        assert code == 2 and message in err, (out, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["symgrad.toml"]
+
+
+def test_a_folder_that_is_a_link_to_a_shadowing_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "gen").symlink_to(tmp_path / "torch", target_is_directory=True)
+    (tmp_path / "here").symlink_to(tmp_path, target_is_directory=True)
+    for folder, message in [
+        ("gen", "`out` 'gen', a link to 'torch', would make a package named torch"),
+        ("here", "`out` 'here' is the spec's own folder (through a symbolic link)"),
+    ]:
+        spec = write_spec(tmp_path, f'out = "{folder}"\n')
+        code, _, err = run(capsys, "generate", str(spec))
+        assert code == 2 and message in err, err
+    assert list((tmp_path / "torch").iterdir()) == []
+    assert not (tmp_path / "__init__.py").exists()
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--check"], ["--force"], ["--target", "tensorflow", "--target", "pytorch"]]
+)
+def test_two_targets_in_one_folder_through_a_link_are_refused(tmp_path, capsys, flags):
+    """`pytorch = "alias"`, a link to the TensorFlow folder: the PyTorch module would replace
+    the TensorFlow one. Folders are compared once links are resolved."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real", target_is_directory=True)
+    spec = write_spec(tmp_path, '[targets]\ntensorflow = "real"\npytorch = "alias"\n')
+    code, out, err = run(capsys, "generate", str(spec), *flags)
+    assert (code, out) == (2, "")
+    assert err.strip() == (
+        f"error: {spec}: targets tensorflow ('real') and pytorch ('alias') are one folder, "
+        f"'{(tmp_path / 'real').resolve()}', once "
+        "symbolic links are resolved; give each target its own folder"
+    )
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+def test_two_targets_through_a_link_to_a_folder_not_yet_made_are_refused(tmp_path, capsys):
+    (tmp_path / "alias").symlink_to(tmp_path / "later", target_is_directory=True)
+    spec = write_spec(tmp_path, '[targets]\njax = "alias"\npytorch = "later"\n')
+    code, _, err = run(capsys, "generate", str(spec))
+    assert code == 2 and "targets jax" in err and "are one folder" in err
+    assert not (tmp_path / "later").exists()
+
+
 def test_an_unknown_target_on_the_command_line_is_exit_2(tmp_path, capsys):
     spec = write_spec(tmp_path, "")
     code, _, err = run(capsys, "generate", str(spec), "--target", "mxnet")
