@@ -20,7 +20,7 @@ from . import __version__
 from .emit import diff, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
-from .folders import distinct_folders, flag_folder, output_folder
+from .folders import distinct_folders, flag_folder, output_folder, spec_source
 from .model import build
 from .pipeline import generate
 from .spec import OpSpec, load_spec, spec_targets
@@ -160,8 +160,8 @@ def _generate(args) -> int:
     # Everything is generated and planned before the first write: all or nothing.
     work = []
     for target, out in folders:
-        files = generate(spec, target)
-        work.append((out, files, plan(files, out)))
+        files = generate(spec, target, spec_source(spec, out))
+        work.append((out, files, plan(files, out, Path(spec.path))))
     if args.check or args.diff:
         codes = [_report(c, out, len(files), show_diff=args.diff) for out, files, c in work]
         return max(codes)

@@ -22,7 +22,9 @@ from .pipeline import INIT, PLACEHOLDER
 from .render import HEADER, content_hash
 
 HASH_LINE = re.compile(r"^# hash: (sha256:[0-9a-f]+)$", re.MULTILINE)
-# The spec a generated file came from: `# source: a.toml [ops.X]`, or `# source: a.toml`.
+# The spec a generated file came from: `# source: ../a.toml [ops.X]`, or `# source: ../a.toml`
+# (the path from the output folder to the spec, `folders.spec_source`; before that path,
+# the spec's file name alone, `# source: a.toml`).
 SOURCE_LINE = re.compile(r"^# source: (.*?)(?: \[ops\.[A-Za-z0-9_]+\])?$", re.MULTILINE)
 
 
@@ -57,15 +59,34 @@ class Plan:
 
 
 def source_spec(text: str) -> str | None:
-    """The name of the spec a generated file says it came from (its `# source:` line)."""
+    """The spec a generated file says it came from (its `# source:` line)."""
     match = SOURCE_LINE.search(text.split("\n", 3)[1] if text.count("\n") >= 2 else "")
     return match.group(1) if match else None
 
 
-def plan(files: dict[str, str], out: Path) -> Plan:
+def _legacy_owner(source: str | None, out: Path, spec_file: Path | None) -> bool:
+    """Whether a module from before `# source:` held a path (it names the spec by file name
+    alone, no `/`) is this spec's. The name vouches for one file only: the spec of that name
+    beside the output folder, the usual layout. Any other spec of that name leaves it be."""
+    if source is None or "/" in source or spec_file is None:
+        return False
+    try:
+        return (out.resolve().parent / source).samefile(spec_file)
+    except (OSError, ValueError):
+        return False
+
+
+def plan(files: dict[str, str], out: Path, spec_file: Path | None = None) -> Plan:
     """Compare the wanted files with the folder; refuse to clobber files symgrad did not write,
-    or wrote from another spec (those are never deleted either: only this spec's orphans)."""
+    or wrote from another spec (those are never deleted either: only this spec's orphans).
+    A file is this spec's when its `# source:` line is the files' own (the path to the spec
+    file), or an older header that `_legacy_owner` recognises for `spec_file`."""
     this_spec = source_spec(files[INIT]) if INIT in files else None
+
+    def ours(text: str) -> bool:
+        source = source_spec(text)
+        return source == this_spec or _legacy_owner(source, out, spec_file)
+
     changes: list[Change] = []
     edited: list[str] = []
     existing: dict[str, str] = {}
@@ -93,13 +114,13 @@ def plan(files: dict[str, str], out: Path) -> Plan:
                 "refusing to overwrite it: move it away, rename the op, or choose another --out",
                 where=str(out / name),
             )
-        other_spec = source_spec(old)
-        if this_spec is not None and other_spec != this_spec:
-            other = other_spec or "another spec"
+        if this_spec is not None and not ours(old):
+            other = source_spec(old) or "another spec"
             raise SymgradError(
-                f"{name} was generated from {other}, not from {this_spec}; refusing to "
-                "overwrite it: give each spec its own output folder (`out` or --out), or, if "
-                f"{other} was renamed, delete the files generated from it",
+                f"{name} was generated from {other}, not from {this_spec} (paths from "
+                "this folder); refusing to overwrite it: give each spec its own output folder "
+                f"(`out` or --out), or, if {other} was moved or renamed, delete the files "
+                "generated from it",
                 where=str(out / name),
             )
         if old != text:
@@ -107,7 +128,7 @@ def plan(files: dict[str, str], out: Path) -> Plan:
                 edited.append(name)
             changes.append(Change(name, "update", old, text))
     for name, old in existing.items():
-        if name not in files and old.startswith(HEADER) and source_spec(old) == this_spec:
+        if name not in files and old.startswith(HEADER) and ours(old):
             if not intact(old):
                 edited.append(name)
             changes.append(Change(name, "delete", old, None))

@@ -85,6 +85,26 @@ def distinct_folders(spec: Spec, folders: list[tuple[str, Path]]) -> None:
         seen.append((target, folder))
 
 
+def spec_source(spec: Spec, out: Path) -> str:
+    """How the modules in `out` name the spec they come from (their `# source:` line): the
+    path from the real output folder to the real spec file, links resolved, with `/`
+    (`../symgrad.toml`). Two spec files never get the same one for one folder, even with
+    the same file name, so ownership of a module is never decided by a name alone. It
+    always holds a `/`, since the output folder is never the spec's own folder."""
+    folder, file = out.resolve(), Path(spec.path).resolve()
+    try:
+        source = Path(os.path.relpath(file, folder)).as_posix()
+    except ValueError:  # another drive (Windows): no relative path
+        source = file.as_posix()
+    if not source.isprintable():
+        raise SymgradError(
+            f"the path from the output folder to the spec, {_show(source, 80)}, contains "
+            "control or invisible characters; it goes into every module's header",
+            where=spec.path,
+        )
+    return source
+
+
 def _same_folder(a: Path, b: Path) -> bool:
     """One folder under two names: links resolved, or (existing folders) one file-system
     object, which also catches case-insensitive file systems."""
@@ -103,4 +123,4 @@ def _resolve(folder: Path, key: str, where: str) -> Path:
         raise SymgradError(f"cannot resolve {key}: {exc}", where=where) from None
 
 
-__all__ = ["distinct_folders", "flag_folder", "output_folder"]
+__all__ = ["distinct_folders", "flag_folder", "output_folder", "spec_source"]

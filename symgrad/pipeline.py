@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import subprocess
-from pathlib import Path
 
 from . import ir
 from .derive import derive
@@ -127,9 +126,9 @@ def package_init(spec: Spec, source_name: str, target: str = "tensorflow") -> st
     return stamp(text)
 
 
-def generate(spec: Spec, target: str = "tensorflow") -> dict[str, str]:
-    """Every file of a target's output package, in memory. SymgradError on bad input."""
-    source_name = Path(spec.path).name
+def generate(spec: Spec, target: str, source_name: str) -> dict[str, str]:
+    """Every file of a target's output package, in memory. SymgradError on bad input.
+    `source_name` is how the files name the spec (`folders.spec_source`)."""
     files = {f"{snake_case(op.name)}.py": module_text(op, source_name, target) for op in spec.ops}
     files[INIT] = package_init(spec, source_name, target)
     return dict(sorted(files.items()))

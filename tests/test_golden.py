@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from symgrad.folders import spec_source
 from symgrad.pipeline import generate
 from symgrad.spec import load_spec
 
@@ -33,8 +34,8 @@ def test_golden(case, request):
     folder = GOLDEN / case
     spec = load_spec(folder / "symgrad.toml")
     assert spec.out == "expected", f'{case}: `out` must be "expected"'
-    wanted = generate(spec)
     expected = folder / "expected"
+    wanted = generate(spec, "tensorflow", spec_source(spec, expected))
 
     if request.config.getoption("--update-golden"):
         expected.mkdir(exist_ok=True)

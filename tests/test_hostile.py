@@ -298,9 +298,23 @@ CASES = [
     ),
     Case(
         "op-shadows-stdlib-abc",
-        'out = "."\n' + op("y[b] = A[b]", name="Abc"),
+        op("y[b] = A[b]", name="Abc"),
         "'Abc' would write abc.py, which shadows a standard-library module",
         op="Abc",
+    ),
+    # The spec's own folder would become a package (its __init__.py beside the spec).
+    Case(
+        "out-is-the-specs-folder",
+        'out = "."\n' + op("y[b] = A[b]", name="Fine"),
+        "`out` '.' is the spec's own folder",
+        op=None,
+        argv=(),
+    ),
+    Case(
+        "out-shadows-torch",
+        'out = "torch"\n' + op("y[b] = A[b]", name="Fine"),
+        "`out` 'torch' would make a package named torch, which shadows a package",
+        op=None,
         argv=(),
     ),
     Case(
@@ -496,7 +510,7 @@ CASES = [
     ),
     Case(
         "module-collision",
-        op("y[b] = A[b]", name="ABc") + op("y[b] = A[b]", name="A_Bc"),
+        op("y[b] = A[b]", name="ABc") + op("y[b] = A[b]", name="A_bc"),
         "would both write a_bc.py",
         op=None,
     ),
@@ -504,7 +518,7 @@ CASES = [
     Case(
         "folder-of-another-spec",
         op("y[b] = A[b]", name="Fine"),
-        "out/__init__.py: __init__.py was generated from seed.toml, not from hostile.toml",
+        "out/__init__.py: __init__.py was generated from ../seed.toml, not from ../hostile.toml",
         op=None,
     ),
     # All or nothing: a good op before a bad one must not be written either.

@@ -26,6 +26,7 @@ import pytest
 
 from symgrad import emit, pipeline
 from symgrad.cli import main
+from symgrad.folders import output_folder, spec_source
 from symgrad.render import HEADER
 from symgrad.spec import load_spec
 
@@ -95,10 +96,12 @@ def test_generate_writes_every_module_then_is_up_to_date(project, capsys):
     for path in out.iterdir():
         lines = path.read_text(encoding="utf-8").splitlines()
         assert lines[0] == HEADER
-        assert lines[1].startswith("# source: symgrad.toml")
+        assert lines[1].startswith("# source: ../symgrad.toml")
         assert re.fullmatch(r"# hash: sha256:[0-9a-f]{32}", lines[2])
         assert emit.intact(path.read_text(encoding="utf-8"))
-    assert "# source: symgrad.toml [ops.BatchedMatMul]" in (out / "batched_mat_mul.py").read_text()
+    assert (
+        "# source: ../symgrad.toml [ops.BatchedMatMul]" in (out / "batched_mat_mul.py").read_text()
+    )
 
     code, stdout, _ = run(capsys, "generate", spec)
     assert code == 0 and "up to date" in stdout
@@ -248,12 +251,17 @@ def test_output_is_identical_across_runs_and_the_order_of_ops(tmp_path):
     text = REPO_SPEC.read_text(encoding="utf-8")
     count = len(re.findall(r"(?m)^\[ops\.", text))
     assert count >= 4
-    reference = pipeline.generate(emit_spec(text, tmp_path, "a"))
-    assert pipeline.generate(emit_spec(text, tmp_path, "b")) == reference  # a second run
+    reference = _generate(emit_spec(text, tmp_path, "a"))
+    assert _generate(emit_spec(text, tmp_path, "b")) == reference  # a second run
     for order in (list(reversed(range(count))), [*range(1, count), 0]):
         permuted = _permuted(text, order)
         assert permuted != text
-        assert pipeline.generate(emit_spec(permuted, tmp_path, "c")) == reference
+        assert _generate(emit_spec(permuted, tmp_path, "c")) == reference
+
+
+def _generate(spec) -> dict[str, str]:
+    """The TensorFlow package of a spec, as `symgrad generate` would write it."""
+    return pipeline.generate(spec, "tensorflow", spec_source(spec, output_folder(spec)))
 
 
 def emit_spec(text: str, folder: Path, name: str):
@@ -352,7 +360,7 @@ def _two_updates(project, capsys):
             "Scale": 'formula = "y[i] = alpha * x[i] + x[i]"\nattrs = { alpha = "float" }',
         },
     )
-    new = {name: text.encode() for name, text in pipeline.generate(load_spec(spec)).items()}
+    new = {name: text.encode() for name, text in _generate(load_spec(spec)).items()}
     assert {n for n in new if new[n] != old[n]} == {"batched_mat_mul.py", "scale.py"}
     return spec, out, old, new
 
@@ -496,9 +504,10 @@ def test_a_folder_generated_from_another_spec_is_refused_and_kept(tmp_path, caps
     code, _, stderr = run(capsys, "generate", tmp_path / "b.toml", "--out", out, *flags)
     assert code == 2
     assert stderr.splitlines()[0] == (
-        f"error: {out / '__init__.py'}: __init__.py was generated from a.toml, not from b.toml; "
-        "refusing to overwrite it: give each spec its own output folder (`out` or --out), or, "
-        "if a.toml was renamed, delete the files generated from it"
+        f"error: {out / '__init__.py'}: __init__.py was generated from ../a.toml, not from "
+        "../b.toml (paths from this folder); refusing to overwrite it: give each spec its own "
+        "output folder (`out` or --out), or, if ../a.toml was moved or renamed, delete the "
+        "files generated from it"
     )
     assert snapshot(out) == before
 
@@ -513,7 +522,7 @@ def test_a_module_from_another_spec_is_never_overwritten_or_deleted(tmp_path, ca
     # The same module name from another spec: refused, naming the file and its spec.
     (tmp_path / "b.toml").write_text('[ops.OpA]\nformula = "y[b] = A[b] * 3"\n')
     code, _, stderr = run(capsys, "generate", tmp_path / "b.toml", "--out", out, "--force")
-    assert code == 2 and f"{out / 'op_a.py'}: op_a.py was generated from a.toml" in stderr
+    assert code == 2 and f"{out / 'op_a.py'}: op_a.py was generated from ../a.toml" in stderr
     assert sorted(p.name for p in out.iterdir()) == ["op_a.py"]
 
     # Another spec's module is not an orphan of this one: left alone.
@@ -523,6 +532,115 @@ def test_a_module_from_another_spec_is_never_overwritten_or_deleted(tmp_path, ca
     assert sorted(p.name for p in out.iterdir()) == ["__init__.py", "op_a.py", "op_b.py"]
     assert (out / "op_a.py").read_bytes() == op_a
     assert run(capsys, "generate", tmp_path / "b.toml", "--out", out, "--check")[0] == 0
+
+
+@pytest.fixture
+def nested(tmp_path, monkeypatch):
+    """`sub/symgrad.toml` has written `sub/generated/inner.py`; `./symgrad.toml`, a spec with
+    the same file name, writes into that folder too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    inner = write_spec(tmp_path / "sub", {"Inner": 'formula = "y[b] = A[b] * 2"'})
+    assert main(["generate", str(inner)]) == 0
+    (tmp_path / "symgrad.toml").write_text(
+        '[targets]\ntensorflow = "sub/generated"\n\n[ops.Outer]\nformula = "y[b] = A[b] * 3"\n',
+        encoding="utf-8",
+    )
+    return tmp_path / "sub" / "generated"
+
+
+@pytest.mark.parametrize("flags", [[], ["--force"], ["--check"]])
+def test_a_module_of_another_spec_with_the_same_file_name_is_kept(nested, capsys, flags):
+    """Both specs are called symgrad.toml: ownership is the path to the spec file, so
+    `./symgrad.toml` neither takes over the package nor deletes inner.py as its orphan."""
+    out = nested
+    inner = (out / "inner.py").read_bytes()
+    assert inner.splitlines()[1] == b"# source: ../symgrad.toml [ops.Inner]"
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", "symgrad.toml", *flags)
+    assert code == 2
+    assert "__init__.py was generated from ../symgrad.toml, not from ../../symgrad.toml" in stderr
+    assert snapshot(out) == before
+    # Without the package file, only the modules can tell: inner.py is not an orphan.
+    (out / "__init__.py").unlink()
+    code, stdout, stderr = run(capsys, "generate", "symgrad.toml", *flags)
+    assert (code, stderr) == ((1, stderr) if flags == ["--check"] else (0, ""))
+    assert "inner.py" not in stdout
+    assert (out / "inner.py").read_bytes() == inner
+
+
+def test_a_module_of_another_spec_with_the_same_file_and_op_name_is_refused(nested, capsys):
+    out = nested
+    (out / "__init__.py").unlink()
+    inner = (out / "inner.py").read_bytes()
+    Path("symgrad.toml").write_text(
+        '[targets]\ntensorflow = "sub/generated"\n\n[ops.Inner]\nformula = "y[b] = A[b] * 3"\n',
+        encoding="utf-8",
+    )
+    code, _, stderr = run(capsys, "generate", "symgrad.toml", "--force")
+    assert code == 2 and "inner.py was generated from ../symgrad.toml, not from" in stderr
+    assert (out / "inner.py").read_bytes() == inner and not (out / "__init__.py").exists()
+
+
+def _legacy(spec_path: Path) -> dict[str, str]:
+    """The files an older symgrad wrote: `# source:` held the spec's file name alone."""
+    return pipeline.generate(load_spec(spec_path), "tensorflow", spec_path.name)
+
+
+def test_modules_from_before_source_paths_are_still_this_specs(project, capsys):
+    """Modules whose header names the spec by file name are this spec's when it is the
+    spec of that name beside their folder (the layout the old header implies): updated to
+    the new header, and deleted as orphans, without --force."""
+    spec, out = project
+    for name, text in _legacy(spec).items():
+        (out / name).write_text(text, encoding="utf-8")
+        assert text.splitlines()[1].startswith("# source: symgrad.toml")
+    code, stdout, _ = run(capsys, "generate", spec, "--check")
+    assert code == 1 and "edited by hand" not in stdout
+    write_spec(spec.parent, {"Scale": OPS["Scale"]})
+    code, stdout, stderr = run(capsys, "generate", spec)
+    assert (code, stderr) == (0, "")
+    assert f"deleted {out / 'batched_mat_mul.py'}" in stdout
+    assert f"updated {out / 'scale.py'}" in stdout
+    assert (out / "scale.py").read_text().splitlines()[1] == "# source: ../symgrad.toml [ops.Scale]"
+
+
+def test_modules_from_before_source_paths_of_another_spec_are_kept(nested, capsys):
+    """Old headers of `sub/symgrad.toml`'s modules say `symgrad.toml`: that name vouches
+    for the spec beside their folder only, never for `./symgrad.toml`."""
+    out = nested
+    for name, text in _legacy(out.parent / "symgrad.toml").items():
+        (out / name).write_text(text, encoding="utf-8")
+    before = snapshot(out)
+    code, _, stderr = run(capsys, "generate", "symgrad.toml", "--force")
+    assert code == 2 and "__init__.py was generated from symgrad.toml, not from" in stderr
+    assert snapshot(out) == before
+    (out / "__init__.py").unlink()
+    inner = (out / "inner.py").read_bytes()
+    code, stdout, _ = run(capsys, "generate", "symgrad.toml", "--force")
+    assert code == 0 and "inner.py" not in stdout
+    assert (out / "inner.py").read_bytes() == inner
+
+
+def test_a_spec_reached_through_a_link_owns_its_modules_once(tmp_path, capsys):
+    """The source path is between the real folder and the real spec: writing the same
+    folder through a link to it, or from a link to the spec, is the same owner; a second
+    spec reaching it through a link is not."""
+    spec = write_spec(tmp_path, OPS)
+    assert run(capsys, "generate", spec)[0] == 0
+    (tmp_path / "alias").symlink_to(tmp_path / "generated", target_is_directory=True)
+    (tmp_path / "link.toml").symlink_to(spec)
+    assert run(capsys, "generate", spec, "--out", tmp_path / "alias", "--check")[0] == 0
+    assert run(capsys, "generate", tmp_path / "link.toml", "--check")[0] == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "gen").symlink_to(tmp_path / "generated", target_is_directory=True)
+    second = write_spec(other, {"Scale": OPS["Scale"]}, out="gen")
+    before = snapshot(tmp_path / "generated")
+    code, _, stderr = run(capsys, "generate", second, "--out", other / "gen")
+    assert code == 2
+    assert "was generated from ../symgrad.toml, not from ../other/symgrad.toml" in stderr
+    assert snapshot(tmp_path / "generated") == before
 
 
 def test_the_module_of_a_removed_op_is_deleted(project, capsys):
@@ -672,6 +790,7 @@ NO_TENSORFLOW = textwrap.dedent(
     sys.modules["tensorflow"] = None
 
     from symgrad.cli import main
+from symgrad.folders import output_folder, spec_source
 
     (spec,) = sys.argv[1:]
     code = main(["generate", spec])  # every target of the spec
