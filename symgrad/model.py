@@ -45,6 +45,7 @@ from .parse import (
     parse_equation,
     parse_range,
 )
+from .range_hint import range_example
 from .spec import OpSpec
 
 Index = sp.Symbol
@@ -207,6 +208,8 @@ class _Builder:
         self.value_inputs: dict[str, int] = {}  # read as values -> column
         # Reads at computed positions: (position, source, axis), for inferring ranges.
         self.reads: list[tuple[sp.Expr, str, int]] = []
+        # Every read at a computed position, index tensors in it too (for error hints).
+        self.moving: list[tuple[sp.Expr, str, int]] = []
         # Indices used at computed positions -> (formula, column) of the first use.
         self.index_uses: dict[Index, tuple[str, int]] = {}
         # int attrs an inferred range takes as > 0, or a range divides by
@@ -525,8 +528,10 @@ class _Builder:
         for axis, position in enumerate(positions):
             if indexing.is_plain(position):  # a plain index takes the axis size
                 self.add_dim(position, name, axis)
-            elif not position.atoms(sp.Indexed):
-                self.reads.append((position, name, axis))
+            else:
+                self.moving.append((position, name, axis))
+                if not position.atoms(sp.Indexed):
+                    self.reads.append((position, name, axis))
         key = ("gather", name, tuple(sp.srepr(p) for p in positions), tuple(map(str, grid)))
         found = self.by_key.get(repr(key))
         if found is not None:
@@ -1152,7 +1157,10 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
         raise SymgradError(
             f"{kind} {_base(symbol)!r} has no range: no input axis is read at it plainly"
             f"{'' if symbol in output_indices else ' and it is summed'}; give it one in "
-            f'`ranges`, e.g. ranges = {{ {_base(symbol)} = "A.shape[1]" }}',
+            f"`ranges`, "
+            + range_example(
+                symbol, _base(symbol), builder.moving, sized, list(builder.value_inputs)
+            ),
             where=op.source,
             formula=text,
             column=col,
