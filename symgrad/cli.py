@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
@@ -23,7 +24,7 @@ from .explain import FORMATS, explain
 from .folders import distinct_folders, flag_folder, output_folder, spec_source
 from .model import build
 from .pipeline import generate
-from .spec import OpSpec, load_spec, spec_targets
+from .spec import _op_spec, load_spec, spec_targets
 from .targets import TARGETS
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
@@ -73,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     exp = commands.add_parser(
         "explain",
         help="show what the gradient function must return, and why",
-        usage="symgrad explain (FORMULA | --op NAME [--spec SPEC]) [--format FORMAT]",
+        usage="symgrad explain (FORMULA [--attr NAME=TYPE]... [--range INDEX=SIZE]... "
+        "[--inputs A,B,...] [--no-gradient NAME]... | --op NAME [--spec SPEC]) "
+        "[--format FORMAT]",
         description="Explain a FORMULA, or the op NAME of a spec: the forward code, then for "
         "each input the partial derivatives (with Kronecker deltas), the contraction with "
         "grad once the deltas are eliminated, and the TensorFlow code.",
@@ -84,6 +87,37 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FORMULA",
         help='the formula, e.g. "y[b,i,j] = A[b,i,k] * B[b,k,j]" (names without indices '
         "are taken as float attrs)",
+    )
+    exp.add_argument(
+        "--attr",
+        dest="attrs",
+        action="append",
+        default=[],
+        metavar="NAME=TYPE",
+        help="declare a scalar attr of FORMULA, as `attrs` in a spec: float, int or bool "
+        "(repeatable; e.g. --attr s=int for a stride s*i)",
+    )
+    exp.add_argument(
+        "--range",
+        dest="ranges",
+        action="append",
+        default=[],
+        metavar="INDEX=SIZE",
+        help="the range of an index of FORMULA that no input axis reads plainly, as "
+        "`ranges` in a spec (repeatable; e.g. --range u=3, --range 'i=x.shape[1] - 2')",
+    )
+    exp.add_argument(
+        "--inputs",
+        metavar="A,B,...",
+        help="the op's inputs in order, as `inputs` in a spec (default: first appearance)",
+    )
+    exp.add_argument(
+        "--no-gradient",
+        dest="no_gradient",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an input that gets no gradient, as `no_gradient` in a spec (repeatable)",
     )
     exp.add_argument("--op", metavar="NAME", help="explain the op NAME of a spec instead")
     exp.add_argument(
@@ -224,6 +258,12 @@ def _explain(args) -> int:
     if args.op:
         if args.formula and "=" in args.formula:
             raise SymgradError("explain takes a FORMULA or --op NAME, not both")
+        declared = [flag for key, flag in DECLARATION_FLAGS.items() if getattr(args, key)]
+        if declared:
+            flag = declared[0]
+            raise SymgradError(
+                f"{flag} declares a FORMULA's names; the op's are in its spec (--op NAME)"
+            )
         # `explain --op NAME SPEC` (the spec as the positional argument) still works.
         if args.formula and args.spec_file:
             raise SymgradError("give the spec file once: as SPEC or as --spec")
@@ -237,7 +277,7 @@ def _explain(args) -> int:
     elif args.formula:
         if args.spec_file:
             raise SymgradError("--spec goes with --op NAME, not with a FORMULA")
-        program = _formula_program(args.formula)
+        program = _formula_program(args.formula, _declarations(args))
         sys.stdout.write(explain(program, args.format))
         return EXIT_OK
     else:
@@ -246,17 +286,55 @@ def _explain(args) -> int:
     return EXIT_OK
 
 
-def _formula_program(formula: str):
-    """A bare formula to explain; scalar names in it (`alpha`) are taken as float attrs."""
-    attrs: list[tuple[str, str]] = []
+# `explain FORMULA`'s declarations: the key of a spec's op table -> the flag.
+DECLARATION_FLAGS = {
+    "attrs": "--attr",
+    "ranges": "--range",
+    "inputs": "--inputs",
+    "no_gradient": "--no-gradient",
+}
+
+
+def _declarations(args) -> dict:
+    """`explain FORMULA`'s flags as the keys of a spec's op table (`attrs`, `ranges`,
+    `inputs`, `no_gradient`), validated as a spec's are."""
+    table: dict = {}
+    if args.attrs:
+        table["attrs"] = dict(_name_value(text, "--attr", "NAME=TYPE") for text in args.attrs)
+    if args.ranges:
+        table["ranges"] = dict(_name_value(t, "--range", "INDEX=SIZE") for t in args.ranges)
+    if args.inputs:
+        table["inputs"] = [name.strip() for name in args.inputs.split(",")]
+    if args.no_gradient:
+        table["no_gradient"] = list(args.no_gradient)
+    return table
+
+
+def _name_value(text: str, flag: str, form: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name.strip() or not value.strip():
+        raise SymgradError(f"{flag} {text!r}: expected {form}")
+    return name.strip(), value.strip()
+
+
+def _formula_program(formula: str, declared: dict | None = None):
+    """A bare formula to explain, with the declarations of `explain`'s flags; scalar names
+    it does not declare (`alpha`) are taken as float attrs."""
+    declared = declared or {}
+    attrs = dict(declared.get("attrs", {}))
     while True:
+        table = {**declared, "formula": formula, "attrs": attrs}
         try:
-            return build(OpSpec("Formula", (formula,), None, tuple(attrs), (), "formula"))
+            op = replace(_op_spec("Formula", table, "formula"), source="formula")
+        except SymgradError as exc:  # a bad declaration: say where, as a formula's errors
+            raise SymgradError(exc.message, where="formula") from None
+        try:
+            return build(op)
         except SymgradError as exc:
             match = re.match(r"unknown name '([A-Za-z][A-Za-z0-9_]*)'", exc.message)
-            if not match or len(attrs) >= 16:
+            if not match or match.group(1) in attrs or len(attrs) >= 16:
                 raise
-            attrs.append((match.group(1), "float"))
+            attrs[match.group(1)] = "float"
 
 
 def _check(args) -> int:

@@ -316,9 +316,20 @@ def test_explain_help_has_one_usage_line_and_explains_each_option(capsys):
         main(["explain", "--help"])
     text = capsys.readouterr().out
     assert text.startswith(
-        "usage: symgrad explain (FORMULA | --op NAME [--spec SPEC]) [--format FORMAT]\n"
+        "usage: symgrad explain (FORMULA [--attr NAME=TYPE]... [--range INDEX=SIZE]... "
+        "[--inputs A,B,...] [--no-gradient NAME]... | --op NAME [--spec SPEC]) "
+        "[--format FORMAT]\n"
     )
-    for option in ("FORMULA", "--op NAME", "--spec SPEC", "--format FORMAT"):
+    for option in (
+        "FORMULA",
+        "--attr NAME=TYPE",
+        "--range INDEX=SIZE",
+        "--inputs A,B,...",
+        "--no-gradient NAME",
+        "--op NAME",
+        "--spec SPEC",
+        "--format FORMAT",
+    ):
         line = next(line for line in text.splitlines() if line.strip().startswith(option))
         assert len(line.strip()) > len(option) + 10, f"no help for {option}: {line!r}"
     assert "markdown" in text and "latex" in text
@@ -329,3 +340,82 @@ def test_explain_takes_a_formula_or_an_op_not_both(capsys):
     code = main(["explain", MATMUL, "--op", "BatchedMatMul", "--spec", str(spec)])
     err = capsys.readouterr().err
     assert code == 2 and "explain takes a FORMULA or --op NAME, not both" in err
+
+
+# ------------------------------------------------------- declarations of a bare formula
+
+DECLARED = [
+    # (formula, flags, the same declarations in a spec's op table)
+    (
+        "y[b,i,o] = sum(x[b, s*i + k, c] * w[k,c,o], k, c)",
+        ["--attr", "s=int"],
+        'attrs = { s = "int" }',
+    ),
+    ("y[b,i] = max(x[b, 2*i + u], u)", ["--range", "u=2"], 'ranges = { u = "2" }'),
+    (
+        "y[b,i] = max(x[b, s*i + d*u], u)",
+        ["--attr", "s=int", "--attr", "d=int", "--range", "u=3"],
+        'attrs = { s = "int", d = "int" }\nranges = { u = "3" }',
+    ),
+    (
+        "y[b,i] = sum(x[b, i + k - p] * w[k], k) * alpha",
+        ["--attr", "p=int", "--attr", "alpha=float", "--range", "i=x.shape[1] - 2"],
+        'attrs = { p = "int", alpha = "float" }\nranges = { i = "x.shape[1] - 2" }',
+    ),
+    (
+        "y[b,i] = x[b,i] * m[b,i]",
+        ["--inputs", "m,x", "--no-gradient", "m"],
+        'inputs = ["m", "x"]\nno_gradient = ["m"]',
+    ),
+]
+
+
+@pytest.mark.parametrize(("formula", "flags", "table"), DECLARED)
+def test_explain_declares_attrs_ranges_and_inputs_of_a_formula(
+    capsys, tmp_path, formula, flags, table
+):
+    """Strided and windowed formulas are explained with their int attrs and ranges
+    declared by flags, exactly as the op of a spec with those declarations."""
+    assert main(["explain", formula, *flags]) == 0
+    text = capsys.readouterr().out
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'[ops.Probe]\nformula = "{formula}"\n{table}\n', encoding="utf-8")
+    assert main(["explain", "--op", "Probe", "--spec", str(spec)]) == 0
+    assert text == capsys.readouterr().out
+    assert text.startswith(f"Formula:\n  {formula}\n") and "Gradient of" in text
+
+
+def test_a_strided_formula_is_explained_once_its_stride_is_an_int_attr(capsys):
+    formula = "y[b,i,o] = sum(x[b, s*i + k, c] * w[k,c,o], k, c)"
+    assert main(["explain", formula]) == 2
+    assert "a product of indices" in capsys.readouterr().err
+    assert main(["explain", formula, "--attr", "s=int"]) == 0
+    text = capsys.readouterr().out
+    assert "_g1[b,i,k,c] = x[b,s*i + k,c] (0 outside x)" in text
+    assert "grad_w[k,c,o] = Σ_b,i grad_y[b,i,o]*_g1[b,i,k,c]" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--attr", "s=integer"], "error: formula: attr 's' has type 'integer'; known types"),
+        (["--attr", "s"], "error: --attr 's': expected NAME=TYPE"),
+        (["--range", "u="], "error: --range 'u=': expected INDEX=SIZE"),
+        (["--range", "q=3"], "`ranges` names index 'q', which no formula uses"),
+        (["--range", "u=x.shape[9]"], "reads x.shape[9], but 'x' has rank 2"),
+        (["--attr", "2s=int"], "error: formula: attr name '2s' must be a plain ASCII"),
+        (["--no-gradient", "zz"], "error: formula: `no_gradient` names 'zz', which is not an"),
+    ],
+)
+def test_bad_declarations_are_one_line_and_exit_2(capsys, flags, message):
+    code = main(["explain", "y[b,i] = max(x[b, s*i + u], u)", "--attr", "s=int", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 3
+
+
+def test_declarations_go_with_a_formula_not_with_an_op(capsys):
+    spec = GOLDEN / "matmul" / "symgrad.toml"
+    code = main(["explain", "--op", "BatchedMatMul", "--spec", str(spec), "--attr", "s=int"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--attr declares a FORMULA's names" in err

@@ -174,6 +174,21 @@ print("README example OK")
     assert "README example OK" in result.stdout
 
 
+def test_readme_explain_commands_with_declarations_run(capsys):
+    import shlex
+
+    commands = [
+        line
+        for block in blocks("sh")
+        for line in block.splitlines()
+        if line.startswith("symgrad explain ")
+    ]
+    assert any("--attr" in c for c in commands) and any("--range" in c for c in commands)
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, command
+        assert "Gradient of x:" in capsys.readouterr().out
+
+
 def test_readme_guarantees_name_tests_that_exist():
     section = README.split("## What symgrad guarantees", 1)[1].split("\n## ", 1)[0]
     bullets = re.findall(r"(?ms)^- (.*?)(?=^- |\Z)", section)
