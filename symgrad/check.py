@@ -692,11 +692,11 @@ class _OpDefView:
 
 
 def _wrapper(wrappers, op_type: str):
-    """The library's Python function for an op (`BatchedMatMul` -> `batched_mat_mul`)."""
-    wanted = op_type.lower()
-    for name in sorted(dir(wrappers)):
-        if name.replace("_", "").lower() == wanted and callable(getattr(wrappers, name)):
-            return getattr(wrappers, name)
+    """The library's Python function for an op, by TensorFlow's own name for it, which is
+    the module's (`BatchedMatMul` -> `batched_mat_mul`): `AB` is `ab`, never `a_b`."""
+    function = getattr(wrappers, snake_case(op_type), None)
+    if callable(function):
+        return function
     raise SymgradError(f"the library has no Python wrapper for op {op_type}")
 
 

@@ -138,3 +138,24 @@ def test_module_names_match_tensorflows_own_conversion():
     ]
     assert functions == [snake_case(name) for name in TF_FUNCTION_NAMES]
     assert functions == list(TF_FUNCTION_NAMES.values())
+
+
+def test_check_finds_an_ops_wrapper_by_tensorflows_name_for_it():
+    """`symgrad check` calls `my_ops.<snake_case(op)>`: with wrappers `ab` (op AB) and
+    `a_b` (op A_b) both in a library, each op gets its own."""
+    from types import SimpleNamespace
+
+    from symgrad.check import _wrapper
+
+    def ab():
+        return "AB"
+
+    def a_b():
+        return "A_b"
+
+    wrappers = SimpleNamespace(ab=ab, a_b=a_b, max_pool1d_k3s2=ab)
+    assert _wrapper(wrappers, "AB")() == "AB"
+    assert _wrapper(wrappers, "A_b")() == "A_b"
+    assert _wrapper(wrappers, "MaxPool1dK3S2") is ab
+    with pytest.raises(SymgradError, match="no Python wrapper for op ABc"):
+        _wrapper(wrappers, "ABc")  # a_bc: not in the library
