@@ -24,7 +24,7 @@ from .explain import FORMATS, explain
 from .folders import distinct_folders, flag_folder, output_folder, spec_source
 from .model import build
 from .pipeline import generate
-from .spec import _op_spec, load_spec, spec_targets
+from .spec import load_spec, parse_op, spec_targets
 from .targets import TARGETS
 
 EXIT_OK, EXIT_STALE, EXIT_ERROR = 0, 1, 2
@@ -325,7 +325,7 @@ def _formula_program(formula: str, declared: dict | None = None):
     while True:
         table = {**declared, "formula": formula, "attrs": attrs}
         try:
-            op = replace(_op_spec("Formula", table, "formula"), source="formula")
+            op = replace(parse_op("Formula", table, "formula"), source="formula")
         except SymgradError as exc:  # a bad declaration: say where, as a formula's errors
             raise SymgradError(exc.message, where="formula") from None
         try:

@@ -12,7 +12,8 @@ import os
 from pathlib import Path, PurePath
 
 from .errors import SymgradError
-from .spec import TARGET_FOLDERS, Spec, _show, check_package_name
+from .spec import TARGET_FOLDERS, Spec, check_package_name
+from .spec import show as _show
 
 
 def output_folder(spec: Spec, target: str = "tensorflow") -> Path:

@@ -268,6 +268,17 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
     )
 
 
+def parse_op(name: str, table: object, path: str) -> OpSpec:
+    """One op table, validated as `[ops.<name>]` of the spec file `path` (also the
+    declarations `explain FORMULA` takes as flags)."""
+    return _op_spec(name, table, path)
+
+
+def show(value: object, limit: int = 40) -> str:
+    """User text quoted in a message: `repr`, shortened to one readable line."""
+    return _show(value, limit)
+
+
 def parse_spec(text: str, path: str) -> Spec:
     """Validate the TOML text of a spec file (pure: no file access)."""
     _check_path(path)
