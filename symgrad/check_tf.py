@@ -38,6 +38,17 @@ def import_module(path: Path, op: OpSpec):
 
 def generated(program: Program, module, attrs: dict, sizes) -> Target:
     """No library: the generated forward against the dense evaluation of the formula."""
+
+    def call_tf(tensors):
+        return outputs_of(module.forward(*tensors, **attrs))
+
+    call, pullback = _numpy_pair(tensorflow(), call_tf)
+    return Target(call, formula_reference(program, attrs, sizes), pullback)
+
+
+def formula_reference(program: Program, attrs: dict, sizes):
+    """The dense evaluation of the formula (`reference.evaluate`, in TensorFlow), in NumPy:
+    what a generated forward is checked against when there is no library."""
     tf = tensorflow()
     from .reference import evaluate
 
@@ -50,11 +61,7 @@ def generated(program: Program, module, attrs: dict, sizes) -> Target:
             for f in program.formulas
         ]
 
-    def call_tf(tensors):
-        return outputs_of(module.forward(*tensors, **attrs))
-
-    call, pullback = _numpy_pair(tf, call_tf)
-    return Target(call, reference, pullback)
+    return reference
 
 
 def _numpy_pair(tf, call_tf):
