@@ -22,10 +22,9 @@ loads the library; `render_table` and `as_json` format a `Report`. Nothing here 
 from __future__ import annotations
 
 import importlib.util
-import keyword
 import math
-import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +34,6 @@ import sympy as sp
 from . import indexing
 from .emit import intact
 from .errors import SymgradError
-from .folders import spec_source
 from .model import Program, build
 from .pipeline import module_text
 from .spec import OpSpec, Spec, snake_case
@@ -68,52 +66,117 @@ class Sizes:
     index_values: dict[str, tuple[int, int]] = field(default_factory=dict)  # [low, high)
 
 
-def plan_sizes(program: Program, attrs: dict[str, object]) -> Sizes:
+def plan_sizes(
+    program: Program,
+    attrs: dict[str, object],
+    *,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    sizes: dict[str, int] | None = None,
+) -> Sizes:
     """Small sizes, distinct per index: indices that share an input axis (through the
     formula) share a size; axes read at computed positions (windows, strides) get larger
-    sizes, grown until every range inferred from them is at least 2. Index tensors get a
-    range of values that keeps every read in bounds (an op is free to fail on others)."""
+    sizes, grown until every range inferred from them is at least 2, and axes read at the
+    same position expression (`k[b, i + w - r, c]` and `v[b, i + w - r, e]`) share one.
+    `shapes` (input -> shape) and `sizes` (index -> size) fix some of them (--shape,
+    --size). Index tensors get a range of values that keeps every read in bounds (an op is
+    free to fail on others)."""
+    shapes = shapes or {}
+    sizes = sizes or {}
     groups = _axis_groups(program)
     ranks = dict(program.ranks)
     plain_axes = {axis for members in groups for axis in members if isinstance(axis, tuple)}
     free = [(t, a) for t in program.inputs for a in range(ranks[t]) if (t, a) not in plain_axes]
+    tied = _tied_axes(program, free)
+    given = {(t, a): n for t, shape in shapes.items() for a, n in enumerate(shape)}
+    fixed = _fixed_group_sizes(program, groups, given, sizes)
     ints = {f"_int_{name}": value for name, value in attrs.items() if isinstance(value, int)}
     best: Sizes | None = None
     for attempt in range(GROWTH_ROUNDS):
         size_of: dict[object, int] = {}
         for n, members in enumerate(groups):
             for member in members:
-                size_of[member] = 2 + n
+                size_of[member] = fixed.get(n, 2 + n)
         start = 2 + len(groups) + 3 + 4 * attempt
-        for n, axis in enumerate(free):
-            size_of[axis] = start + n
-        shapes = {t: tuple(size_of[(t, a)] for a in range(ranks[t])) for t in program.inputs}
+        for n, members in enumerate(tied):
+            chosen = [given[axis] for axis in members if axis in given]
+            for axis in members:
+                size_of[axis] = given.get(axis, chosen[0] if chosen else start + n)
+        planned = {t: tuple(size_of[(t, a)] for a in range(ranks[t])) for t in program.inputs}
         indices = {i.name: size for i, size in size_of.items() if isinstance(i, sp.Symbol)}
         values = {
             **{
                 indexing.shape_symbol(t, a).name: s
-                for t, s2 in shapes.items()
+                for t, s2 in planned.items()
                 for a, s in enumerate(s2)
             },
             **ints,
         }
         for index, extent in program.extents:
             indices[index.name] = _evaluate(extent, values)
-        bounds = _index_value_ranges(program, shapes, indices, ints)
-        sizes = Sizes(shapes, indices, bounds)
+        bounds = _index_value_ranges(program, planned, indices, ints)
+        result = Sizes(planned, indices, bounds)
         enough = all(indices[i.name] >= 2 for i, _ in program.extents) and all(
             high - low >= 2 for low, high in bounds.values()
         )
         if enough:
-            return sizes
+            return result
         if best is None and all(indices[i.name] >= 1 for i, _ in program.extents):
-            best = sizes
+            best = result
     if best is None or any(high <= low for low, high in best.index_values.values()):
         raise SymgradError(
-            "cannot choose input sizes for which every index has a range (check the attrs)",
+            "cannot choose input sizes for which every index has a range (check the attrs"
+            + (", --shape and --size)" if shapes or sizes else ")"),
             where=program.source,
         )
     return best
+
+
+def _tied_axes(program: Program, free: list) -> list[list]:
+    """The axes read at computed positions, grouped by position expression: inputs read at
+    the same expression along an axis get the same length (a real kernel that reads two
+    inputs at one position usually requires that), in order of first appearance."""
+    key_of: dict[tuple[str, int], str] = {}
+    for level in program.intermediates:
+        gather = level.gather
+        if gather is None:
+            continue
+        for axis in gather.computed:
+            key_of.setdefault((gather.source, axis), str(sp.expand(gather.positions[axis])))
+    tied: dict[object, list] = {}
+    for axis in free:
+        tied.setdefault(key_of.get(axis, axis), []).append(axis)
+    return list(tied.values())
+
+
+def _fixed_group_sizes(program, groups, given, sizes) -> dict[int, int]:
+    """Group number -> the size --shape or --size gives it; a contradiction is an error."""
+    fixed: dict[int, int] = {}
+    origin: dict[int, str] = {}
+    named = {
+        member.name: n
+        for n, members in enumerate(groups)
+        for member in members
+        if isinstance(member, sp.Symbol)
+    }
+    wanted = [
+        (f"--size {name}={size}", named.get(name), size, name) for name, size in sizes.items()
+    ]
+    for n, members in enumerate(groups):
+        for member in members:
+            if member in given:
+                t, a = member
+                wanted.append((f"--shape {t} (axis {a}) = {given[member]}", n, given[member], None))
+    for what, n, size, index in wanted:
+        if n is None:
+            raise SymgradError(
+                f"{what}: index {index} is not the index of an input axis; its size follows "
+                "from the inputs' shapes (set those with --shape)",
+                where=program.source,
+            )
+        if n in fixed and fixed[n] != size:
+            raise SymgradError(f"{what} contradicts {origin[n]}", where=program.source)
+        fixed[n], origin[n] = size, what
+    return fixed
 
 
 def _axis_groups(program: Program) -> list[list]:
@@ -205,6 +268,11 @@ class OpReport:
     shapes: dict[str, tuple[int, ...]]  # every input
     attrs: tuple[tuple[str, object, str], ...]  # (name, value, where it came from)
     notes: tuple[str, ...] = ()
+    setting: str = ""  # "defaults" | "samples" when an op is checked at two attr settings
+
+    @property
+    def label(self) -> str:
+        return f"{self.op}[{self.setting}]" if self.setting else self.op
 
     @property
     def failed(self) -> tuple[str, ...]:
@@ -220,6 +288,7 @@ class Report:
     ops: tuple[OpReport, ...]
     warnings: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()  # spec ops the library does not define
+    target: str = "tensorflow"
 
     @property
     def ok(self) -> bool:
@@ -229,27 +298,29 @@ class Report:
 def render_table(report: Report) -> str:
     """The report as text: one row per op and check, then what was sampled."""
     against = f"against {report.library}" if report.library else "generated forward"
+    if report.target != "tensorflow":
+        against += f" ({report.target})"
     lines = [f"symgrad check: {report.spec}, {against} ({report.dtype}, seed {report.seed})"]
     lines += [f"warning: {w}" for w in report.warnings]
-    width = max([len("op"), *(len(op.op) for op in report.ops)])
+    width = max([len("op"), *(len(op.label) for op in report.ops)])
     lines.append(f"{'op':<{width}}  {'check':<9}  {'max error':>9}  {'tolerance':>9}  result")
     for op in report.ops:
         for r in op.results:
             error = "-" if r.error is None else f"{r.error:.1e}"
             tolerance = "-" if r.tolerance is None else f"{r.tolerance:.0e}"
             result = {True: "pass", False: "FAIL", None: "n/a"}[r.passed]
-            row = f"{op.op:<{width}}  {r.check:<9}  {error:>9}  {tolerance:>9}  {result}"
+            row = f"{op.label:<{width}}  {r.check:<9}  {error:>9}  {tolerance:>9}  {result}"
             lines.append(f"{row}  {r.detail}" if r.detail else row)
     for op in report.ops:
         shapes = ", ".join(f"{n} {'x'.join(map(str, s)) or 'scalar'}" for n, s in op.shapes.items())
         sizes = ", ".join(f"{k}={v}" for k, v in op.sizes.items())
         attrs = ", ".join(f"{n}={v!r} ({how})" for n, v, how in op.attrs)
-        line = f"{op.op}: inputs {shapes} ({sizes})"
+        line = f"{op.label}: inputs {shapes} ({sizes})"
         lines.append(line + (f"; attrs {attrs}" if attrs else ""))
-        lines += [f"{op.op}: {note}" for note in op.notes]
+        lines += [f"{op.label}: {note}" for note in op.notes]
     if report.skipped:
         lines.append(f"not in the library (not checked): {', '.join(report.skipped)}")
-    failed = [f"{op.op} {check}" for op in report.ops for check in op.failed]
+    failed = [f"{op.label} {check}" for op in report.ops for check in op.failed]
     if failed:
         lines.append(f"FAIL: {', '.join(failed)}")
     else:
@@ -267,6 +338,7 @@ def as_json(report: Report) -> dict:
         "ok": report.ok,
         "spec": report.spec,
         "library": report.library,
+        "target": report.target,
         "dtype": report.dtype,
         "seed": report.seed,
         "warnings": list(report.warnings),
@@ -274,6 +346,7 @@ def as_json(report: Report) -> dict:
         "ops": [
             {
                 "op": op.op,
+                "setting": op.setting,
                 "ok": not op.failed,
                 "sizes": op.sizes,
                 "shapes": {name: list(shape) for name, shape in op.shapes.items()},
@@ -334,10 +407,113 @@ def _typed(name: str, kind: str, text: str):
     raise SymgradError(f"--attr {name}={text}: expected true or false")
 
 
-def sample_attr(kind: str, positive: bool):
-    """A value for an attr nobody gave: small, and away from the special cases (a stride
-    of 1, a scale of 1 or 0)."""
-    return {"int": 2 if positive else 1, "float": 0.75, "bool": True}[kind]
+# Sample attrs differ from each other and from 0 and 1, so that swapping two attrs, or
+# an attr that multiplies or is multiplied by 1, changes the result.
+INT_SAMPLES = (2, 3, 5, 7, 11, 13, 17, 19)
+FLOAT_SAMPLES = (0.75, 1.5, 2.5, 3.25, 4.5, 5.75, 6.5, 7.25)  # exact in float32
+
+
+def sample_attrs(attrs: tuple[tuple[str, str], ...], given: dict) -> dict:
+    """A value for every attr nobody gave, each distinct from the others (given ones
+    included) and from 0 and 1: ints 2, 3, 5, ..., floats 0.75, 1.5, 2.5, ..."""
+    taken = set(given.values())
+    values = {}
+    for name, kind in attrs:
+        if name in given:
+            continue
+        if kind == "bool":
+            values[name] = True
+            continue
+        pool = INT_SAMPLES if kind == "int" else FLOAT_SAMPLES
+        value = next(v for v in pool if v not in taken)
+        taken.add(value)
+        values[name] = value
+    return values
+
+
+def attr_settings(program: Program, op: OpSpec, given: dict, defaults: dict) -> list:
+    """The attr settings an op is checked at: (label, [(name, value, where from)]).
+
+    The op's own defaults where it has them (other attrs sampled), and a set of distinct
+    samples; --attr fixes an attr in both. One setting when the two agree."""
+    del program
+    ours = {name: given[name] for name, _ in op.attrs if name in given}
+    samples = sample_attrs(op.attrs, ours)
+    kinds = dict(op.attrs)
+
+    def typed(name, value):
+        return {"int": int, "float": float, "bool": bool}[kinds[name]](value)
+
+    first, second = [], []
+    for name, _ in op.attrs:
+        if name in ours:
+            first.append((name, ours[name], "--attr"))
+            second.append((name, ours[name], "--attr"))
+            continue
+        if name in defaults:
+            first.append((name, typed(name, defaults[name]), "op default"))
+        else:
+            first.append((name, samples[name], "sample"))
+        second.append((name, samples[name], "sample"))
+    if first == second:
+        return [("", first)]
+    return [("defaults", first), ("samples", second)]
+
+
+def parse_shapes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
+    """`--shape NAME=2x9x4` strings -> {op name: {input: shape}} for the ops that have the
+    input; an input no op checked has, or a shape of the wrong rank, is an error."""
+    found: dict[str, dict] = {}
+    for text in given:
+        name, sep, value = text.partition("=")
+        name = name.strip()
+        try:
+            shape = tuple(int(n) for n in value.strip().lower().split("x")) if value.strip() else ()
+        except ValueError:
+            shape = None
+        if not sep or not name or shape is None or any(n < 1 for n in shape):
+            raise SymgradError(f"--shape {text!r}: expected NAME=SIZExSIZE... (e.g. x=2x9x4)")
+        hit = False
+        for op in ops:
+            program = build(op)
+            ranks = dict(program.ranks)
+            if name not in program.inputs:
+                continue
+            hit = True
+            if len(shape) != ranks[name]:
+                raise SymgradError(
+                    f"--shape {text}: input {name} has rank {ranks[name]}, not {len(shape)}",
+                    where=op.source,
+                )
+            found.setdefault(op.name, {})[name] = shape
+        if not hit:
+            raise SymgradError(f"--shape {name}: no op checked has this input")
+    return found
+
+
+def parse_sizes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
+    """`--size INDEX=N` strings -> {op name: {index: N}} for the ops that use the index."""
+    found: dict[str, dict] = {}
+    for text in given:
+        name, sep, value = text.partition("=")
+        name = name.strip()
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if not sep or not name or size < 1:
+            raise SymgradError(f"--size {text!r}: expected INDEX=N with N >= 1")
+        hit = False
+        for op in ops:
+            program = build(op)
+            names = {index.name for index, _ in program.dims}
+            names |= {index.name for index, _ in program.extents}
+            if name in names:
+                hit = True
+                found.setdefault(op.name, {})[name] = size
+        if not hit:
+            raise SymgradError(f"--size {name}: no op checked has this index")
+    return found
 
 
 def _random_inputs(program: Program, sizes: Sizes, dtype: str, rng, *, positive: bool):
@@ -351,7 +527,7 @@ def _random_inputs(program: Program, sizes: Sizes, dtype: str, rng, *, positive:
             arrays[name] = rng.uniform(0.5, 1.5, shape).astype(dtype)
         else:
             arrays[name] = rng.standard_normal(shape).astype(dtype)
-    return arrays
+    return [arrays[name] for name in program.inputs]
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -410,11 +586,22 @@ def _where_it_differs(name: str, labels: list[str], got, want, bad) -> str:
     norm = float(np.dot(w, w))
     if norm > 0:
         factor = float(np.dot(g, w)) / norm
-        if np.allclose(g, factor * w, rtol=1e-6, atol=1e-12 * math.sqrt(norm)):
+        close = np.allclose(g, factor * w, rtol=1e-6, atol=1e-12 * math.sqrt(norm))
+        if close and f"{factor:.6g}" != "1":  # never "1 x": that explains nothing
             return text + f"; the op's values are {factor:.6g} x the formula's"
     k = int(np.flatnonzero(bad)[0])
     at = np.unravel_index(k, bad.shape)
-    return text + f"; e.g. at {list(map(int, at))}: op {got[at]:.6g}, formula {want[at]:.6g}"
+    op, formula = _distinct(float(got[at]), float(want[at]))
+    return text + f"; e.g. at {list(map(int, at))}: op {op}, formula {formula}"
+
+
+def _distinct(a: float, b: float) -> tuple[str, str]:
+    """Two numbers with as many digits as it takes to tell them apart."""
+    for digits in (6, 9, 12, 17):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
 
 
 def _positions(hit, size: int) -> str:
@@ -430,22 +617,63 @@ def _positions(hit, size: int) -> str:
 
 
 @dataclass(frozen=True)
-class _Target:
-    """What is checked for one op: `call(tensors)` -> outputs, both in the spec's order."""
+class Target:
+    """What is checked for one op, in NumPy, inputs and outputs in the spec's order.
 
-    call: object
-    reference: object  # inputs -> the formula's outputs
+    `call(arrays)` runs the op; `reference(arrays)` the formula; `pullback(arrays, k, us)`
+    the gradient of input k for output cotangents `us`, through the framework's own
+    differentiation of the op (its registered gradient)."""
+
+    call: Callable[[list], list]
+    reference: Callable[[list], list]
+    pullback: Callable[[list, int, list], np.ndarray]
     results: tuple[Result, ...] = ()  # checks done before running (the interface)
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Library:
+    """A loaded library, for one framework: which spec ops it defines, and per op what
+    `run` needs."""
+
+    defines: frozenset[str]  # spec op names
+    # (op, program, module) -> {attr name: default} of the op's own defaults
+    defaults: Callable[[OpSpec, Program], dict]
+    # (op, program, name, value) -> the value the op holds (a float32 attr rounds)
+    holds: Callable[[OpSpec, str, object], object]
+    # (op, program, module, attrs, dtype) -> Target
+    target: Callable[..., Target]
+    listing: str  # what it defines, for messages
+
+
+# A check of a framework: `load(library path, options)` -> Library, `generated(program,
+# module, attrs, sizes)` -> Target, `import_module(path, name)` -> module.
+FRAMEWORKS = ("tensorflow", "pytorch", "jax")
+
+
+def _framework(name: str):
+    if name == "tensorflow":
+        from . import check_tf as framework
+    elif name == "pytorch":
+        from . import check_torch as framework
+    elif name == "jax":
+        from . import check_jax as framework
+    else:
+        raise SymgradError(f"unknown target {name!r} (known: {', '.join(FRAMEWORKS)})")
+    return framework
 
 
 def run(
     spec: Spec,
     out: Path,
     *,
+    target: str = "tensorflow",
     library: str | None = None,
+    namespace: str | None = None,
     op_names: tuple[str, ...] = (),
     attr_args: tuple[str, ...] = (),
+    shape_args: tuple[str, ...] = (),
+    size_args: tuple[str, ...] = (),
     dtype: str = "float64",
     seed: int = 0,
 ) -> Report:
@@ -460,72 +688,77 @@ def run(
     chosen = tuple(by_name[n] for n in dict.fromkeys(op_names)) if op_names else spec.ops
     if library is not None and not Path(library).is_file():
         raise SymgradError("library not found", where=library)
-    warnings = _module_state(spec, chosen, out)
-    tf = _tensorflow()
+    framework = _framework(target)
+    warnings = _module_state(spec, chosen, out, target)
     skipped: tuple[str, ...] = ()
-    op_defs: dict = {}
-    wrappers = None
+    loaded = None
     if library is not None:
-        wrappers, op_defs = _load_library(tf, library)
-        missing = [op.name for op in chosen if op.name not in op_defs]
+        loaded = framework.load(library, spec, chosen, namespace)
+        missing = [op.name for op in chosen if op.name not in loaded.defines]
         if op_names and missing:
             raise SymgradError(
                 f"the library does not define {', '.join(missing)} (it defines: "
-                f"{', '.join(sorted(op_defs)) or 'no ops'})",
+                f"{loaded.listing or 'no ops'})",
                 where=library,
             )
         skipped = tuple(missing)
-        chosen = tuple(op for op in chosen if op.name in op_defs)
+        chosen = tuple(op for op in chosen if op.name in loaded.defines)
         if not chosen:
             raise SymgradError(
                 f"the library defines none of the spec's ops (it defines: "
-                f"{', '.join(sorted(op_defs)) or 'no ops'})",
+                f"{loaded.listing or 'no ops'})",
                 where=library,
             )
     given = parse_attr_values(spec, chosen, list(attr_args))
+    shapes_given = parse_shapes(chosen, list(shape_args))
+    sizes_given = parse_sizes(chosen, list(size_args))
     reports = []
     for n, op in enumerate(chosen):
-        module = _import_module(op, out)
+        module = framework.import_module(out / f"{snake_case(op.name)}.py", op)
         program = build(op)
-        rng = np.random.default_rng([seed, n])
-        op_def = op_defs.get(op.name)
-        attrs = _attr_values(program, op, given, op_def)
-        values = {name: value for name, value, _ in attrs}
-        sizes = plan_sizes(program, values)
-        if library is None:
-            target = _generated_target(tf, program, module, values, sizes)
-        else:
-            target = _library_target(tf, program, module, values, op_def, wrappers, dtype)
-        results, notes = _check_op(tf, program, module, target, sizes, dtype, rng)
-        written = {i: size for i, size in sizes.indices.items() if "'" not in i}
-        reports.append(
-            OpReport(
-                op.name,
-                (*target.results, *results),
-                written,
-                sizes.shapes,
-                tuple(attrs),
-                (*target.notes, *notes),
+        defaults = loaded.defaults(op, program) if loaded else {}
+        settings = attr_settings(program, op, given, defaults)
+        for label, attrs in settings:
+            if loaded is not None:
+                attrs = [_held(loaded, op, name, value, how) for name, value, how in attrs]
+            values = {name: value for name, value, _ in attrs}
+            sizes = plan_sizes(
+                program,
+                values,
+                shapes=shapes_given.get(op.name, {}),
+                sizes=sizes_given.get(op.name, {}),
             )
-        )
-    return Report(spec.path, library, dtype, seed, tuple(reports), tuple(warnings), skipped)
+            if loaded is None:
+                checked = framework.generated(program, module, values, sizes)
+            else:
+                checked = loaded.target(op, program, module, values, dtype)
+            rng = np.random.default_rng([seed, n])
+            results, notes = _check_op(program, checked, sizes, dtype, rng)
+            written = {i: size for i, size in sizes.indices.items() if "'" not in i}
+            reports.append(
+                OpReport(
+                    op.name,
+                    (*checked.results, *results),
+                    written,
+                    sizes.shapes,
+                    tuple(attrs),
+                    (*checked.notes, *notes),
+                    label,
+                )
+            )
+    return Report(spec.path, library, dtype, seed, tuple(reports), tuple(warnings), skipped, target)
 
 
-def _tensorflow():
-    # TF's C++ log lines (an op's failure is also printed there) would interleave with the
-    # report; the failures reach the report as exceptions.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
-        import tensorflow as tf
-    except ImportError:
-        raise SymgradError("symgrad check needs TensorFlow: pip install 'symgrad[tf]'") from None
-    return tf
+def _held(loaded: Library, op: OpSpec, name: str, value, how: str) -> tuple:
+    """(name, the value the op holds, where from): a TF float attr holds a float32."""
+    held = loaded.holds(op, name, value)
+    return (name, held, how if held == value else f"{how} {value!r}, as the op holds it")
 
 
-def _module_state(spec: Spec, ops, out: Path) -> list[str]:
+def _module_state(spec: Spec, ops, out: Path, target: str) -> list[str]:
     """Each op's module must be on disk as `symgrad generate` would write it now; a module
     edited by hand is checked as it is, with a warning."""
-    source_name = spec_source(spec, out)
+    source_name = Path(spec.path).name
     warnings = []
     for op in ops:
         path = out / f"{snake_case(op.name)}.py"
@@ -538,7 +771,7 @@ def _module_state(spec: Spec, ops, out: Path) -> list[str]:
             ) from None
         except (OSError, UnicodeDecodeError) as exc:
             raise SymgradError(f"cannot read {path}: {exc}", where=spec.path) from None
-        if text == module_text(op, source_name):
+        if text == module_text(op, source_name, target):
             continue
         if intact(text):
             raise SymgradError(
@@ -549,210 +782,35 @@ def _module_state(spec: Spec, ops, out: Path) -> list[str]:
     return warnings
 
 
-def _import_module(op: OpSpec, out: Path):
-    """The generated module as it is on disk (importing it registers its gradient)."""
-    path = out / f"{snake_case(op.name)}.py"
-    name = f"_symgrad_check.{snake_case(op.name)}"
+def import_file(path: Path, op: OpSpec, prefix: str):
+    """A Python file imported under `prefix.<stem>` (a generated module registers its
+    gradient when imported); SymgradError if importing it fails."""
+    name = f"{prefix}.{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise SymgradError(f"cannot import {path}", where=op.source if op else None)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - a module edited by hand may fail in any way
-        raise SymgradError(
-            f"cannot import {path}: {type(exc).__name__}: {exc}", where=op.source
-        ) from None
-    sys.modules[name] = module
+        del sys.modules[name]
+        where = op.source if op else str(path)
+        raise SymgradError(f"cannot import {path}: {_short(exc)}", where=where) from None
     return module
 
 
-def _load_library(tf, library: str):
-    """The library's Python wrappers, and the op defs it registers, by op type."""
-    path = Path(library)
-    from tensorflow.core.framework import op_def_pb2
-    from tensorflow.python.client import pywrap_tf_session  # the op list has no public API
-
-    try:
-        wrappers = tf.load_op_library(str(path.resolve()))
-        handle = pywrap_tf_session.TF_LoadLibrary(str(path.resolve()))
-        try:
-            op_list = op_def_pb2.OpList.FromString(pywrap_tf_session.TF_GetOpList(handle))
-        finally:
-            pywrap_tf_session.TF_DeleteLibraryHandle(handle)
-    except Exception as exc:  # noqa: BLE001 - TF raises several types for a bad library
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SymgradError(f"cannot load the library: {first}", where=library) from None
-    return wrappers, {op_def.name: op_def for op_def in op_list.op}
-
-
-def _attr_values(program: Program, op: OpSpec, given: dict, op_def) -> list:
-    """(name, value, where from) per attr: --attr, else the op def's default, else a sample."""
-    values = []
-    defaults = {}
-    if op_def is not None:
-        for attr in op_def.attr:
-            if attr.HasField("default_value"):
-                kind = attr.default_value.WhichOneof("value")
-                if kind in ("i", "f", "b"):
-                    defaults[attr.name.lower()] = getattr(attr.default_value, kind)
-    for name, kind in op.attrs:
-        if name in given:
-            values.append((name, given[name], "--attr"))
-        elif name.lower() in defaults:
-            value = defaults[name.lower()]
-            value = {"int": int, "float": float, "bool": bool}[kind](value)
-            values.append((name, value, "op default"))
-        else:
-            values.append((name, sample_attr(kind, name in program.positive_attrs), "sample"))
-    return values
-
-
-def _outputs(result) -> list:
+def outputs_of(result) -> list:
     return list(result) if isinstance(result, tuple | list) else [result]
 
 
-def _generated_target(tf, program, module, attrs, sizes) -> _Target:
-    """No library: the generated forward against the dense evaluation of the formula."""
-    from .reference import evaluate
-
-    int_attrs = frozenset(n for n, kind in program.attrs if kind == "int")
-
-    def reference(tensors):
-        named = dict(zip(program.inputs, tensors, strict=True))
-        return [
-            evaluate(f, named, attrs, sizes=sizes.indices, int_attrs=int_attrs)
-            for f in program.formulas
-        ]
-
-    def call(tensors):
-        return _outputs(module.forward(*tensors, **attrs))
-
-    return _Target(call, reference)
-
-
-def _library_target(tf, program, module, attrs, op_def, wrappers, dtype) -> _Target:
-    """The compiled op, its inputs and outputs matched to the spec's by name as the
-    registered gradient matches them; the interface check says whether that worked."""
-    results = []
-    problems = []
-    fake = _OpDefView(op_def)
-    try:
-        inputs_at, outputs_at, attr_names = module._match(fake)
-        matched = True
-    except (ValueError, LookupError) as exc:
-        problems.append(str(exc))
-        count = len(op_def.input_arg)
-        inputs_at = tuple(range(len(program.inputs))) if count == len(program.inputs) else None
-        outputs_at = tuple(range(len(program.outputs)))
-        attr_names = {a.name.lower(): a.name for a in op_def.attr}
-        attr_names = {n: attr_names.get(n.lower(), n) for n, _ in program.attrs}
-        matched = False
-    problems += _dtype_problems(program, op_def, dtype, inputs_at)
-    if matched:
-        mapping = ", ".join(
-            f"{op_def.input_arg[k].name}={name}"
-            for name, k in zip(program.inputs, inputs_at, strict=True)
-        )
-        detail = f"inputs by name: {mapping}"
-    else:
-        detail = "; ".join(problems)
-    results.append(Result("interface", not problems, detail="; ".join(problems) or detail))
-    notes = () if matched else ("the op's inputs are passed in the spec's order (names differ)",)
-    wrapper = _wrapper(wrappers, op_def.name)
-    index_dtype = _index_dtype(op_def, program, inputs_at)
-
-    def call(tensors):
-        if inputs_at is None:
-            raise ValueError("the op's inputs cannot be matched to the formula's")
-        # The wrappers take keyword arguments only, named as in the op def.
-        keywords = {_keyword(attr_names[n]): v for n, v in attrs.items()}
-        for tensor, k, name in zip(tensors, inputs_at, program.inputs, strict=True):
-            if name in program.index_inputs:
-                tensor = tf.cast(tensor, index_dtype)
-            keywords[_keyword(op_def.input_arg[k].name)] = tensor
-        result = _outputs(wrapper(**keywords))
-        return [result[k] for k in outputs_at]
-
-    def reference(tensors):
-        return _outputs(module.forward(*tensors, **attrs))
-
-    return _Target(call, reference, tuple(results), notes)
-
-
-def _keyword(name: str) -> str:
-    """A Python wrapper's parameter name for an op def name (`lambda` becomes `lambda_`)."""
-    return f"{name}_" if keyword.iskeyword(name) else name
-
-
-class _OpDefView:
-    """What the module's `_match` reads of an op: its type and op def."""
-
-    def __init__(self, op_def) -> None:
-        self.type = op_def.name
-        self.op_def = op_def
-
-
-def _wrapper(wrappers, op_type: str):
-    """The library's Python function for an op, by TensorFlow's own name for it, which is
-    the module's (`BatchedMatMul` -> `batched_mat_mul`): `AB` is `ab`, never `a_b`."""
-    function = getattr(wrappers, snake_case(op_type), None)
-    if callable(function):
-        return function
-    raise SymgradError(f"the library has no Python wrapper for op {op_type}")
-
-
-def _allowed(op_def, arg) -> list[str] | None:
-    """The dtype names an input or output accepts, None for any."""
-    from tensorflow.python.framework import dtypes
-
-    if arg.type_attr:
-        for attr in op_def.attr:
-            if attr.name == arg.type_attr:
-                listed = attr.allowed_values.list.type
-                return [dtypes.as_dtype(t).name for t in listed] if listed else None
-        return None
-    return [dtypes.as_dtype(arg.type).name]
-
-
-def _dtype_problems(program, op_def, dtype, inputs_at) -> list[str]:
-    if inputs_at is None:
-        return []
-    problems = []
-    for name, k in zip(program.inputs, inputs_at, strict=True):
-        arg = op_def.input_arg[k]
-        allowed = _allowed(op_def, arg)
-        if allowed is None:
-            continue
-        if name in program.index_inputs:
-            if not {"int32", "int64"} & set(allowed):
-                problems.append(
-                    f"index input {arg.name} takes {', '.join(allowed)}, not int32 or int64"
-                )
-        elif dtype not in allowed:
-            problems.append(f"input {arg.name} takes {', '.join(allowed)}, not {dtype}")
-    return problems
-
-
-def _index_dtype(op_def, program, inputs_at):
-    import tensorflow as tf
-
-    if inputs_at is None:
-        return tf.int32
-    for name, k in zip(program.inputs, inputs_at, strict=True):
-        if name in program.index_inputs:
-            allowed = _allowed(op_def, op_def.input_arg[k])
-            if allowed is not None and "int32" not in allowed:
-                return tf.int64
-    return tf.int32
-
-
-def _check_op(tf, program, module, target: _Target, sizes: Sizes, dtype, rng):
+def _check_op(program, target: Target, sizes: Sizes, dtype, rng):
     """The forward and gradient checks of one op."""
     notes = []
     results = []
     arrays = _random_inputs(program, sizes, dtype, rng, positive=False)
-    tensors = _tensors(tf, program, arrays)
     try:
-        want = [t.numpy() for t in target.reference(tensors)]
+        want = [np.asarray(w) for w in target.reference(arrays)]
     except Exception as exc:  # noqa: BLE001 - a module edited by hand may fail in any way
         return [
             Result("forward", False, detail=f"the formula's forward raised {_short(exc)}")
@@ -760,22 +818,19 @@ def _check_op(tf, program, module, target: _Target, sizes: Sizes, dtype, rng):
     if not all(np.all(np.isfinite(w)) for w in want):
         # Outside the formula's domain (log, sqrt of negatives): positive inputs instead.
         arrays = _random_inputs(program, sizes, dtype, rng, positive=True)
-        tensors = _tensors(tf, program, arrays)
-        want = [t.numpy() for t in target.reference(tensors)]
+        want = [np.asarray(w) for w in target.reference(arrays)]
         notes.append("inputs drawn from [0.5, 1.5]: the formula is not finite at signed inputs")
     try:
-        got = [np.asarray(t) for t in target.call(tensors)]
+        got = [np.asarray(t) for t in target.call(arrays)]
     except Exception as exc:  # noqa: BLE001 - the op's own error, reported as a failure
-        results.append(Result("forward", False, detail=f"the op raised {_short(exc)}"))
-        got = None
-    if got is not None:
-        results.append(compare_forward(program, got, want, FORWARD_TOL[dtype]))
-    results.append(_adjoint_test(tf, program, target.call, tensors, dtype, rng))
+        raised = f"the op raised {_short(exc)}"
+        return [
+            Result("forward", False, detail=raised),
+            Result("gradient", False, detail=raised),
+        ], notes
+    results.append(compare_forward(program, got, want, FORWARD_TOL[dtype]))
+    results.append(_adjoint_test(program, target, arrays, dtype, rng))
     return results, notes
-
-
-def _tensors(tf, program, arrays):
-    return [tf.constant(arrays[name]) for name in program.inputs]
 
 
 def _short(exc: Exception) -> str:
@@ -784,9 +839,10 @@ def _short(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first[:300]}"
 
 
-def _adjoint_test(tf, program, call, tensors, dtype, rng) -> Result:
-    """<u, J v> by central differences of `call` against <J^T u, v> from the tape through
-    `call`, per input that has a gradient, median over DIRECTIONS directions."""
+def _adjoint_test(program, target: Target, arrays, dtype, rng) -> Result:
+    """<u, J v> by central differences of the op against <J^T u, v> from the framework's
+    differentiation of the op, per input that has a gradient, median over DIRECTIONS
+    directions."""
     tolerance = GRADIENT_TOL[dtype]
     inputs = [
         k
@@ -800,15 +856,9 @@ def _adjoint_test(tf, program, call, tensors, dtype, rng) -> Result:
         errors, ratios = [], []
         for _ in range(DIRECTIONS):
             try:
-                error, ratio = _one_direction(tf, call, tensors, k, dtype, rng)
-            except Exception as exc:  # noqa: BLE001 - e.g. the registered gradient raised
-                return Result(
-                    "gradient",
-                    False,
-                    math.inf,
-                    tolerance,
-                    f"gradient of {program.inputs[k]}: {_short(exc)}",
-                )
+                error, ratio = _one_direction(target, arrays, k, program.inputs[k], dtype, rng)
+            except _Raised as exc:
+                return Result("gradient", False, None, tolerance, str(exc))
             errors.append(error)
             ratios.append(ratio)
         error = float(np.median(errors))
@@ -829,20 +879,25 @@ def _adjoint_test(tf, program, call, tensors, dtype, rng) -> Result:
     )
 
 
-def _one_direction(tf, call, tensors, k, dtype, rng) -> tuple[float, float]:
-    x = tensors[k]
-    v = rng.standard_normal(x.shape.as_list())
-    scale = (
-        max(1.0, float(np.sqrt(np.mean(np.square(x.numpy()))))) if x.shape.num_elements() else 1.0
-    )
+class _Raised(Exception):
+    """The op or its gradient raised during the gradient check (the message says which)."""
+
+
+def _one_direction(target: Target, arrays, k, name, dtype, rng) -> tuple[float, float]:
+    x = arrays[k]
+    v = rng.standard_normal(x.shape)
+    scale = max(1.0, float(np.sqrt(np.mean(np.square(x))))) if x.size else 1.0
     h = STEP[dtype] * scale
 
     def shifted(sign):
-        args = list(tensors)
-        args[k] = x + tf.constant(sign * h * v, x.dtype)
-        return [np.asarray(y, np.float64) for y in call(args)]
+        args = list(arrays)
+        args[k] = x + (sign * h * v).astype(x.dtype)
+        return [np.asarray(y, np.float64) for y in target.call(args)]
 
-    plus, minus = shifted(1.0), shifted(-1.0)
+    try:
+        plus, minus = shifted(1.0), shifted(-1.0)
+    except Exception as exc:  # noqa: BLE001 - the op's own error
+        raise _Raised(f"the op raised {_short(exc)}") from None
     jv = [(p - m) / (2 * h) for p, m in zip(plus, minus, strict=True)]
     norm_jv = math.sqrt(sum(float(np.sum(a * a)) for a in jv))
     # u = J v / |J v| + r / |r| for a random r: the first part makes <u, J v> large (a
@@ -851,17 +906,13 @@ def _one_direction(tf, call, tensors, k, dtype, rng) -> tuple[float, float]:
     r = [rng.standard_normal(a.shape) for a in jv]
     norm_r = math.sqrt(sum(float(np.sum(a * a)) for a in r)) or 1.0
     u = [a / norm_r + (b / norm_jv if norm_jv > 0 else 0) for a, b in zip(r, jv, strict=True)]
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        ys = call(list(tensors[:k]) + [x] + list(tensors[k + 1 :]))
-    grads = [tf.constant(a, y.dtype) for a, y in zip(u, ys, strict=True)]
-    g = tape.gradient(ys, x, output_gradients=grads)
-    g = (
-        np.zeros(x.shape.as_list())
-        if g is None
-        else np.asarray(tf.convert_to_tensor(g), np.float64)
-    )
-    u64 = [np.asarray(a, np.float64) for a in u]
+    cotangents = [a.astype(x.dtype) for a in u]
+    try:
+        g = target.pullback(list(arrays), k, cotangents)
+    except Exception as exc:  # noqa: BLE001 - e.g. the registered gradient raised
+        raise _Raised(f"the gradient of {name} raised {_short(exc)}") from None
+    g = np.zeros(x.shape) if g is None else np.asarray(g, np.float64)
+    u64 = [np.asarray(a, np.float64) for a in cotangents]
     lhs = sum(float(np.sum(a * b)) for a, b in zip(u64, jv, strict=True))
     rhs = float(np.sum(g * v))
     norm_u = math.sqrt(sum(float(np.sum(a * a)) for a in u64))
@@ -871,4 +922,4 @@ def _one_direction(tf, call, tensors, k, dtype, rng) -> tuple[float, float]:
     return error, ratio
 
 
-__all__ = ["Report", "Result", "as_json", "plan_sizes", "render_table", "run"]
+__all__ = ["Library", "Report", "Result", "Target", "as_json", "plan_sizes", "render_table", "run"]

@@ -138,21 +138,41 @@ def _parser() -> argparse.ArgumentParser:
     chk = commands.add_parser(
         "check",
         help="check a compiled op against its formula and its gradient",
-        usage="symgrad check [SPEC] [--library PATH.so] [--op NAME]... [--attr NAME=VALUE]... "
-        "[--dtype float64|float32] [--seed N] [--json]",
+        usage="symgrad check [SPEC] [--target tensorflow|pytorch|jax] [--library FILE] "
+        "[--namespace NS] [--op NAME]... [--attr NAME=VALUE]... [--shape INPUT=AxBxC]... "
+        "[--size INDEX=N]... [--dtype float64|float32] [--seed N] [--json]",
         description="For each op of the spec that the library defines: (1) its outputs equal "
         "the generated forward's on random inputs of distinct sizes per index; (2) the "
-        "gradient TF runs for it (the generated module, as it is on disk) passes a "
-        "dot-product test against central differences of the op itself; (3) its op def's "
-        "names, attrs and dtypes fit the spec. Without --library, checks the generated "
-        "forward against a dense evaluation of the formula, and its gradient the same way.",
+        "gradient the framework runs for it (the generated module, as it is on disk) passes "
+        "a dot-product test against central differences of the op itself; (3) its names, "
+        "attrs and dtypes fit the spec. Each op with attrs is checked at its own defaults "
+        "and at distinct sample values. Without --library, checks the generated forward "
+        "against a dense evaluation of the formula, and its gradient the same way.",
         epilog="exit status: 0 every check passed; 1 a check failed; 2 error (spec, library, "
         "usage, or a module missing or stale: run `symgrad generate`)",
     )
     chk.add_argument(
         "spec", nargs="?", default="symgrad.toml", metavar="SPEC", help="spec file (symgrad.toml)"
     )
-    chk.add_argument("--library", metavar="PATH.so", help="the compiled op library to check")
+    chk.add_argument(
+        "--target",
+        choices=("tensorflow", "pytorch", "jax"),
+        default="tensorflow",
+        help="the framework of the library and of the generated modules (tensorflow)",
+    )
+    chk.add_argument(
+        "--library",
+        metavar="FILE",
+        help="the op library to check: a .so for TensorFlow (tf.load_op_library) or PyTorch "
+        "(torch.ops.load_library); a .py that registers ops with torch.library, or (jax) a "
+        "module with a function snake_case(op) per op",
+    )
+    chk.add_argument(
+        "--namespace",
+        metavar="NS",
+        help="PyTorch: the ops' namespace (each spec op is NS::snake_case(name)); default: "
+        "the namespace the library registers them in",
+    )
     chk.add_argument(
         "--op",
         dest="ops",
@@ -167,7 +187,23 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an attr value (repeatable); otherwise the op def's default, else a sample",
+        help="an attr value (repeatable); otherwise the op's default and distinct samples",
+    )
+    chk.add_argument(
+        "--shape",
+        dest="shapes",
+        action="append",
+        default=[],
+        metavar="INPUT=AxBxC",
+        help="an input's shape (repeatable), e.g. --shape k=2x9x4",
+    )
+    chk.add_argument(
+        "--size",
+        dest="sizes",
+        action="append",
+        default=[],
+        metavar="INDEX=N",
+        help="the size of an index that names an input axis (repeatable)",
     )
     chk.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     chk.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (0)")
@@ -338,21 +374,26 @@ def _formula_program(formula: str, declared: dict | None = None):
 
 
 def _check(args) -> int:
-    from .check import as_json, render_table, run  # imports TensorFlow when it runs
+    from .check import as_json, render_table, run  # imports the framework when it runs
 
     spec = load_spec(args.spec)
-    if "tensorflow" not in spec_targets(spec):
+    if args.target not in spec_targets(spec):
         raise SymgradError(
-            "symgrad check runs the TensorFlow modules; add tensorflow to `[targets]`",
+            f"symgrad check --target {args.target} runs the {args.target} modules; add "
+            f"{args.target} to `[targets]`",
             where=spec.path,
         )
-    out = Path(args.out) if args.out else output_folder(spec, "tensorflow")
+    out = Path(args.out) if args.out else output_folder(spec, args.target)
     report = run(
         spec,
         out,
+        target=args.target,
         library=args.library,
+        namespace=args.namespace,
         op_names=tuple(args.ops),
         attr_args=tuple(args.attrs),
+        shape_args=tuple(args.shapes),
+        size_args=tuple(args.sizes),
         dtype=args.dtype,
         seed=args.seed,
     )
@@ -362,7 +403,7 @@ def _check(args) -> int:
         sys.stdout.write(render_table(report))
         for op in report.ops:
             for check in op.failed:
-                print(f"error: {op.op}: {check} check failed", file=sys.stderr)
+                print(f"error: {op.label}: {check} check failed", file=sys.stderr)
     return EXIT_OK if report.ok else EXIT_FAILED
 
 

@@ -67,8 +67,9 @@ def all_ops(project, library) -> tuple[subprocess.CompletedProcess, dict]:
     return result, json.loads(result.stdout)
 
 
-def checks(report: dict, op: str) -> dict:
-    (entry,) = [o for o in report["ops"] if o["op"] == op]
+def checks(report: dict, op: str, setting: str = "") -> dict:
+    """The checks of one op at one attr setting ("" for an op checked at one setting)."""
+    (entry,) = [o for o in report["ops"] if o["op"] == op and o["setting"] == setting]
     return {c["check"]: c for c in entry["checks"]}
 
 
@@ -76,17 +77,20 @@ def test_a_wrong_op_makes_the_run_fail_with_exit_1(all_ops):
     result, report = all_ops
     assert result.returncode == 1, result.stderr
     assert report["ok"] is False
-    assert sorted(o["op"] for o in report["ops"]) == sorted(CORRECT + WRONG)
+    assert sorted({o["op"] for o in report["ops"]}) == sorted(CORRECT + WRONG)
 
 
 @pytest.mark.parametrize("op", CORRECT)
 def test_ops_that_compute_their_formula_pass_every_check(all_ops, op):
     _, report = all_ops
-    found = checks(report, op)
-    assert set(found) == {"interface", "forward", "gradient"}
-    assert all(c["passed"] is True for c in found.values()), found
-    assert found["forward"]["error"] <= 1e-10
-    assert found["gradient"]["error"] <= 1e-6
+    entries = [o for o in report["ops"] if o["op"] == op]
+    assert entries
+    for entry in entries:
+        found = {c["check"]: c for c in entry["checks"]}
+        assert set(found) == {"interface", "forward", "gradient"}
+        assert all(c["passed"] is True for c in found.values()), found
+        assert found["forward"]["error"] <= 1e-10
+        assert found["gradient"]["error"] <= 1e-6
 
 
 def test_an_off_by_one_loop_bound_is_located(all_ops):
@@ -215,9 +219,13 @@ def test_float32_passes_correct_ops_and_attrs_come_from_the_command_line(project
     assert report["dtype"] == "float32"
     (conv,) = [o for o in report["ops"] if o["op"] == "CheckStridedConv"]
     attrs = {a["name"]: (a["value"], a["from"]) for a in conv["attrs"]}
-    assert attrs == {"s": (3, "--attr"), "p": (2, "--attr"), "d": (2, "sample")}
-    (tanh,) = [o for o in report["ops"] if o["op"] == "CheckScaledTanh"]
-    assert tanh["attrs"] == [{"name": "alpha", "value": 0.5, "from": "op default"}]
+    # d is sampled apart from the given s and p (and from 0 and 1).
+    assert attrs == {"s": (3, "--attr"), "p": (2, "--attr"), "d": (5, "sample")}
+    tanh = [(o["setting"], o["attrs"]) for o in report["ops"] if o["op"] == "CheckScaledTanh"]
+    assert tanh == [
+        ("defaults", [{"name": "alpha", "value": 0.5, "from": "op default"}]),
+        ("samples", [{"name": "alpha", "value": 0.75, "from": "sample"}]),
+    ]
 
 
 def test_a_stale_or_missing_module_is_exit_2_saying_to_generate(project, library, tmp_path):
