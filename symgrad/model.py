@@ -523,6 +523,8 @@ class _Builder:
         self.register(name, len(node.positions), node.col)
         lookups: list[Access] = []
         positions = tuple(self.position(p, scope, lookups) for p in node.positions)
+        if all(indexing.is_plain(p) for p in positions):
+            return self.simplified_access(name, positions)
         written = [scope[i] for i in node.indices]
         computed, grid = indexing.layout(positions, written)
         for axis, position in enumerate(positions):
@@ -645,6 +647,13 @@ class _Builder:
         self.dims.setdefault(symbol, [])
         if (name, axis) not in self.dims[symbol]:
             self.dims[symbol].append((name, axis))
+
+    def simplified_access(self, name: str, positions: tuple[Index, ...]) -> sp.Indexed:
+        """A read whose positions simplify to plain indices (`x[b, i + 0]`, `x[b, 1*i]`,
+        `x[b, 2*i - i]`, as templated formulas write them) is the plain read `x[b, i]`."""
+        for axis, symbol in enumerate(positions):
+            self.add_dim(symbol, name, axis)
+        return tensor(name)[positions]
 
     def plain_access(self, node: Access, scope: dict[str, Index]) -> sp.Indexed:
         name = node.tensor

@@ -78,7 +78,7 @@ class Kernels:
     def window_bounds(self, body: _Body, conv):
         """Per spatial axis: (padding below, padding above, start, length, size) of the
         window of x the outputs read, as code: after padding, the window starts at
-        `start` and has length = stride*(n_i - 1) + K. Worked out in SymPy, so literal
+        `start` and has length = max(stride*(n_i - 1) + K, 0). Worked out in SymPy, so literal
         offsets and strides fold to numbers."""
 
         def var(name: str) -> sp.Symbol:
@@ -89,7 +89,9 @@ class Kernels:
             size = var(self.axis_size(body, conv.source, axis))
             taps = var(self.axis_size(body, conv.filter, axis - 1))
             count = var(self.index_size(body, spatial.output))
-            length = spatial.stride * (count - 1) + taps
+            # No outputs read no window: never a negative length (a slice size of -1
+            # means "to the end").
+            length = sp.Max(spatial.stride * (count - 1) + taps, 0)
             low = sp.Max(-spatial.offset, 0)
             high = sp.Max(spatial.offset + length - size, 0)
             start = spatial.offset + low

@@ -187,10 +187,8 @@ class JaxPrinter(Printer):
         return f"jnp.minimum({self.arguments(e)})"
 
     def call_gather(self, e: ir.Call) -> str:
-        # Lowering reads only in bounds (positions outside are masked, then sent to 0), so
-        # the mode changes no value; "fill" makes a read past the end NaN, never the
-        # clipped edge value, should that promise ever break.
-        return f'jnp.take({self.arguments(e)}, mode="fill")'
+        # The module's `_gather`: jnp.take, never from an empty axis.
+        return f"_gather({self.arguments(e)})"
 
     def call_sparse_rows(self, e: ir.Call) -> str:
         # A gradient given as rows (tf.IndexedSlices) is dense in JAX: the rows added up.
@@ -260,4 +258,5 @@ class JaxPrinter(Printer):
             parts.append(f"window_strides={self.code(strides)}")
         parts += [self.keyword(k, v) for k, v in options.items()]
         parts.append(f"dimension_numbers={LAYOUTS[spatial]}")
-        return f"jax.lax.conv_general_dilated({', '.join(parts)})"
+        # The module's `_convolution`: lax.conv_general_dilated, never on an empty axis.
+        return f"_convolution({', '.join(parts)})"

@@ -420,16 +420,8 @@ class PyTorchPrinter(Printer):
     def call_convolution(self, args: dict) -> str:
         x, w = self.atom(args["x"]), self.atom(args["filters"])
         _check_valid(args)
-        strides = _literal_list(args["strides"])
-        if strides is None:  # the number of spatial axes is the length of `strides`
-            return f"_convolution({x}, {w}, {self.code(args['strides'])})"
-        n = len(strides)
-        order = ", ".join(map(str, (n + 1, n, *range(n))))  # (spatial.., in, out) -> OI..
-        stride = ", ".join(self.code(s) for s in strides)
-        return (
-            f"torch.nn.functional.conv{n}d({x}.movedim(-1, 1), {w}.permute({order}), "
-            f"stride=[{stride}]).movedim(1, -1)"
-        )
+        # A module helper: torch's channels-first kernel, never on an empty axis.
+        return f"_convolution({x}, {w}, {self.code(args['strides'])})"
 
     def call_conv2d_backprop_filter(self, args: dict) -> str:
         return self.backprop_filter(args)

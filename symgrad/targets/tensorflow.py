@@ -62,6 +62,21 @@ NAMES = {
     "zeros_like": "tf.zeros_like",
 }
 
+# Kernels a module calls through a helper of its template (`_unless_empty`): on an empty
+# axis they are not called at all (TF's filter backprop reads garbage from an empty
+# gradient, a 2-D one can crash; a gather from an empty axis raises). The helper, then the
+# raw kernel it wraps where it serves several.
+KERNELS = {
+    "convolution": ("_convolution",),
+    "conv2d_backprop_filter": ("_conv_backprop_filter", NAMES["conv2d_backprop_filter"]),
+    "conv3d_backprop_filter": ("_conv_backprop_filter", NAMES["conv3d_backprop_filter"]),
+    "conv2d_backprop_input": ("_conv_backprop_input", NAMES["conv2d_backprop_input"]),
+    "conv3d_backprop_input": ("_conv_backprop_input", NAMES["conv3d_backprop_input"]),
+    "gather": ("_gather",),
+    "segment_sum": ("_segment_sum",),
+    "sparse_rows": ("_sparse_rows",),
+}
+
 
 class TensorFlowPrinter(Printer):
     def axis_size(self, e: ir.AxisSize) -> str:
@@ -81,6 +96,10 @@ class TensorFlowPrinter(Printer):
     def call(self, e: ir.Call) -> str:
         if e.function == "to_int64":
             return f"tf.cast({self.arguments(e)}, tf.int64)"
+        if self.in_module and e.function in KERNELS:
+            # The module's helper: zeros, never the kernel, when an axis is empty.
+            helper, *kernel = KERNELS[e.function]
+            return f"{helper}({', '.join([*kernel, self.arguments(e)])})"
         return f"{NAMES[e.function]}({self.arguments(e)})"
 
     def cond(self, e: ir.Cond) -> str:

@@ -1,0 +1,98 @@
+"""Empty axes in every target: an output with no elements (an input shorter than its
+filter, a range of 0), a table with no rows, no channels, no batch. Every output and
+every gradient is zeros of the right shape through forward, vjp, the registered gradient
+(TF) and the framework's own autodiff through `forward`; no kernel runs on an empty axis
+(TF's filter backprop read garbage there, a 2-D one crashed the process; PyTorch's and
+XLA's convolutions refused them). Also positions that simplify to a plain index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from frameworks import FRAMEWORKS, run_everywhere
+from harness import Case, generate
+
+CONV1D = "y[b,i,o] = sum(x[b, i + k, c] * w[k,c,o], k, c)"
+STRIDED = "y[b,i,o] = sum(x[b, 2*i + k, c] * w[k,c,o], k, c)"
+
+# name -> (case, the shape of each output)
+EMPTY = {
+    "input_shorter_than_filter": (Case(CONV1D, {"x": (2, 2, 3), "w": (3, 3, 4)}), [(2, 0, 4)]),
+    "input_shorter_than_filter_2d": (
+        Case(
+            "y[b,i,j,o] = sum(x[b, i + u, 3*j + v + 2, c] * w[u,v,c,o], u, v, c)",
+            {"x": (2, 6, 3, 2), "w": (2, 2, 2, 3)},
+        ),
+        [(2, 5, 0, 3)],
+    ),
+    "no_channels": (Case(CONV1D, {"x": (2, 5, 0), "w": (3, 0, 4)}), [(2, 3, 4)]),
+    "no_output_channels": (Case(CONV1D, {"x": (2, 5, 3), "w": (3, 3, 0)}), [(2, 3, 0)]),
+    "no_batch": (Case(CONV1D, {"x": (0, 5, 3), "w": (3, 3, 4)}), [(0, 3, 4)]),
+    "no_taps": (Case(CONV1D, {"x": (2, 5, 3), "w": (0, 3, 4)}), [(2, 6, 4)]),
+    "range_of_zero": (
+        Case(STRIDED, {"x": (2, 6, 3), "w": (1, 3, 4)}, ranges={"i": "x.shape[1] - 6"}),
+        [(2, 0, 4)],
+    ),
+    "literal_range_of_zero": (
+        Case(STRIDED, {"x": (2, 6, 3), "w": (1, 3, 4)}, ranges={"i": "0"}),
+        [(2, 0, 4)],
+    ),
+    "negative_range": (
+        Case(STRIDED, {"x": (2, 6, 3), "w": (2, 3, 4)}, ranges={"i": "x.shape[1] - 9"}),
+        [(2, 0, 4)],
+    ),
+    "table_without_rows": (
+        Case("y[b,t,d] = W[ids[b,t], d]", {"W": (0, 3)}, index_inputs={"ids": ((2, 4), 0, 2)}),
+        [(2, 4, 3)],
+    ),
+    "window_gather_of_an_empty_axis": (
+        Case(
+            "y[b,i,o] = sum(x[b, 2*i + 3*k - 1, c] * w[k,c,o], k, c)",
+            {"x": (2, 0, 3), "w": (2, 3, 4)},
+            ranges={"i": "3"},
+        ),
+        [(2, 3, 4)],
+    ),
+    "pooling_to_nothing": (
+        Case("y[b,i,c] = max(x[b, 2*i+u, c], u)", {"x": (2, 1, 3)}, ranges={"u": "2"}),
+        [(2, 0, 3)],
+    ),
+}
+
+
+@pytest.mark.parametrize("target", sorted(FRAMEWORKS))
+@pytest.mark.parametrize("name", sorted(EMPTY))
+def test_empty_axes_give_zeros_of_the_right_shapes(name, target, tmp_path):
+    case, shapes = EMPTY[name]
+    module = generate(case, tmp_path, "Empty", target)
+    outputs, gradients = run_everywhere(FRAMEWORKS[target], module, case)
+    for how, found in outputs.items():
+        assert [o.shape for o in found] == shapes, how
+        for o in found:
+            np.testing.assert_array_equal(o, np.zeros(o.shape), err_msg=how)
+    for how, found in gradients.items():
+        for input_name, g in zip(module.INPUTS, found, strict=True):
+            if input_name in case.index_inputs:
+                assert g is None, how
+                continue
+            assert g.shape == case.shapes[input_name], f"{how}: {input_name}"
+            np.testing.assert_array_equal(g, np.zeros(g.shape), err_msg=f"{how}: {input_name}")
+
+
+# Positions that simplify to a plain index, as templated formulas write them.
+PLAIN = ["x[b, i + 0]", "x[b, 1*i]", "x[b, 2*i - i]", "x[b, i + k - k]"]
+
+
+@pytest.mark.parametrize("target", sorted(FRAMEWORKS))
+@pytest.mark.parametrize("read", PLAIN)
+def test_positions_that_simplify_to_a_plain_index(read, target, tmp_path):
+    case = Case(f"y[b,i] = 3 * {read}", {"x": (2, 5)}, sizes={"k": 4})
+    if "k" in read:
+        case = Case(f"y[b,i] = sum(3 * {read}, k)", {"x": (2, 5)}, ranges={"k": "4"})
+    module = generate(case, tmp_path, "Plain", target)
+    fw = FRAMEWORKS[target]
+    x = np.arange(10.0).reshape(2, 5)
+    scale = 12 if "k" in read else 3
+    np.testing.assert_allclose(fw.numpy(module.forward(fw.tensor(x))), scale * x)
+    (grad,) = module.vjp(fw.tensor(x), fw.tensor(np.ones((2, 5))))
+    np.testing.assert_allclose(fw.numpy(grad), np.full((2, 5), float(scale)))
