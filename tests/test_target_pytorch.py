@@ -241,6 +241,29 @@ def test_conv3d_against_torch_and_gradcheck(name, folder):
     assert torch.autograd.gradcheck(module.forward, (x, w))
 
 
+def test_a_symmetric_window_is_the_kernels_own_padding(folder, monkeypatch):
+    """A window torch's kernels read with zeros on both sides (3x3 SAME here) passes
+    `padding=` to them: no pad or slice runs around the kernels, forward or backward."""
+    import generated_torch.conv2d_same as module
+
+    x = torch.randn(2, 7, 6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, 3, 4, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 7, 6, 4, dtype=torch.float64)
+    want = torch.nn.functional.conv2d(x.movedim(-1, 1), w.permute(3, 2, 0, 1), padding=1)
+    expected = torch.autograd.grad(want.movedim(1, -1), (x, w), grad)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a pad ran around the convolution")
+
+    monkeypatch.setattr(torch.nn.functional, "pad", refused)
+    y = module.forward(x, w)
+    torch.testing.assert_close(y, want.movedim(1, -1), rtol=1e-12, atol=1e-12)
+    for got in (torch.autograd.grad(y, (x, w), grad), module.vjp(x, w, grad)):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert module._conv_direct([[7, 3, 7, 1, -1], [6, 4, 6, 1, -1]]) is None  # 4 taps: 1 + 2
+
+
 # -- register(op) on custom ops ------------------------------------------------------------
 
 MATMUL = Case(

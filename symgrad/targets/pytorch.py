@@ -72,6 +72,9 @@ PARAMETERS = {
     "conv2d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
     "conv3d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
     "convolution": ("x", "filters", "strides", "padding"),
+    "conv_padding": ("axes",),
+    "conv_window": ("x", "axes"),
+    "conv_unwindow": ("g", "axes"),
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
     "gather": ("x", "positions", "axis"),
@@ -419,17 +422,36 @@ class PyTorchPrinter(Printer):
 
     def call_convolution(self, args: dict) -> str:
         x, w = self.atom(args["x"]), self.atom(args["filters"])
-        _check_valid(args)
         strides = _literal_list(args["strides"])
         if strides is None:  # the number of spatial axes is the length of `strides`
+            _check_valid(args)
             return f"_convolution({x}, {w}, {self.code(args['strides'])})"
         n = len(strides)
         order = ", ".join(map(str, (n + 1, n, *range(n))))  # (spatial.., in, out) -> OI..
         stride = ", ".join(self.code(s) for s in strides)
         return (
             f"torch.nn.functional.conv{n}d({x}.movedim(-1, 1), {w}.permute({order}), "
-            f"stride=[{stride}]).movedim(1, -1)"
+            f"stride=[{stride}]{self.padding(args)}).movedim(1, -1)"
         )
+
+    def padding(self, args: dict) -> str:
+        """`, padding=..` for a padding `_conv_padding` chose (torch's own: zeros on both
+        sides of each spatial axis); nothing for VALID."""
+        padding = args.get("padding")
+        if padding is None or padding == ir.Lit('"VALID"'):
+            return ""
+        if not isinstance(padding, ir.Var):
+            raise TypeError(f"PyTorch target: a padding of {padding} is not lowered")
+        return f", padding={padding.name}"
+
+    def call_conv_padding(self, args: dict) -> str:
+        return f"_conv_padding({self.code(args['axes'])})"
+
+    def call_conv_window(self, args: dict) -> str:
+        return f"_conv_window({self.code(args['x'])}, {self.code(args['axes'])})"
+
+    def call_conv_unwindow(self, args: dict) -> str:
+        return f"_conv_unwindow({self.code(args['g'])}, {self.code(args['axes'])})"
 
     def call_conv2d_backprop_filter(self, args: dict) -> str:
         return self.backprop_filter(args)
@@ -444,16 +466,16 @@ class PyTorchPrinter(Printer):
         return self.backprop_input(args)
 
     def backprop_filter(self, args: dict) -> str:
-        _check_valid(args)
         parts = [args["input"], args["filter_sizes"], args["out_backprop"]]
         text = ", ".join(self.code(p) for p in parts)
-        return f"_conv_backprop_filter({text}, strides={self.code(args['strides'])})"
+        strides = self.code(args["strides"])
+        return f"_conv_backprop_filter({text}, strides={strides}{self.padding(args)})"
 
     def backprop_input(self, args: dict) -> str:
-        _check_valid(args)
         parts = [args["input_sizes"], args["filter"], args["out_backprop"]]
         text = ", ".join(self.code(p) for p in parts)
-        return f"_conv_backprop_input({text}, strides={self.code(args['strides'])})"
+        strides = self.code(args["strides"])
+        return f"_conv_backprop_input({text}, strides={strides}{self.padding(args)})"
 
 
 def _check_valid(args: dict) -> None:
