@@ -181,10 +181,11 @@ class PyTorchPrinter(Printer):
             lines.append(f"dtype = {reference}.dtype")
         if "_device" in live:
             lines.append(f"_device = {reference}.device")
-        for step, text in kept:
-            if step.comment:
-                lines.append(f"# {step.comment}")
-            lines.append(f"{step.target} = {text}")
+        if kind == "backward":
+            lines += _only_if_needed(kept, block.returns)
+        else:
+            for step, text in kept:
+                lines += _statement(step, text)
         return "".join(f"    {line}\n" for line in lines)
 
     # -- expressions ----------------------------------------------------------------------
@@ -476,6 +477,50 @@ class PyTorchPrinter(Printer):
         text = ", ".join(self.code(p) for p in parts)
         strides = self.code(args["strides"])
         return f"_conv_backprop_input({text}, strides={strides}{self.padding(args)})"
+
+
+def _statement(step: ir.Assign, text: str) -> list[str]:
+    return [*([f"# {step.comment}"] if step.comment else []), f"{step.target} = {text}"]
+
+
+def _only_if_needed(kept: list[tuple[ir.Assign, str]], returns: tuple) -> list[str]:
+    """The backward's steps and its return, each step under `if _needs[k]:` when only the
+    gradients of some inputs k read it (torch's ctx.needs_input_grad): no work is done for
+    a gradient nobody asked for. Steps every gradient reads come first, then one block per
+    set of inputs, larger sets first (a step only reads steps of a superset of its own)."""
+    users: dict[str, set[int]] = {}
+    reads = {step.target: _names_read(text) for step, text in kept}
+    for k, name in enumerate(returns):
+        if name is None:
+            continue
+        stack = [name]
+        while stack:
+            current = stack.pop()
+            if current in reads and k not in users.setdefault(current, set()):
+                users[current].add(k)
+                stack.extend(reads[current])
+    every = {k for k, name in enumerate(returns) if name is not None}
+    groups: dict[frozenset[int], list[tuple[ir.Assign, str]]] = {}
+    for step, text in kept:
+        groups.setdefault(frozenset(users[step.target]), []).append((step, text))
+    lines: list[str] = []
+    for needed in sorted(groups, key=lambda g: (-len(g), sorted(g))):
+        body = [line for step, text in groups[needed] for line in _statement(step, text)]
+        if needed >= every:
+            lines += body
+            continue
+        lines.append("if " + " or ".join(f"_needs[{k}]" for k in sorted(needed)) + ":")
+        lines += [f"    {line}" for line in body]
+    parts = []
+    for k, name in enumerate(returns):
+        if name is None:
+            parts.append("None")
+        elif users.get(name, every) >= every:  # computed whatever is needed
+            parts.append(name)
+        else:
+            parts.append(f"{name} if _needs[{k}] else None")
+    lines.append(f"return ({', '.join(parts)}{',' if len(parts) == 1 else ''})")
+    return lines
 
 
 def _check_valid(args: dict) -> None:
