@@ -120,8 +120,14 @@ OPS = {
     "gather": "gather(x, positions, axis=k): positions (any shape) replace axis k",
     "segment_sum": "segment_sum(data, ids, n): rows of data added at ids < n; ids < 0 dropped",
     "sparse_rows": "sparse_rows(values, rows, shape): a gradient as rows (IndexedSlices)",
-    # convolutions (NHWC / NDHWC, VALID padding)
+    # convolutions (NHWC / NDHWC). `axes` lists, per spatial axis, [size, taps, count,
+    # stride, offset]: the outputs read x at stride*i + k + offset (zero outside x).
     "convolution": "convolution(x, w, strides=, padding=)",
+    "conv_padding": "conv_padding(axes): the kernels' padding: the framework's own where it "
+    "reads exactly that window of x (no pad, no slice), else VALID",
+    "conv_window": "conv_window(x, axes): x itself where conv_padding reads the window, "
+    "else x padded with zeros or cropped to it",
+    "conv_unwindow": "conv_unwindow(g, axes): the transpose of conv_window, g onto x's shape",
     "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
     "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
     "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",

@@ -29,21 +29,31 @@ class Spatial:
 @dataclass(frozen=True)
 class Convolution:
     """`y[b,i..,o] = Σ_{k..,c} x[b, s*i + k + off, .., c] * w[k.., c, o]` (NHWC, HWIO):
-    `tf.nn.convolution` on x padded or cropped to the window the outputs read."""
+    `tf.nn.convolution` on x padded or cropped to the window the outputs read.
+
+    A formula without a batch axis b, an input channel c or an output channel o is the
+    same convolution with a unit axis in its place (`batch`, `channel`, `out_channel`
+    None): `y[b,i] = Σ_k x[b,i+k] * w[k]` is one with c and o of size one."""
 
     gather: str  # the gather level it replaces
     consumer: str  # the level whose term it is
     source: str  # x
     filter: str  # w
-    batch: Index
-    channel: Index  # c, summed
-    out_channel: Index  # o
+    batch: Index | None
+    channel: Index | None  # c, summed
+    out_channel: Index | None  # o
     spatial: tuple[Spatial, ...]
 
     @property
     def indices(self) -> tuple[Index, ...]:
-        """The axes of what `tf.nn.convolution` returns."""
-        return (self.batch, *(s.output for s in self.spatial), self.out_channel)
+        """The axes of the result, as the formula has them (no unit axes)."""
+        full = (self.batch, *(s.output for s in self.spatial), self.out_channel)
+        return tuple(i for i in full if i is not None)
+
+    @property
+    def first_spatial(self) -> int:
+        """The axis of x that holds the first spatial axis."""
+        return 0 if self.batch is None else 1
 
 
 def convolutions(program: Program) -> dict[str, Convolution]:
@@ -68,13 +78,18 @@ def convolutions(program: Program) -> dict[str, Convolution]:
 def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolution | None:
     g = gather.gather
     rank = len(g.positions)
-    spatial_rank = rank - 2
-    if not 1 <= spatial_rank <= 3 or g.source in program.index_inputs:
+    if not g.computed or g.source in program.index_inputs:
         return None
-    if g.computed != tuple(range(1, rank - 1)):
+    first, last = g.computed[0], g.computed[-1]
+    spatial_rank = last - first + 1
+    if g.computed != tuple(range(first, last + 1)) or not 1 <= spatial_rank <= 3:
         return None
-    batch, channel = g.positions[0], g.positions[-1]
-    if not (indexing.is_plain(batch) and indexing.is_plain(channel)):
+    if first > 1 or rank - 1 - last > 1:
+        return None  # at most a batch axis before the window and a channel after it
+    batch = g.positions[0] if first == 1 else None
+    channel = g.positions[-1] if last == rank - 2 else None
+    plain = [i for i in (batch, channel) if i is not None]
+    if not all(indexing.is_plain(i) for i in plain) or len(set(plain)) != len(plain):
         return None
     term = consumer.terms[n]
     factors = sp.Mul.make_args(term.expr)
@@ -91,13 +106,20 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
     if filter_name == g.source or tuple(read.indices) != gather.indices:
         return None
     w = tuple(weights.indices)
-    if len(w) != rank or len(set(w)) != rank or w[-2] != channel:
+    if len(set(w)) != len(w) or len(w) < spatial_rank:
         return None
-    out_channel = w[-1]
+    rest_w = w[spatial_rank:]
+    if channel is not None:
+        if not rest_w or rest_w[0] != channel:
+            return None
+        rest_w = rest_w[1:]
+    if len(rest_w) > 1:
+        return None
+    out_channel = rest_w[0] if rest_w else None
     spatial = []
-    for axis in range(1, rank - 1):
+    for axis in range(first, last + 1):
         position = sp.expand(g.positions[axis])
-        window = w[axis - 1]
+        window = w[axis - first]
         if position.coeff(window) != 1:
             return None  # dilated: TF's CPU backprop kernels refuse dilations > 1
         rest = position - window
@@ -115,10 +137,14 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
             return None
         spatial.append(Spatial(output, window, stride, offset))
     windows = {s.window for s in spatial}
-    if set(term.summed) != windows | {channel} or len(windows) != spatial_rank:
+    summed = windows | ({channel} if channel is not None else set())
+    if set(term.summed) != summed or len(windows) != spatial_rank:
         return None
-    expected = {batch, out_channel, *(s.output for s in spatial)}
-    if set(consumer.indices) != expected or len(consumer.indices) != rank:
+    outputs = {s.output for s in spatial}
+    expected = [i for i in (batch, out_channel) if i is not None] + list(outputs)
+    if len(set(expected)) != len(expected) or set(expected) & summed:
+        return None
+    if set(consumer.indices) != set(expected) or len(consumer.indices) != len(expected):
         return None
     return Convolution(
         gather.name,

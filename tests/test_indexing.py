@@ -146,6 +146,51 @@ KNOWN = {
         ),
         lambda t: tf.nn.conv2d(t["x"], t["w"], 1, "SAME"),
     ),
+    # Windows without a channel or a batch axis: convolutions with unit axes inserted.
+    "conv1d_no_channels": Known(
+        Case(
+            "y[b,i] = sum(x[b, i + k] * w[k], k)",
+            {"x": (3, 11), "w": (4,)},
+            sizes={"i": 8},
+        ),
+        lambda t: tf.nn.conv1d(t["x"][..., None], t["w"][:, None, None], 1, "VALID")[..., 0],
+    ),
+    "conv1d_no_batch_same": Known(
+        Case(
+            "y[i,o] = sum(x[i + k - 1, c] * w[k,c,o], k, c)",
+            {"x": (10, 4), "w": (3, 4, 5)},
+            ranges={"i": "x.shape[0]"},
+            sizes={"i": 10},
+        ),
+        lambda t: tf.nn.conv1d(t["x"][None], t["w"], 1, "SAME")[0],
+    ),
+    "conv1d_out_channels_only_stride2": Known(
+        Case(
+            "y[b,i,o] = sum(x[b, 2*i + k] * w[k,o], k)",
+            {"x": (2, 13), "w": (3, 4)},
+            sizes={"i": 6},
+        ),
+        lambda t: tf.nn.conv1d(t["x"][..., None], t["w"][:, None], 2, "VALID"),
+    ),
+    "conv2d_no_channels_same_even": Known(
+        Case(
+            "y[b,i,j] = sum(x[b, i+u-1, j+v-1] * w[u,v], u, v)",
+            {"x": (2, 7, 9), "w": (3, 4)},
+            ranges={"i": "x.shape[1]", "j": "x.shape[2]"},
+            sizes={"i": 7, "j": 9},
+        ),
+        lambda t: tf.nn.conv2d(t["x"][..., None], t["w"][..., None, None], 1, "SAME")[..., 0],
+    ),
+    "conv2d_no_batch_no_channels_cropped": Known(
+        Case(
+            "y[i,j] = sum(x[i+u+1, j+v] * w[u,v], u, v)",
+            {"x": (9, 8), "w": (2, 3)},
+            sizes={"i": 7, "j": 6},
+        ),
+        lambda t: tf.nn.conv2d(t["x"][None, 1:, :, None], t["w"][..., None, None], 1, "VALID")[
+            0, ..., 0
+        ],
+    ),
     "conv1d_dilated": Known(
         Case(
             "y[b,i,o] = sum(x[b, i + d*k, c] * w[k,c,o], k, c)",

@@ -241,6 +241,69 @@ def test_conv3d_against_torch_and_gradcheck(name, folder):
     assert torch.autograd.gradcheck(module.forward, (x, w))
 
 
+def test_a_symmetric_window_is_the_kernels_own_padding(folder, monkeypatch):
+    """A window torch's kernels read with zeros on both sides (3x3 SAME here) passes
+    `padding=` to them: no pad or slice runs around the kernels, forward or backward."""
+    import generated_torch.conv2d_same as module
+
+    x = torch.randn(2, 7, 6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, 3, 4, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 7, 6, 4, dtype=torch.float64)
+    want = torch.nn.functional.conv2d(x.movedim(-1, 1), w.permute(3, 2, 0, 1), padding=1)
+    expected = torch.autograd.grad(want.movedim(1, -1), (x, w), grad)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a pad ran around the convolution")
+
+    monkeypatch.setattr(torch.nn.functional, "pad", refused)
+    y = module.forward(x, w)
+    torch.testing.assert_close(y, want.movedim(1, -1), rtol=1e-12, atol=1e-12)
+    for got in (torch.autograd.grad(y, (x, w), grad), module.vjp(x, w, grad)):
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert module._conv_direct([[7, 3, 7, 1, -1], [6, 4, 6, 1, -1]]) is None  # 4 taps: 1 + 2
+
+
+GAUSSIAN_SUM = Case(
+    "y[b,i] = sum(exp(-sum((x[b,i,c] - z[b,j,c])**2, c)), j)",
+    {"x": (2, 5, 3), "z": (2, 7, 3)},
+)
+
+
+def test_the_backward_computes_only_the_gradients_autograd_needs(folder, monkeypatch):
+    """ctx.needs_input_grad: with z constant, nothing of z's gradient runs (one einsum
+    over the pairs, not two), and x's gradient is the same to the bit."""
+    module = generate_for(GAUSSIAN_SUM, "pytorch", folder)
+    x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(2, 7, 3, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 5, dtype=torch.float64)
+    both = torch.autograd.grad(module.forward(x, z), (x, z), grad)
+    calls = []
+    einsum = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda *a: calls.append(a[0]) or einsum(*a))
+    y = module.forward(x, z.detach())
+    forward_calls = len(calls)
+    (alone,) = torch.autograd.grad(y, (x,), grad)
+    assert len(calls) - forward_calls == 1, calls[forward_calls:]
+    assert torch.equal(alone, both[0])
+    got = module._backward(x, z, None, *module._compute(x, z)[1], grad, _needs=(False, True))
+    assert got[0] is None and torch.equal(got[1], both[1])
+
+
+def test_a_minus_sign_goes_on_the_smaller_factor(folder, monkeypatch):
+    """`-(e * g[b,i])` over the pairs negates g (one pass over b,i), not the product (a
+    second pass over b,i,j): the backward of a Gaussian sum negates no pairwise tensor."""
+    module = generate_for(GAUSSIAN_SUM, "pytorch", folder)
+    x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(2, 7, 3, dtype=torch.float64, requires_grad=True)
+    _, saved = module._compute(x.detach(), z.detach())
+    negated = []
+    neg = torch.Tensor.__neg__
+    monkeypatch.setattr(torch.Tensor, "__neg__", lambda t: negated.append(t.shape) or neg(t))
+    module._backward(x, z, None, *saved, torch.ones(2, 5, dtype=torch.float64))
+    assert (2, 5, 7) not in negated, negated
+
+
 # -- register(op) on custom ops ------------------------------------------------------------
 
 MATMUL = Case(

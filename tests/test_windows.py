@@ -146,20 +146,20 @@ def _functions(name: str) -> dict[str, str]:
 
 def test_convolutions_are_tensorflows_kernels():
     conv = _functions("conv2d_same")
-    assert "tf.nn.convolution(" in conv["_compute"]
+    assert "_convolution(" in conv["_compute"]  # tf.nn.convolution, never on an empty axis
     assert "Conv2DBackpropInput" in conv["_backward"]
     assert "Conv2DBackpropFilter" in conv["_backward"]
     for body in (conv["_compute"], conv["_backward"]):
-        assert "tf.gather" not in body and "unsorted_segment_sum" not in body
+        assert "gather(" not in body and "segment_sum" not in body
     dilated = _functions("strided_conv1d")  # d*k: TF's CPU backprop refuses dilations > 1
-    assert "tf.gather(" in dilated["_compute"] and "tf.nn.convolution" not in dilated["_compute"]
+    assert "_gather(" in dilated["_compute"] and "_convolution(" not in dilated["_compute"]
 
 
 def test_max_pool_is_a_reshape():
     pool = _functions("max_pool2x2")
     for body in (pool["_compute"], pool["_backward"]):
         assert "tf.reshape(" in body
-        assert "tf.gather" not in body and "unsorted_segment_sum" not in body
+        assert "gather(" not in body and "segment_sum" not in body
         assert "tf.tile" not in body  # its rank-6 broadcasts merge into 5 groups
 
 
@@ -329,3 +329,78 @@ def test_vjp_checks_gradients_of_outputs_sized_by_a_range(tmp_path):
     (grad,) = module.vjp(x, tf.ones((2, 4), tf.float64))
     np.testing.assert_allclose(grad.numpy()[:, 1:], np.exp(x.numpy()[:, 1:]), rtol=1e-12)
     assert not np.any(grad.numpy()[:, 0])
+
+
+WINDOWS_WITH_UNIT_AXES = [
+    "conv1d_no_channels",
+    "conv1d_no_batch_same",
+    "conv1d_out_channels_only_stride2",
+    "conv2d_no_channels_same_even",
+    "conv2d_no_batch_no_channels_cropped",
+]
+
+
+@pytest.mark.parametrize("name", WINDOWS_WITH_UNIT_AXES)
+def test_a_window_without_channel_or_batch_axes_is_a_convolution(name):
+    """`y[b,i] = Σ_k x[b,i+k] w[k]` is a convolution with unit axes, not a gather (each
+    is checked against TF's convolution and the reference in test_indexing's KNOWN)."""
+    import ast
+
+    from harness import op_spec
+    from test_indexing import KNOWN
+
+    from symgrad.pipeline import module_text
+
+    for target, kernel in (("tensorflow", "_convolution("), ("pytorch", "_convolution(")):
+        text = module_text(op_spec(KNOWN[name].case, "Unit"), "test.toml", target)
+        tree = ast.parse(text)
+        bodies = [
+            ast.get_source_segment(text, node)
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name in ("_compute", "_backward")
+        ]
+        assert kernel in bodies[0], target
+        for body in bodies:
+            assert "gather(" not in body and "segment_sum" not in body, target
+
+
+def test_a_same_window_runs_only_the_kernel_in_eager_mode(monkeypatch):
+    """A window exactly SAME-shaped calls TF's kernels with padding "SAME": no pad, slice
+    or size arithmetic runs around them (the eager overhead the kernel would not have)."""
+    module = importlib.import_module("generated.conv2d_same")
+    x, w, grad = rand(2, 7, 6, 3), rand(3, 3, 3, 4), rand(2, 7, 6, 4)
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        want = tf.nn.conv2d(x, w, 1, "SAME")
+    expected = tape.gradient(want, [x, w], output_gradients=grad)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a pad, slice or maximum ran around the convolution")
+
+    for name in ("pad", "slice", "maximum"):
+        monkeypatch.setattr(tf, name, refused)
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        y = module.forward(x, w)
+    got = tape.gradient(y, [x, w], output_gradients=grad)
+    np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+    for g, e in zip([*got, *module.vjp(x, w, grad)], [*expected, *expected], strict=True):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_the_kernels_padding_is_chosen_from_the_sizes_when_called():
+    """SAME or VALID only where the window is exactly that; otherwise the cut window."""
+    module = importlib.import_module("generated.conv2d_same")
+    # per axis [size, taps, count, stride, offset]
+    assert module._conv_padding([[7, 3, 7, 1, -1], [6, 4, 6, 1, -1]]) == "SAME"
+    assert module._conv_padding([[7, 3, 5, 1, 0], [6, 4, 2, 2, 0]]) == "VALID"
+    assert module._conv_direct([[7, 3, 5, 1, 0], [6, 4, 2, 2, 0]]) == "VALID"
+    assert module._conv_direct([[7, 3, 7, 1, -1], [6, 4, 6, 1, -2]]) is None  # not SAME
+    assert module._conv_direct([[7, 3, 4, 1, 0]]) is None  # VALID reads 5 rows
+    assert module._conv_direct([[7, 3, 5, 1, 0], [tf.constant(6), 4, 3, 1, 0]]) is None
+    x = rand(1, 7, 6, 1)
+    window = module._conv_window(x, [[7, 3, 7, 1, -2], [6, 2, 4, 2, 1]])
+    np.testing.assert_array_equal(window.shape, [1, 9, 8, 1])  # 2 zeros above, crop of 1
+    back = module._conv_unwindow(window, [[7, 3, 7, 1, -2], [6, 2, 4, 2, 1]])
+    np.testing.assert_array_equal(back.numpy()[:, :, 1:], x.numpy()[:, :, 1:])
+    np.testing.assert_array_equal(back.numpy()[:, :, :1], 0 * x.numpy()[:, :, :1])

@@ -38,20 +38,56 @@ class Kernels:
         if not isinstance(other, sp.Indexed):
             return None
         if other.base.label.name == conv.filter:  # the forward term
+            axes = self.conv_axes(body, conv)
             value = ir.Call(
                 "convolution",
-                (self.window(body, conv), ir.Var(body.tensors[conv.filter])),
+                (self.window(body, conv, axes), self.full_filter(body, conv)),
                 (
                     ("strides", self.strides(conv, full=False)),
-                    ("padding", ir.Lit('"VALID"')),
+                    ("padding", self.conv_padding(body, axes)),
                 ),
             )
-            return value, conv.indices
+            return self.without_units(body, value, self.unit_axes(conv, "y")), conv.indices
         if other.base.label.name == grad_name(conv.consumer):  # ∂L/∂w
             grad = self.conv_grad(body, conv, other)
             value = self.backprop(body, conv, grad, filter_gradient=True)
-            return value, out
+            return self.without_units(body, value, self.unit_axes(conv, "w")), out
         return None
+
+    @staticmethod
+    def unit_axes(conv, tensor: str) -> tuple[int, ...]:
+        """The unit axes the kernels' layout adds to x, w or y (see `Convolution`)."""
+        n = len(conv.spatial)
+        if tensor == "x":
+            present = (conv.batch, *([0] * n), conv.channel)
+        elif tensor == "w":
+            present = (*([0] * n), conv.channel, conv.out_channel)
+        else:
+            present = (conv.batch, *([0] * n), conv.out_channel)
+        return tuple(k for k, index in enumerate(present) if index is None)
+
+    @staticmethod
+    def with_units(value: ir.Expr, units: tuple[int, ...], rank: int) -> ir.Expr:
+        """`value` with new unit axes at `units` of a result of rank `rank`."""
+        if not units:
+            return value
+        slots, k = [], 0
+        for axis in range(rank):
+            slots.append(None if axis in units else k)
+            k += axis not in units
+        return ir.View(value, None, tuple(slots))
+
+    def without_units(self, body: _Body, value: ir.Expr, units: tuple[int, ...]) -> ir.Expr:
+        """`value` with its unit axes `units` squeezed away (last first)."""
+        for axis in sorted(units, reverse=True):
+            value = ir.Var(body.bind(value))
+            value = ir.Call("squeeze", (value,), (("axis", ir.Lit(str(axis))),))
+        return value
+
+    def full_filter(self, body: _Body, conv) -> ir.Expr:
+        """w in the kernels' layout (spatial.., in, out), unit channels added."""
+        weights: ir.Expr = ir.Var(body.tensors[conv.filter])
+        return self.with_units(weights, self.unit_axes(conv, "w"), len(conv.spatial) + 2)
 
     def conv_grad(self, body: _Body, conv, grad: sp.Indexed | None = None) -> ir.Expr:
         """The consumer's incoming gradient on the convolution's axes (b, i.., o)."""
@@ -63,7 +99,8 @@ class Kernels:
         else:
             target = conv.indices
         value = align(ir.Var(body.tensors[name]), labels, target)
-        return value if _is_simple(value) else ir.Var(body.bind(value))
+        value = value if _is_simple(value) else ir.Var(body.bind(value))
+        return self.with_units(value, self.unit_axes(conv, "y"), len(conv.spatial) + 2)
 
     def strides(self, conv, *, full: bool) -> ir.Expr:
         """`[s1, s2]` for tf.nn.convolution; `[1, s1, s2, 1]` for the raw kernels (1-D
@@ -75,51 +112,46 @@ class Kernels:
             strides = [ir.Lit("1"), *strides]
         return ir.List((ir.Lit("1"), *strides, ir.Lit("1")))
 
-    def window_bounds(self, body: _Body, conv):
-        """Per spatial axis: (padding below, padding above, start, length, size) of the
-        window of x the outputs read, as code: after padding, the window starts at
-        `start` and has length = max(stride*(n_i - 1) + K, 0). Worked out in SymPy, so literal
-        offsets and strides fold to numbers."""
+    def conv_axes(self, body: _Body, conv) -> ir.List:
+        """Per spatial axis `[size, taps, count, stride, offset]`: the outputs read x at
+        stride*i + k + offset, i < count, k < taps (the `axes` of `conv_window`)."""
+        rows = []
+        for n, spatial in enumerate(conv.spatial):
+            size = self.axis_size(body, conv.source, conv.first_spatial + n)
+            taps = self.axis_size(body, conv.filter, n)
+            count = self.index_size(body, spatial.output)
+            parts = (ir.Var(size), ir.Var(taps), ir.Var(count))
+            rows.append(ir.List((*parts, integer(spatial.stride), integer(spatial.offset))))
+        return ir.List(tuple(rows))
 
-        def var(name: str) -> sp.Symbol:
-            return sp.Symbol(name, integer=True, nonnegative=True)
+    def conv_padding(self, body: _Body, axes: ir.List, *, flat: bool = False) -> ir.Expr:
+        """The kernels' padding for the window (decided when the op runs, from the sizes:
+        the kernel's own SAME or VALID where that reads the window, so that no pad or
+        slice runs). 1-D runs as 2-D: a leading axis of size one."""
+        if flat:
+            one = ir.Lit("1")
+            axes = ir.List((ir.List((one, one, one, one, ir.Lit("0"))), *axes.items))
+        return ir.Var(body.bind(ir.Call("conv_padding", (ir.Var(body.bind(axes)),))))
 
-        bounds = []
-        for axis, spatial in enumerate(conv.spatial, start=1):
-            size = var(self.axis_size(body, conv.source, axis))
-            taps = var(self.axis_size(body, conv.filter, axis - 1))
-            count = var(self.index_size(body, spatial.output))
-            # No outputs read no window: never a negative length (a slice size of -1
-            # means "to the end").
-            length = sp.Max(spatial.stride * (count - 1) + taps, 0)
-            low = sp.Max(-spatial.offset, 0)
-            high = sp.Max(spatial.offset + length - size, 0)
-            start = spatial.offset + low
-            parts = [self.bind_integer(body, e) for e in (low, high, start, length)]
-            after = self.bind_integer(body, size + low + high - start - length)
-            bounds.append((*parts, integer(size), after))
-        return bounds
-
-    def bind_integer(self, body: _Body, e: sp.Expr) -> ir.Expr:
-        value = integer(e)
-        return value if isinstance(value, ir.Lit | ir.Var) else ir.Var(body.bind(value))
-
-    def window(self, body: _Body, conv) -> ir.Expr:
-        """x padded with zeros (or cropped) to exactly the window the outputs read."""
-        bounds = self.window_bounds(body, conv)
-        zero = ir.List((ir.Lit("0"), ir.Lit("0")))
-        paddings = ir.List((zero, *(ir.List((lo, hi)) for lo, hi, *_ in bounds), zero))
-        padded = ir.Var(body.bind(ir.Call("pad", (ir.Var(body.tensors[conv.source]), paddings))))
-        begin = ir.List((ir.Lit("0"), *(b[2] for b in bounds), ir.Lit("0")))
-        size = ir.List((ir.Lit("-1"), *(b[3] for b in bounds), ir.Lit("-1")))
-        return ir.Call("slice", (padded, begin, size))
+    def window(self, body: _Body, conv, axes: ir.List) -> ir.Expr:
+        """x in the kernels' layout (unit axes added), padded with zeros or cropped to
+        exactly the window the outputs read, unless the kernel's padding reads it."""
+        x: ir.Expr = ir.Var(body.tensors[conv.source])
+        x = self.with_units(x, self.unit_axes(conv, "x"), len(conv.spatial) + 2)
+        if not _is_simple(x):
+            x = ir.Var(body.bind(x))
+        return ir.Call("conv_window", (x, ir.Var(body.bind(axes))))
 
     def backprop(self, body: _Body, conv, grad: ir.Expr, *, filter_gradient: bool) -> ir.Expr:
         """TF's backprop kernel for the filter or for the window of x (1-D runs as 2-D
         with a height of one, as tf.nn.conv1d does)."""
-        window: ir.Expr = ir.Var(body.bind(self.window(body, conv)))
-        weights: ir.Expr = ir.Var(body.tensors[conv.filter])
+        axes = self.conv_axes(body, conv)
+        window: ir.Expr = ir.Var(body.bind(self.window(body, conv, axes)))
+        weights: ir.Expr = self.full_filter(body, conv)
+        if not _is_simple(weights):
+            weights = ir.Var(body.bind(weights))
         flat = len(conv.spatial) == 1
+        padding = self.conv_padding(body, axes, flat=flat)
         if flat:
             window = ir.View(window, None, (0, None, 1, 2))
             weights = ir.View(weights, None, (None, 0, 1, 2))
@@ -138,7 +170,7 @@ class Kernels:
                 *first,
                 ("out_backprop", grad),
                 ("strides", self.strides(conv, full=True)),
-                ("padding", ir.Lit('"VALID"')),
+                ("padding", padding),
             ),
         )
         if flat:  # the added axis: 0 of the filter's shape, 1 of the input's
@@ -151,13 +183,9 @@ class Kernels:
         (the crop becomes zero padding, the zero padding is cut away)."""
         value = self.backprop(body, conv, self.conv_grad(body, conv), filter_gradient=False)
         value = ir.Var(body.bind(value))
-        bounds = self.window_bounds(body, conv)
-        zero = ir.List((ir.Lit("0"), ir.Lit("0")))
-        paddings = [ir.List((start, after)) for _, _, start, _, _, after in bounds]
-        padded = ir.Var(body.bind(ir.Call("pad", (value, ir.List((zero, *paddings, zero))))))
-        begin = ir.List((ir.Lit("0"), *(b[0] for b in bounds), ir.Lit("0")))
-        size = ir.List((ir.Lit("-1"), *(b[4] for b in bounds), ir.Lit("-1")))
-        return ir.Call("slice", (padded, begin, size))
+        axes = ir.Var(body.bind(self.conv_axes(body, conv)))
+        value = ir.Call("conv_unwindow", (value, axes))
+        return self.without_units(body, value, self.unit_axes(conv, "x"))
 
     def prefix_sum(self, body, e, summed, out, eyes):
         """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n

@@ -75,8 +75,12 @@ class Pointwise:
             return result
         if isinstance(e, sp.Mul):
             coeff, _ = e.as_coeff_Mul()
+            negated = None
             if coeff.is_negative:
-                return ir.Negate(self.expr(body, -e, target))
+                negated = _smallest_factor(-e)
+                if negated is None:
+                    return ir.Negate(self.expr(body, -e, target))
+                e = -e
             numerator, denominator = [], []
             for factor in sp.Mul.make_args(e):
                 base, exponent = factor.as_base_exp()
@@ -84,7 +88,12 @@ class Pointwise:
                     denominator.append(base ** (-exponent))
                 else:
                     numerator.append(factor)
-            top = [self.expr(body, f, target) for f in sorted(numerator, key=_print_order)]
+            top = [
+                ir.Negate(self.expr(body, f, target))
+                if f == negated
+                else self.expr(body, f, target)
+                for f in sorted(numerator, key=_print_order)
+            ]
             result = top[0] if top else ir.Lit("1")
             for factor in top[1:]:
                 result = ir.Binary("*", result, factor)
@@ -287,3 +296,20 @@ class Pointwise:
             operand = ir.Var(body.bind(ir.Einsum(subscripts, (operand,))))
             labels = unique
         return self.align(body, operand, labels, target)
+
+
+def _smallest_factor(e: sp.Mul) -> sp.Expr | None:
+    """The factor of a product with fewer indices than the product itself, the fewest: a
+    minus sign on it (`x * -g[b,i]`) costs a pass over that factor, not over the product
+    (`-(x * g)` negates every element of the product). Negating a factor is exact."""
+    if not isinstance(e, sp.Mul):
+        return None
+    full = len(_index_set(e))
+    candidates = [
+        f
+        for f in sp.Mul.make_args(e)
+        if len(_index_set(f)) < full and not (f.is_Pow and f.exp.is_negative)
+    ]
+    if not candidates or full == 0:
+        return None
+    return min(candidates, key=lambda f: (len(_index_set(f)), _print_order(f)))

@@ -67,6 +67,9 @@ NAMES = {
     "conv2d_backprop_input": "_conv_backprop_input",
     "conv3d_backprop_filter": "_conv_backprop_filter",
     "conv3d_backprop_input": "_conv_backprop_input",
+    "conv_padding": "_conv_padding",
+    "conv_window": "_conv_window",
+    "conv_unwindow": "_conv_unwindow",
 }
 
 # tf.nn.convolution's layouts (channels last) by the number of spatial axes.

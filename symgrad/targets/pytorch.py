@@ -72,6 +72,9 @@ PARAMETERS = {
     "conv2d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
     "conv3d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
     "convolution": ("x", "filters", "strides", "padding"),
+    "conv_padding": ("axes",),
+    "conv_window": ("x", "axes"),
+    "conv_unwindow": ("g", "axes"),
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
     "gather": ("x", "positions", "axis"),
@@ -178,10 +181,11 @@ class PyTorchPrinter(Printer):
             lines.append(f"dtype = {reference}.dtype")
         if "_device" in live:
             lines.append(f"_device = {reference}.device")
-        for step, text in kept:
-            if step.comment:
-                lines.append(f"# {step.comment}")
-            lines.append(f"{step.target} = {text}")
+        if kind == "backward":
+            lines += _only_if_needed(kept, block.returns)
+        else:
+            for step, text in kept:
+                lines += _statement(step, text)
         return "".join(f"    {line}\n" for line in lines)
 
     # -- expressions ----------------------------------------------------------------------
@@ -419,9 +423,27 @@ class PyTorchPrinter(Printer):
 
     def call_convolution(self, args: dict) -> str:
         x, w = self.atom(args["x"]), self.atom(args["filters"])
-        _check_valid(args)
         # A module helper: torch's channels-first kernel, never on an empty axis.
-        return f"_convolution({x}, {w}, {self.code(args['strides'])})"
+        return f"_convolution({x}, {w}, {self.code(args['strides'])}{self.padding(args)})"
+
+    def padding(self, args: dict) -> str:
+        """`, padding=..` for a padding `_conv_padding` chose (torch's own: zeros on both
+        sides of each spatial axis); nothing for VALID."""
+        padding = args.get("padding")
+        if padding is None or padding == ir.Lit('"VALID"'):
+            return ""
+        if not isinstance(padding, ir.Var):
+            raise TypeError(f"PyTorch target: a padding of {padding} is not lowered")
+        return f", padding={padding.name}"
+
+    def call_conv_padding(self, args: dict) -> str:
+        return f"_conv_padding({self.code(args['axes'])})"
+
+    def call_conv_window(self, args: dict) -> str:
+        return f"_conv_window({self.code(args['x'])}, {self.code(args['axes'])})"
+
+    def call_conv_unwindow(self, args: dict) -> str:
+        return f"_conv_unwindow({self.code(args['g'])}, {self.code(args['axes'])})"
 
     def call_conv2d_backprop_filter(self, args: dict) -> str:
         return self.backprop_filter(args)
@@ -436,22 +458,60 @@ class PyTorchPrinter(Printer):
         return self.backprop_input(args)
 
     def backprop_filter(self, args: dict) -> str:
-        _check_valid(args)
         parts = [args["input"], args["filter_sizes"], args["out_backprop"]]
         text = ", ".join(self.code(p) for p in parts)
-        return f"_conv_backprop_filter({text}, strides={self.code(args['strides'])})"
+        strides = self.code(args["strides"])
+        return f"_conv_backprop_filter({text}, strides={strides}{self.padding(args)})"
 
     def backprop_input(self, args: dict) -> str:
-        _check_valid(args)
         parts = [args["input_sizes"], args["filter"], args["out_backprop"]]
         text = ", ".join(self.code(p) for p in parts)
-        return f"_conv_backprop_input({text}, strides={self.code(args['strides'])})"
+        strides = self.code(args["strides"])
+        return f"_conv_backprop_input({text}, strides={strides}{self.padding(args)})"
 
 
-def _check_valid(args: dict) -> None:
-    padding = args.get("padding")
-    if padding is not None and padding != ir.Lit('"VALID"'):
-        raise ValueError(f"PyTorch target: only VALID padding is lowered, not {padding}")
+def _statement(step: ir.Assign, text: str) -> list[str]:
+    return [*([f"# {step.comment}"] if step.comment else []), f"{step.target} = {text}"]
+
+
+def _only_if_needed(kept: list[tuple[ir.Assign, str]], returns: tuple) -> list[str]:
+    """The backward's steps and its return, each step under `if _needs[k]:` when only the
+    gradients of some inputs k read it (torch's ctx.needs_input_grad): no work is done for
+    a gradient nobody asked for. Steps every gradient reads come first, then one block per
+    set of inputs, larger sets first (a step only reads steps of a superset of its own)."""
+    users: dict[str, set[int]] = {}
+    reads = {step.target: _names_read(text) for step, text in kept}
+    for k, name in enumerate(returns):
+        if name is None:
+            continue
+        stack = [name]
+        while stack:
+            current = stack.pop()
+            if current in reads and k not in users.setdefault(current, set()):
+                users[current].add(k)
+                stack.extend(reads[current])
+    every = {k for k, name in enumerate(returns) if name is not None}
+    groups: dict[frozenset[int], list[tuple[ir.Assign, str]]] = {}
+    for step, text in kept:
+        groups.setdefault(frozenset(users[step.target]), []).append((step, text))
+    lines: list[str] = []
+    for needed in sorted(groups, key=lambda g: (-len(g), sorted(g))):
+        body = [line for step, text in groups[needed] for line in _statement(step, text)]
+        if needed >= every:
+            lines += body
+            continue
+        lines.append("if " + " or ".join(f"_needs[{k}]" for k in sorted(needed)) + ":")
+        lines += [f"    {line}" for line in body]
+    parts = []
+    for k, name in enumerate(returns):
+        if name is None:
+            parts.append("None")
+        elif users.get(name, every) >= every:  # computed whatever is needed
+            parts.append(name)
+        else:
+            parts.append(f"{name} if _needs[{k}] else None")
+    lines.append(f"return ({', '.join(parts)}{',' if len(parts) == 1 else ''})")
+    return lines
 
 
 def _is_zero(e: ir.Expr) -> bool:
