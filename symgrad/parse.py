@@ -1077,7 +1077,7 @@ def parse_range(text: str, int_attrs: frozenset[str]) -> Node:
             if node.id not in int_attrs:
                 fail(
                     f"unknown name {node.id!r}: a range uses int literals, int attrs and "
-                    "input sizes such as `A.shape[1]`",
+                    "input sizes `X.shape[n]` (X an input of the formula)",
                     node,
                 )
             return AttrRef(node.id, col)

@@ -258,8 +258,9 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
             raise SymgradError(problem, where=where)
         if isinstance(extent, bool) or not isinstance(extent, str | int):
             raise SymgradError(
-                f'range of index {index!r} must be a string such as "A.shape[1] - 2" '
-                f"or a whole number, not {_type_name(extent)}",
+                f"range of index {index!r} must be a string (input sizes `X.shape[n]`, int "
+                f'attrs and numbers, e.g. "X.shape[1] - 2") or a whole number, not '
+                f"{_type_name(extent)}",
                 where=where,
             )
         ranges.append((index, str(extent)))
