@@ -365,6 +365,17 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     )
 
 
+def lower_sizes(
+    program: Program, backward: Backward, indices: list[Index]
+) -> tuple[ir.Block, tuple[str, ...]]:
+    """A block computing the sizes of `indices` from the inputs and attrs, and the
+    variables that hold them (for the call-time tiling plan)."""
+    lowerer = Lowerer(program, backward)
+    body = _Body(program, {name: name for name in program.inputs}, stem="_s")
+    names = tuple(lowerer.index_size(body, index) for index in indices)
+    return _finish(body, tuple(dict.fromkeys(names))), names
+
+
 def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
     """Prepend the size and dtype definitions the steps use."""
     prelude = []
