@@ -159,7 +159,8 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         sliced = _sliced(index.name, reads, op)
         return (
             -sum(index in b for b in big),
-            not any(axis > 0 for _, axis in sliced),  # not only a leading (batch) axis
+            program.outputs[0].level.indices.index(index) == 0,  # a batch axis: few chunks
+            not any(axis > 0 for _, axis in sliced),  # a cut input, not at its batch axis
             index.name in ranged,
             program.outputs[0].level.indices.index(index),
         )
