@@ -160,6 +160,7 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         return (
             -sum(index in b for b in big),
             program.outputs[0].level.indices.index(index) == 0,  # a batch axis: few chunks
+            not _in_positions(index.name, reads),  # a window's centre: a long axis
             not any(axis > 0 for _, axis in sliced),  # a cut input, not at its batch axis
             index.name in ranged,
             program.outputs[0].level.indices.index(index),
@@ -212,6 +213,16 @@ def _reads(trees: list[ast.AST], inputs: set[str]) -> dict[str, list[list[ast.AS
                 elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
                 found.setdefault(node.value.id, []).append(list(elts))
     return found
+
+
+def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
+    """Whether some read computes a position from `name` (`x[b, i + u - r]`)."""
+    return any(
+        name in _names(p) and not isinstance(p, ast.Name)
+        for positions_list in reads.values()
+        for positions in positions_list
+        for p in positions
+    )
 
 
 def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tuple:
