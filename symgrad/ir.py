@@ -252,6 +252,7 @@ class Tiling:
     output_axes: tuple[int, ...]  # per output, the axis of `index`
     sizes: Block  # inputs, attrs -> the size variables below
     volumes: tuple[tuple[str, ...], ...]  # per large temporary, the sizes of its axes
+    temporaries: tuple[str, ...]  # per large temporary, its axes in index notation: "[b,i,j]"
     count: str  # the size variable of `index`
     chunk: Module
     max_temp_bytes: int  # the default of the module's MAX_TEMP_BYTES

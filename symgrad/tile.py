@@ -294,6 +294,9 @@ def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.T
         output_axes=tuple(o.level.indices.index(index) for o in program.outputs),
         sizes=sizes,
         volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
+        temporaries=tuple(
+            "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
+        ),
         count=size_of[index],
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,
