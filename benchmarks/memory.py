@@ -119,8 +119,10 @@ print(json.dumps(result))
 """
 
 
-def measure(folder: Path, target: str, op: str) -> dict:
-    name, shapes, attrs = CASES[op]
+def measure(folder: Path, target: str, op: str, case: tuple | None = None) -> dict:
+    """One training step of `op` (or of `case`: module name, shapes, attrs) from the
+    modules in `folder`, in a fresh process: its peak bytes, median time and io bytes."""
+    name, shapes, attrs = case or CASES[op]
     code = STEP.format(folder=str(folder), target=target, name=name, shapes=shapes, attrs=attrs)
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     run = subprocess.run(
