@@ -63,7 +63,9 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
                 found.append((*level.indices, *term.summed))
                 continue
             allowed = {*level.indices, *term.summed}
-            found += [_indices_of(f, allowed) for f in _materialized(term.expr)]
+            found += [
+                _indices_of(f, allowed) for f in _materialized(term.expr, program.index_inputs)
+            ]
     small = [tuple(sorted(_read_indices(program, name), key=str)) for name in program.inputs]
     small += [o.level.indices for o in program.outputs]
     key = _size_key(program)
@@ -81,21 +83,40 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     return big
 
 
-def _materialized(expr: sp.Expr) -> list[sp.Expr]:
+def _materialized(expr: sp.Expr, ids: tuple[str, ...]) -> list[sp.Expr]:
     """The factors of a product that lowering computes as tensors of their own: not plain
     reads (einsum operands), not polynomials (expanded), and not a mask comparing two
-    indices (a prefix sum, or a `where` on a smaller tensor): its value instead."""
+    indices (a prefix sum, or a `where` on a smaller tensor) or an index tensor with an
+    index (a segment sum, `lower/segments.py`): its value instead."""
     found = []
     for factor in sp.Mul.make_args(expr):
         if isinstance(factor, sp.Indexed) or not factor.has(sp.Indexed):
             continue
-        if isinstance(factor, fn.select) and factor.args[2] == 0 and _on_indices(factor.args[0]):
-            found += _materialized(factor.args[1])
+        if (
+            isinstance(factor, fn.select)
+            and factor.args[2] == 0
+            and (_on_indices(factor.args[0]) or _segment(factor.args[0], ids))
+        ):
+            found += _materialized(factor.args[1], ids)
             continue
         if factor.is_polynomial(*accesses(factor)):
             continue
         found.append(factor)
     return found
+
+
+def _segment(condition: sp.Expr, ids: tuple[str, ...]) -> bool:
+    """`seg[n] == v`: an index tensor at plain indices equal to an index."""
+    if not isinstance(condition, sp.Eq):
+        return False
+    sides = sorted(condition.args, key=lambda a: _on_indices(a))
+    read, iota = sides
+    return (
+        _on_indices(iota)
+        and isinstance(read, sp.Indexed)
+        and read.base.label.name in ids
+        and all(isinstance(p, sp.Symbol) for p in read.indices)
+    )
 
 
 def _on_indices(condition: sp.Expr) -> bool:
@@ -182,7 +203,11 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     ranges = tuple((k, v) for k, v in op.ranges if k != name)
     if length is not None:
         ranges += ((name, length),)
-    attrs = (*op.attrs, *((a, "int") for a in (start, length) if a))
+    used = {n for text in (*formulas, *(v for _, v in ranges)) for n in _names(ast.parse(text))}
+    attrs = (
+        *((a, kind) for a, kind in op.attrs if a in used),
+        *((a, "int") for a in (start, length) if a),
+    )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
 

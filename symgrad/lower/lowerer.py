@@ -24,9 +24,10 @@ from .contract import Contraction
 from .gathers import Gathers
 from .kernels import Kernels
 from .pointwise import Pointwise
+from .segments import Segments
 
 
-class Lowerer(Pointwise, Contraction, Kernels, Gathers):
+class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""
 
