@@ -242,6 +242,33 @@ class Attr:
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """How a module splits its work when its temporaries outgrow `MAX_TEMP_BYTES`.
+
+    `chunk` is the op over the positions [start, start + length) of output index `index`
+    (its formulas with `index` -> `index + start`; inputs in `sliced` are cut to the chunk
+    along their axis). At call time `sizes` gives every size `volumes` multiply, and the
+    module runs the chunk in a loop when the largest temporaries would not fit.
+    """
+
+    index: str  # the output index the work is split along
+    start: str | None  # the chunk's int attr holding its first position (None: unused)
+    length: str | None  # the chunk's int attr holding its length (None: a cut input gives it)
+    sliced: tuple[tuple[str, int], ...]  # (input, axis): inputs cut to the chunk
+    output_axes: tuple[int, ...]  # per output, the axis of `index`
+    sizes: Block  # inputs, attrs -> the size variables below
+    volumes: tuple[tuple[str, ...], ...]  # per large temporary, the sizes of its axes
+    temporaries: tuple[str, ...]  # per large temporary, its axes in index notation: "[b,i,j]"
+    count: str  # the size variable of `index`
+    chunk: Module
+    max_temp_bytes: int  # the default of the module's MAX_TEMP_BYTES
+
+    def cut_axis(self, name: str) -> int | None:
+        """The axis along which input `name` is cut to the chunk, or None (read whole)."""
+        return dict(self.sliced).get(name)
+
+
+@dataclass(frozen=True)
 class Module:
     """Everything one generated module contains."""
 
@@ -266,6 +293,8 @@ class Module:
     sparse_gradients: tuple[str, ...] = ()  # gradients returned as tf.IndexedSlices
     positive_attrs: tuple[str, ...] = ()  # int attrs that scale an index: checked > 0
     unsized_outputs: bool = False  # an output axis is sized by a range, not an input axis
+    tiling: Tiling | None = None  # how the work is split when temporaries are large
+    max_temp_bytes: int = 16 * 2**20  # the default of the module's MAX_TEMP_BYTES
 
     @property
     def value_inputs(self) -> tuple[str, ...]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import ast
 import subprocess
+from dataclasses import replace
 
-from . import ir
+from . import ir, tile
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -25,9 +26,18 @@ INIT = "__init__.py"
 
 
 def compile_op(op: OpSpec) -> ir.Module:
-    """An op through the framework-neutral stages: parse and model, derive, lower."""
+    """An op through the framework-neutral stages: parse and model, derive, lower; and,
+    when its temporaries can outgrow its inputs and outputs, its chunk the same way
+    (`tile`)."""
     program = build(op)
-    return lower(program, derive(program))
+    backward = derive(program)
+    module = replace(lower(program, backward), max_temp_bytes=op.max_temp_bytes)
+    choice = tile.choose(op, program)
+    if choice is None:
+        return module
+    chunk_program = build(choice.chunk)
+    chunk = lower(chunk_program, derive(chunk_program))
+    return replace(module, tiling=tile.tiling(choice, program, backward, chunk))
 
 
 def _ruff() -> str:

@@ -93,5 +93,32 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             shared_axes=repr(shared),
             output_axes=repr(module.output_axes),
             vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
+            tile_grads=_tile_grads(module),
+            tile_output_axes=repr(
+                tuple(
+                    (axis, len(axes))
+                    for axis, axes in zip(
+                        module.tiling.output_axes if module.tiling else (), module.output_axes
+                    )
+                )
+            ),
         )
     )
+
+
+def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None]]:
+    """Per input of a tiled module, how its gradient comes out of the chunks: ("none",)
+    for no gradient, ("cut", axis) for an input cut to the chunk (concatenated along
+    axis), ("sum", None) for one read whole (the chunks' gradients added)."""
+    if module.tiling is None:
+        return []
+    found = []
+    for name, grad in zip(module.inputs, module.backward.returns, strict=True):
+        axis = module.tiling.cut_axis(name)
+        if grad is None:
+            found.append((name, "none", None))
+        elif axis is not None:
+            found.append((name, "cut", axis))
+        else:
+            found.append((name, "sum", None))
+    return found

@@ -22,10 +22,11 @@ from .targets import TARGETS
 
 OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
 ATTR_TYPES = ("float", "int", "bool")
-TOP_KEYS = ("out", "targets", "ops")
+DEFAULT_MAX_TEMP_BYTES = 16 * 2**20  # 16 MiB of temporaries before tiling
+TOP_KEYS = ("out", "targets", "max_temp_bytes", "ops")
 # The frameworks a spec may write modules for, and each one's folder when none is named.
 TARGET_FOLDERS = {name: target.default_out for name, target in TARGETS.items()}
-OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges")
+OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges", "max_temp_bytes")
 MAX_SIZE = 2**31
 MAX_OPS = 500
 MAX_FORMULAS = 16
@@ -107,6 +108,8 @@ class OpSpec:
     # The range of an index that is not a plain index of some input axis (index name ->
     # integer expression over int literals, int attrs and `X.shape[n]`), in spec order.
     ranges: tuple[tuple[str, str], ...] = ()
+    # The default of the module's MAX_TEMP_BYTES: above it, large temporaries are tiled.
+    max_temp_bytes: int = DEFAULT_MAX_TEMP_BYTES
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,9 @@ def _string_list(value: object, what: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _op_spec(name: str, table: object, path: str) -> OpSpec:
+def _op_spec(
+    name: str, table: object, path: str, default_budget: int = DEFAULT_MAX_TEMP_BYTES
+) -> OpSpec:
     where = f"{path} [ops.{name}]"
     if not OP_NAME.match(name):
         raise SymgradError(
@@ -264,8 +269,19 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
                 where=where,
             )
         ranges.append((index, str(extent)))
+    budget = default_budget
+    if "max_temp_bytes" in table:
+        budget = _budget(table["max_temp_bytes"], where)
     return OpSpec(
-        name, formulas, inputs, tuple(attrs), no_gradient, where, tuple(sizes), tuple(ranges)
+        name,
+        formulas,
+        inputs,
+        tuple(attrs),
+        no_gradient,
+        where,
+        tuple(sizes),
+        tuple(ranges),
+        budget,
     )
 
 
@@ -278,6 +294,16 @@ def parse_op(name: str, table: object, path: str) -> OpSpec:
 def show(value: object, limit: int = 40) -> str:
     """User text quoted in a message: `repr`, shortened to one readable line."""
     return _show(value, limit)
+
+
+def _budget(value: object, where: str) -> int:
+    """`max_temp_bytes`: a whole number of bytes, at least 1 KiB."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1024 <= value <= 2**62:
+        raise SymgradError(
+            f"`max_temp_bytes` must be a whole number of bytes from 1024 to 2**62, not {value!r}",
+            where=where,
+        )
+    return value
 
 
 def parse_spec(text: str, path: str) -> Spec:
@@ -310,7 +336,10 @@ def parse_spec(text: str, path: str) -> Spec:
         raise SymgradError("`ops` is empty: nothing to generate", where=path)
     if len(ops_table) > MAX_OPS:
         raise SymgradError(f"more than {MAX_OPS} ops", where=path)
-    ops = [_op_spec(name, table, path) for name, table in ops_table.items()]
+    budget = DEFAULT_MAX_TEMP_BYTES
+    if "max_temp_bytes" in data:
+        budget = _budget(data["max_temp_bytes"], path)
+    ops = [_op_spec(name, table, path, budget) for name, table in ops_table.items()]
     modules: dict[str, str] = {}
     for op in ops:
         module = snake_case(op.name)

@@ -25,6 +25,6 @@ contractions), `kernels` (recognised patterns: convolutions, prefix sums), `gath
 from ..derive import Backward
 from ..model import tensor
 from .common import align
-from .lowerer import Lowerer, lower
+from .lowerer import Lowerer, lower, lower_sizes
 
-__all__ = ["Backward", "Lowerer", "align", "lower", "tensor"]
+__all__ = ["Backward", "Lowerer", "align", "lower", "lower_sizes", "tensor"]

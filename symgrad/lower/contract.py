@@ -44,6 +44,9 @@ class Contraction:
         prefix = self.prefix_sum(body, e, summed, out, eyes)
         if prefix is not None:
             return [prefix]
+        segment = self.segment_term(body, e, summed, out, eyes)
+        if segment is not None:
+            return [segment]
         factors = sp.Mul.make_args(e)
         operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
         for factor in factors:

@@ -24,9 +24,10 @@ from .contract import Contraction
 from .gathers import Gathers
 from .kernels import Kernels
 from .pointwise import Pointwise
+from .segments import Segments
 
 
-class Lowerer(Pointwise, Contraction, Kernels, Gathers):
+class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""
 
@@ -363,6 +364,17 @@ def lower(program: Program, backward: Backward) -> ir.Module:
             if isinstance(step.value, ir.Call) and step.value.function == "sparse_rows"
         ),
     )
+
+
+def lower_sizes(
+    program: Program, backward: Backward, indices: list[Index]
+) -> tuple[ir.Block, tuple[str, ...]]:
+    """A block computing the sizes of `indices` from the inputs and attrs, and the
+    variables that hold them (for the call-time tiling plan)."""
+    lowerer = Lowerer(program, backward)
+    body = _Body(program, {name: name for name in program.inputs}, stem="_s")
+    names = tuple(lowerer.index_size(body, index) for index in indices)
+    return _finish(body, tuple(dict.fromkeys(names))), names
 
 
 def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:

@@ -1,0 +1,189 @@
+"""Peak memory and time of a training step, tiled modules against today's, per target.
+
+    .venv/bin/python benchmarks/memory.py [--targets tensorflow,pytorch,jax] [--ops A,B]
+
+For each op of `memory.toml` (real-world windowed and pairwise ops in their own layouts, at
+real-world sizes) and each target, one training step (forward, a scalar loss, the
+gradient of every float input) runs in a fresh subprocess with the module generated now
+(default MAX_TEMP_BYTES, 16 MiB) and with `baseline/<target>/`, the same op generated
+before tiling. Each subprocess reports:
+
+- peak: TensorFlow: the BFC allocator's peak (`get_memory_info("CPU:0")["peak"]` after
+  `reset_memory_stats`, minus the bytes in use before). JAX: the compiled step's
+  `memory_analysis()` (temporaries + outputs + arguments, the bytes XLA allocates for one
+  call). PyTorch: the process's high-water resident size (`ru_maxrss`) during the step
+  minus its size before it (the CPU allocator keeps no statistics); a fresh process per
+  measurement, inputs made and one small warm-up step run before the baseline is read.
+- io: the bytes of the op's inputs and outputs; the bound is 4 x io + MAX_TEMP_BYTES.
+- time: the median of 5 steps after one warm-up (TensorFlow eager; PyTorch eager; JAX
+  under `jax.jit`), and the ratio new / baseline.
+
+Writes `memory.json` beside this file and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+# op -> (module name, input shapes, attrs): real-world sizes, each index its own size.
+CASES = {
+    "MemCorrelation": ("mem_correlation", {"f1": (4, 48, 64, 64), "f2": (4, 48, 64, 64)}, {"r": 4}),
+    "MemChamfer": ("mem_chamfer", {"x": (8, 2048, 3), "z": (8, 1536, 3)}, {}),
+    "MemRbfSum": ("mem_rbf_sum", {"x": (1, 5000, 3), "z": (1, 4000, 3)}, {}),
+    "MemLightConv": ("mem_light_conv", {"x": (8, 256, 512), "w": (256, 31)}, {"p": 15}),
+    "MemDilatedConv1d": (
+        "mem_dilated_conv1d",
+        {"x": (8, 2048, 64), "w": (9, 64, 48)},
+        {"p": 8},
+    ),
+    "MemLocalAttention": (
+        "mem_local_attention",
+        {"q": (2, 1024, 4, 64), "k": (2, 1024, 4, 64)},
+        {"w": 64},
+    ),
+}
+
+STEP = r"""
+import json, os, resource, statistics, sys, time
+import numpy as np
+sys.path.insert(0, {folder!r})
+target, name, shapes, attrs = {target!r}, {name!r}, {shapes!r}, {attrs!r}
+module = __import__(name)
+rng = np.random.default_rng(0)
+arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes.values()]
+io = sum(a.nbytes for a in arrays)
+result = {{}}
+
+def rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+if target == "tensorflow":
+    import tensorflow as tf
+    args = [tf.constant(a) for a in arrays]
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = module.forward(*args, **attrs)
+            loss = tf.reduce_sum(y * y)
+        return [g.numpy() for g in tape.gradient(loss, args)], y
+    _, y = step()
+    io += y.numpy().nbytes
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    step()
+    result["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+elif target == "pytorch":
+    import torch
+    torch.set_num_threads(2)
+    args = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    def step():
+        y = module.forward(*args, **attrs)
+        loss = (y * y).sum()
+        grads = torch.autograd.grad(loss, args)
+        return grads, y
+    small = [torch.from_numpy(a[:1].copy()).requires_grad_() for a in arrays]
+    before = rss()
+    _, y = step()
+    io += y.numel() * 4
+    result["peak"] = rss() - before
+else:
+    import jax, jax.numpy as jnp
+    args = [jnp.asarray(a) for a in arrays]
+    def loss(*a):
+        y = module.forward(*a, **attrs)
+        return jnp.sum(y * y)
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+    y = jax.jit(lambda *a: module.forward(*a, **attrs))(*args)
+    io += y.size * 4
+    stats = grad.lower(*args).compile().memory_analysis()
+    result["peak"] = stats.temp_size_in_bytes + stats.output_size_in_bytes + stats.argument_size_in_bytes
+    def step():
+        return [g.block_until_ready() for g in grad(*args)], None
+times = []
+for _ in range(6):
+    t = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t)
+result["time"] = statistics.median(times[1:])
+result["io"] = io
+print(json.dumps(result))
+"""
+
+
+def measure(folder: Path, target: str, op: str, case: tuple | None = None) -> dict:
+    """One training step of `op` (or of `case`: module name, shapes, attrs) from the
+    modules in `folder`, in a fresh process: its peak bytes, median time and io bytes."""
+    name, shapes, attrs = case or CASES[op]
+    code = STEP.format(folder=str(folder), target=target, name=name, shapes=shapes, attrs=attrs)
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": last[:200]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default="tensorflow,pytorch,jax")
+    parser.add_argument("--ops", default=",".join(CASES))
+    options = parser.parse_args()
+    targets = options.targets.split(",")
+    ops = options.ops.split(",")
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for target in targets:
+            new = Path(tmp) / target
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "symgrad",
+                    "generate",
+                    str(HERE / "memory.toml"),
+                    "--target",
+                    target,
+                    "--out",
+                    str(new),
+                ],
+                check=True,
+                capture_output=True,
+                cwd=REPO,
+            )
+            for op in ops:
+                old = measure(HERE / "baseline" / target, target, op)
+                now = measure(new, target, op)
+                results.setdefault(op, {})[target] = {"baseline": old, "tiled": now}
+                print(_row(op, target, old, now), flush=True)
+    (HERE / "memory.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+def _row(op: str, target: str, old: dict, now: dict) -> str:
+    mib = 2**20
+
+    def peak(r):
+        return "failed" if "error" in r else f"{r['peak'] / mib:8.1f}M"
+
+    io = now.get("io") or old.get("io")
+    ratio = f"{now['time'] / old['time']:5.2f}" if "time" in now and "time" in old else "  -  "
+    bound = f"{(4 * io + 16 * mib) / mib:7.1f}M" if io else "    -"
+    notes = "; ".join(r["error"] for r in (old, now) if "error" in r)
+    return (
+        f"{op:18} {target:10} io {io / mib if io else 0:7.1f}M  bound {bound}  "
+        f"baseline {peak(old)}  tiled {peak(now)}  time {ratio}  {notes}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Segments: a mask comparing an index tensor with an index, `where(seg[n] == v, .., 0)`.
+
+Written densely, `y[v,f] = sum(where(seg[n] == v, x[n,f], 0), n)` is an N x V mask times
+x: N·V·F work and an N x V x F tensor. It is a segment sum: each row n of the rest of the
+term added at row seg[n] of the result (O(N·F)). Its gradient has the same mask with the
+roles swapped, `Σ_v where(seg[n] == v, 1, 0) · grad_y[v,f]`: a read of grad_y at row
+seg[n]. Ids outside [0, V) match no v: they add nothing and read zero.
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .. import functions as fn
+from .. import ir
+from ..indexing import IOTA
+from ..model import Index
+from .common import _Body, _index_set
+
+
+class Segments:
+    """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
+
+    def segment_term(self, body: _Body, e: sp.Expr, summed, out, eyes):
+        """A term with one `where(ids[n..] == v, value, 0)` factor as a segment sum (v free,
+        n.. summed) or a read at the ids (v summed, n.. free); None for any other term."""
+        if eyes:
+            return None
+        found = self._segment_mask(e)
+        if found is None:
+            return None
+        mask, ids, v = found
+        n = tuple(ids.indices)
+        rest = mask.args[1] * sp.Mul(*[f for f in sp.Mul.make_args(e) if f is not mask])
+        if v in _index_set(rest):
+            if v in summed and set(n) <= set(out):
+                return self._read_at_ids(body, rest, ids, v, summed, out)
+            return None
+        if v in out and v not in summed and set(n) <= set(summed):
+            return self._segment_sum(body, rest, ids, v, summed, out)
+        return None
+
+    def _segment_mask(self, e: sp.Expr):
+        """The one mask factor `where(ids[n..] == v, value, 0)` of a product: (the factor,
+        the ids access, v), when the ids are an index tensor read at distinct plain
+        indices."""
+        masks = [
+            f
+            for f in sp.Mul.make_args(e)
+            if isinstance(f, fn.select) and f.args[2] == 0 and isinstance(f.args[0], sp.Eq)
+        ]
+        if len(masks) != 1:
+            return None
+        (mask,) = masks
+        left, right = mask.args[0].args
+        if _iota(left):
+            left, right = right, left
+        if not _iota(right) or not isinstance(left, sp.Indexed):
+            return None
+        if left.base.label.name not in self.program.index_inputs:
+            return None
+        positions = tuple(left.indices)
+        if not all(isinstance(p, sp.Symbol) for p in positions) or len(set(positions)) != len(
+            positions
+        ):
+            return None
+        return mask, left, right.indices[0]
+
+    def _ids(self, body: _Body, ids: sp.Indexed, v: Index) -> tuple[ir.Expr, ir.Expr]:
+        """The ids as a flat vector, and whether each lies in [0, |v|)."""
+        flat = ir.Call(
+            "reshape", (ir.Var(body.tensors[ids.base.label.name]), ir.List((ir.Lit("-1"),)))
+        )
+        flat = ir.Var(body.bind(ir.Call("to_int64", (flat,))))
+        size = self.position_int(ir.Var(self.index_size(body, v)))
+        valid = ir.Call(
+            "logical_and",
+            (ir.Binary(">=", flat, ir.Lit("0")), ir.Binary("<", flat, size)),
+        )
+        return flat, ir.Var(body.bind(valid))
+
+    def _segment_sum(self, body, rest, ids, v, summed, out):
+        n = tuple(ids.indices)
+        others = tuple(i for i in out if i != v)
+        inner = tuple(i for i in summed if i not in n)
+        value, axes = self.contract(body, rest, inner, (*n, *others), ())
+        data = self.full(body, value, axes, (*n, *others))
+        rows = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+        data = ir.Call("reshape", (data, rows))
+        flat, valid = self._ids(body, ids, v)
+        dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
+        count = ir.Var(self.index_size(body, v))
+        return ir.Call("segment_sum", (data, dropped, count)), (v, *others)
+
+    def _read_at_ids(self, body, rest, ids, v, summed, out):
+        """Σ_v where(ids[n..] == v, 1, 0) · table(v, ..) · local(n, ..): the table read at
+        row ids[n..] (zero where the id is out of range), times the local factors."""
+        n = tuple(ids.indices)
+        factors = sp.Mul.make_args(rest)
+        table = [f for f in factors if v in _index_set(f)]
+        local = [f for f in factors if v not in _index_set(f)]
+        if any(set(n) & _index_set(f) for f in table):
+            return None
+        table_expr = sp.Mul(*table)
+        others = tuple(dict.fromkeys(i for i in _index_set(table_expr) if i != v))
+        others = tuple(sorted(others, key=sp.default_sort_key))
+        value, axes = self.contract(body, table_expr, (), (v, *others), ())
+        rows = ir.Var(body.bind(self.full(body, value, axes, (v, *others))))
+        flat, valid = self._ids(body, ids, v)
+        at = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("0")))))
+        read = ir.Call("gather", (rows, at), (("axis", ir.Lit("0")),))
+        body.uses_dtype = True
+        zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
+        row = Index("_segment_row")
+        mask = self.align(body, valid, (row,), (row, *others))
+        masked = ir.Var(body.bind(ir.Call("where", (mask, read, zero))))
+        shape = ir.List(tuple(ir.Var(self.index_size(body, i)) for i in (*n, *others)))
+        name = body.bind(ir.Call("reshape", (masked, shape)))
+        body.tensors[name] = name
+        read_at = sp.IndexedBase(name)[(*n, *others)]
+        inner = tuple(i for i in summed if i != v)
+        return self.contract(body, sp.Mul(*local) * read_at, inner, out, ())
+
+
+def _iota(e: sp.Expr) -> bool:
+    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA

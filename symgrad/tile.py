@@ -1,0 +1,328 @@
+"""Tiling: how a module bounds its memory when the op's temporaries are large.
+
+An op whose program holds a tensor bigger than any of its inputs and outputs (a gathered
+window, a pairwise matrix, a mask over a segment axis) is also compiled a second time as
+its *chunk*: the same formulas over a slice of one output index `t`, positions
+`[start, start + length)`. Every output is a concatenation of its chunks along `t`; every
+input gradient is the sum of the chunks' gradients (or, for an input cut to the chunk, their
+concatenation). At call time the module estimates the bytes of its largest temporaries
+from the actual sizes and, above `MAX_TEMP_BYTES`, runs the chunk in a loop whose length
+keeps each chunk's temporaries under the budget (see the templates' `_tiled_*`).
+
+The chunk is derived from the op's own formula text, so it goes through every stage like
+any op: inputs that read `t` plainly on one axis (and nowhere else) are cut to the chunk
+along that axis; every other use of `t` (inside brackets, in conditions) becomes
+`t + start`, an int attr of the chunk. The chunk's gradient is then exact by the same
+derivation as the op's, and out-of-range reads still read zero.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import sympy as sp
+
+from . import functions as fn
+from . import ir, patterns
+from .indexing import IOTA
+from .model import Index, Level, Program, accesses
+from .spec import OpSpec
+
+START = "tile_start"  # the chunk's first position along the tiled index
+LENGTH = "tile_length"  # the chunk's length, when no input axis gives it
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The index to tile and what the chunk reads."""
+
+    index: str
+    sliced: tuple[tuple[str, int], ...]  # inputs cut to the chunk: (input, axis)
+    big: tuple[tuple[Index, ...], ...]  # index sets of the temporaries that need tiling
+    chunk: OpSpec
+    start: str | None  # the chunk's attr holding its first position (None: unused)
+    length: str | None
+
+
+def big_sets(program: Program) -> list[tuple[Index, ...]]:
+    """Index sets of the tensors the program materializes that are larger than every input
+    and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
+    product of plain reads is an einsum and is never materialized; nor is a polynomial,
+    which lowering expands)."""
+    found: list[tuple[Index, ...]] = []
+    levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
+    kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
+    for level in levels:
+        if level.name in kernels:
+            continue
+        found.append(level.indices)
+        for term in level.terms:
+            if level.kind in ("max", "min", "logsumexp"):
+                found.append((*level.indices, *term.summed))
+                continue
+            allowed = {*level.indices, *term.summed}
+            found += [
+                _indices_of(f, allowed) for f in _materialized(term.expr, program.index_inputs)
+            ]
+    small = [tuple(sorted(_read_indices(program, name), key=str)) for name in program.inputs]
+    small += [o.level.indices for o in program.outputs]
+    key = _size_key(program)
+    small_sizes = [Counter(key(i) for i in other) for other in small]
+    big: list[tuple[Index, ...]] = []
+    for indices in found:
+        s = set(indices)
+        sizes = Counter(key(i) for i in s)
+        if any(sizes <= other for other in small_sizes):
+            continue  # no larger than an input or output (the same sizes, other names)
+        if any(s <= set(other) for other in big):
+            continue
+        big = [b for b in big if not set(b) <= s]
+        big.append(tuple(indices))
+    return big
+
+
+def _materialized(expr: sp.Expr, ids: tuple[str, ...]) -> list[sp.Expr]:
+    """The factors of a product that lowering computes as tensors of their own: not plain
+    reads (einsum operands), not polynomials (expanded), and not a mask comparing two
+    indices (a prefix sum, or a `where` on a smaller tensor) or an index tensor with an
+    index (a segment sum, `lower/segments.py`): its value instead."""
+    found = []
+    for factor in sp.Mul.make_args(expr):
+        if isinstance(factor, sp.Indexed) or not factor.has(sp.Indexed):
+            continue
+        if (
+            isinstance(factor, fn.select)
+            and factor.args[2] == 0
+            and (_on_indices(factor.args[0]) or _segment(factor.args[0], ids))
+        ):
+            found += _materialized(factor.args[1], ids)
+            continue
+        if factor.is_polynomial(*accesses(factor)):
+            continue
+        found.append(factor)
+    return found
+
+
+def _segment(condition: sp.Expr, ids: tuple[str, ...]) -> bool:
+    """`seg[n] == v`: an index tensor at plain indices equal to an index."""
+    if not isinstance(condition, sp.Eq):
+        return False
+    sides = sorted(condition.args, key=lambda a: _on_indices(a))
+    read, iota = sides
+    return (
+        _on_indices(iota)
+        and isinstance(read, sp.Indexed)
+        and read.base.label.name in ids
+        and all(isinstance(p, sp.Symbol) for p in read.indices)
+    )
+
+
+def _on_indices(condition: sp.Expr) -> bool:
+    """A comparison of index values alone (`k <= i`)."""
+    return all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in accesses(condition))
+
+
+def _size_key(program: Program):
+    """An index's size, as something to compare: the first input axis it reads, or its
+    extent; two indices with the same key have the same size."""
+    axes = {index: sources[0] for index, sources in program.dims if sources}
+    extents = dict(program.extents)
+
+    def key(index: Index):
+        if index in axes:
+            return axes[index]
+        return str(extents.get(index, index))
+
+    return key
+
+
+def _indices_of(expr: sp.Expr, allowed: set[Index]) -> tuple[Index, ...]:
+    """The index symbols `expr` depends on (through reads and conditions), sorted."""
+    return tuple(sorted(expr.free_symbols & allowed, key=sp.default_sort_key))
+
+
+def _read_indices(program: Program, name: str) -> set[Index]:
+    """Every index symbol the reads of one input use."""
+    found: set[Index] = set()
+    levels = [*program.intermediates, *(o.level for o in program.outputs)]
+    for level in levels:
+        for term in level.terms:
+            for access in accesses(term.expr):
+                if access.base.label.name == name:
+                    for position in access.indices:
+                        found |= {s for s in position.free_symbols if isinstance(s, sp.Symbol)}
+    return found
+
+
+def choose(op: OpSpec, program: Program) -> Choice | None:
+    """The index to tile and the chunk's spec, or None when nothing needs tiling (no
+    temporary is larger than the inputs and outputs) or no index can be tiled."""
+    big = big_sets(program)
+    if not big:
+        return None
+    if any(len(group) > 1 for o in program.outputs for group in o.groups):
+        return None  # composite outputs: not tiled (the chunk would need its own groups)
+    trees = [ast.parse(text.strip(" "), mode="exec") for text in op.formulas]
+    free = [set(o.level.indices) for o in program.outputs]
+    candidates = [
+        index
+        for index in program.outputs[0].level.indices
+        if all(index in f for f in free) and all(index in b for b in big)
+    ]
+    if not candidates:
+        return None
+    reads = _reads(trees, set(program.inputs))
+    ranged = dict(op.ranges)
+
+    def score(index: Index) -> tuple:
+        sliced = _sliced(index.name, reads, op)
+        return (
+            -sum(index in b for b in big),
+            program.outputs[0].level.indices.index(index) == 0,  # a batch axis: few chunks
+            not _in_positions(index.name, reads),  # a window's centre: a long axis
+            not any(axis > 0 for _, axis in sliced),  # a cut input, not at its batch axis
+            index.name in ranged,
+            program.outputs[0].level.indices.index(index),
+        )
+
+    index = min(candidates, key=score)
+    name = index.name
+    sliced = _sliced(name, reads, op)
+    taken = {n for tree in trees for n in _names(tree)} | {a for a, _ in op.attrs}
+    start = _fresh(START, taken)
+    length = None if sliced else _fresh(LENGTH, taken)
+    cut = {n for n, _ in sliced}
+    offset = _Offset(name, start, cut)
+    formulas = tuple(
+        ast.unparse(offset.visit(ast.parse(t.strip(" "), mode="exec"))) for t in op.formulas
+    )
+    if not offset.count:
+        start = None  # every read of `t` is on a cut input: no position moves
+    ranges = tuple((k, v) for k, v in op.ranges if k != name)
+    if length is not None:
+        ranges += ((name, length),)
+    used = {n for text in (*formulas, *(v for _, v in ranges)) for n in _names(ast.parse(text))}
+    attrs = (
+        *((a, kind) for a, kind in op.attrs if a in used),
+        *((a, "int") for a in (start, length) if a),
+    )
+    chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
+    return Choice(name, sliced, tuple(big), chunk, start, length)
+
+
+def _names(tree: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def _fresh(stem: str, taken: set[str]) -> str:
+    name, k = stem, 1
+    while name in taken:
+        k += 1
+        name = f"{stem}{k}"
+    return name
+
+
+def _reads(trees: list[ast.AST], inputs: set[str]) -> dict[str, list[list[ast.AST]]]:
+    """Each input's reads on the right-hand sides: the list of position expressions."""
+    found: dict[str, list[list[ast.AST]]] = {}
+    for tree in trees:
+        (assign,) = tree.body
+        for node in ast.walk(assign.value):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in inputs
+            ):
+                elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                found.setdefault(node.value.id, []).append(list(elts))
+    return found
+
+
+def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
+    """Whether some read computes a position from `name` (`x[b, i + u - r]`)."""
+    return any(
+        name in _names(p) and not isinstance(p, ast.Name)
+        for positions_list in reads.values()
+        for positions in positions_list
+        for p in positions
+    )
+
+
+def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tuple:
+    """Inputs every read of which puts `name` plainly at one axis and nowhere else, and
+    whose size on that axis no range reads."""
+    found = []
+    for tensor, positions_list in sorted(reads.items()):
+        axes = set()
+        for positions in positions_list:
+            plain = [a for a, p in enumerate(positions) if isinstance(p, ast.Name) and p.id == name]
+            elsewhere = [a for a, p in enumerate(positions) if a not in plain and name in _names(p)]
+            if len(plain) != 1 or elsewhere:
+                axes = None
+                break
+            axes.add(plain[0])
+        if not axes or len(axes) != 1:
+            continue
+        (axis,) = axes
+        if any(f"{tensor}.shape[{axis}]" in text.replace(" ", "") for _, text in op.ranges):
+            continue
+        found.append((tensor, axis))
+    return tuple(found)
+
+
+class _Offset(ast.NodeTransformer):
+    """`t` -> `(t + start)` on the right-hand side, except where a cut input reads it."""
+
+    def __init__(self, index: str, start: str, cut: set[str]) -> None:
+        self.index, self.start, self.cut = index, start, cut
+        self.count = 0  # uses of `t` moved by `start`
+
+    def visit_Assign(self, node: ast.Assign) -> ast.Assign:
+        node.value = self.visit(node.value)
+        return node
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+        if isinstance(node.value, ast.Name) and node.value.id in self.cut:
+            return node
+        node.slice = self.visit(node.slice)
+        return node
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        # A reduction's index arguments (`sum(e, k)`) never name the output index `t`.
+        node.args = [self.visit(a) for a in node.args]
+        return node
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id != self.index:
+            return node
+        self.count += 1
+        return ast.BinOp(
+            ast.Name(self.index, ast.Load()), ast.Add(), ast.Name(self.start, ast.Load())
+        )
+
+
+def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.Tiling:
+    """The IR of a module's tiling: the chunk, and the sizes the call-time plan reads."""
+    from .lower import lower_sizes
+
+    index = next(i for i in program.outputs[0].level.indices if i.name == choice.index)
+    wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
+    sizes, names = lower_sizes(program, backward, wanted)
+    size_of = dict(zip(wanted, names, strict=True))
+    return ir.Tiling(
+        index=choice.index,
+        start=choice.start,
+        length=choice.length,
+        sliced=choice.sliced,
+        output_axes=tuple(o.level.indices.index(index) for o in program.outputs),
+        sizes=sizes,
+        volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
+        temporaries=tuple(
+            "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
+        ),
+        count=size_of[index],
+        chunk=chunk,
+        max_temp_bytes=choice.chunk.max_temp_bytes,
+    )

@@ -1,0 +1,64 @@
+"""Segment reductions written with a mask, `where(seg[n] == v, .., 0)`: a segment sum
+forward and a read at the ids backward, in every target, never an N x V mask."""
+
+from __future__ import annotations
+
+import pytest
+from harness import Case, check, generate, op_spec
+
+from symgrad.pipeline import module_text
+
+CASES = {
+    # mmcv / torch_scatter style: features of points summed per voxel (ids out of range:
+    # -1 and 6 >= V add nothing).
+    "segment_sum": Case(
+        "y[v,f] = sum(where(seg[n] == v, x[n,f], 0), n)",
+        {"x": (7, 3)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"seg": ((7,), -1, 6)},
+    ),
+    # a segment mean of a nonlinearity: two segment sums, one of them a count
+    "segment_mean_tanh": Case(
+        "y[v,f] = sum(where(seg[n] == v, tanh(x[n,f]), 0), n) / sum(where(seg[m] == v, 1, 0), m)",
+        {"x": (9, 5)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"seg": ((9,), 0, 4)},
+    ),
+    # ids over two axes, a weight read per feature
+    "segment_sum_2d_ids": Case(
+        "y[v,f] = sum(where(seg[a,n] == v, x[a,n,f] * w[f], 0), a, n)",
+        {"x": (2, 5, 3), "w": (3,)},
+        attrs={"V": 6},
+        ranges={"v": "V"},
+        sizes={"v": 6},
+        index_inputs={"seg": ((2, 5), -2, 8)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_segment_sums_are_exact_and_never_a_dense_mask(name, tmp_path):
+    case = CASES[name]
+    text = module_text(op_spec(case, "Segments"), "test.toml")
+    assert "tf.math.unsorted_segment_sum" in text
+    assert "tf.gather" in text  # the gradient reads grad_y at the ids
+    assert "== tf.expand_dims" not in text and "tf.equal" not in text  # no N x V mask
+    check(case, generate(case, tmp_path, prefix="Segments"))
+
+
+@pytest.mark.parametrize("target", ["pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_segment_sums_in_every_target(name, target, tmp_path):
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    from target_harness import check_target, generate_for
+
+    if target == "pytorch":
+        from test_target_pytorch import TORCH as framework
+    else:
+        from test_target_jax import JAX as framework
+    case = CASES[name]
+    check_target(case, generate_for(case, target, tmp_path), framework)

@@ -1,0 +1,259 @@
+"""Memory-bounded TensorFlow modules: with MAX_TEMP_BYTES set below what an op's
+temporaries need, the module runs its chunk in a loop, and every result is still exact.
+
+The numerical checks are `harness.check` (forward, vjp, the registered gradient, a tape,
+finite differences, float64, against the independent reference) with the budget forced
+tiny, over every formula of both corpora that gets a tiling. The memory bound is measured
+in a subprocess with TensorFlow's BFC allocator statistics, at sizes where today's
+untiled code needs many times the bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, FakeOp, check, generate, make_inputs, op_spec
+from test_indexing import KNOWN
+from test_numeric import CORPUS
+
+from symgrad.model import build
+from symgrad.pipeline import compile_op
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Real-world shapes of windowed and pairwise ops, each index its own size.
+TILED = {
+    "chamfer": Case(
+        "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j)", {"x": (2, 13, 3), "z": (2, 11, 3)}
+    ),
+    "rbf_sum": Case(
+        "y[b,i] = sum(exp(-sum((x[b,i,c] - z[b,j,c])**2, c)), j)",
+        {"x": (2, 9, 3), "z": (2, 7, 3)},
+    ),
+    "correlation": Case(
+        "y[b,i,j,u,v] = mean(f1[b,i,j,c] * f2[b, i+u-r, j+v-r, c], c)",
+        {"f1": (2, 5, 6, 3), "f2": (2, 5, 6, 3)},
+        attrs={"r": 1},
+        ranges={"u": "2*r + 1", "v": "2*r + 1"},
+        sizes={"u": 3, "v": 3},
+        fd_directions=3,
+    ),
+    "lightconv_own_layout": Case(
+        # fairseq's lightconv in its own [B, C, T] layout: a filter per channel.
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - p], k)",
+        {"x": (2, 3, 11), "w": (3, 4)},
+        attrs={"p": 1},
+        ranges={"t": "x.shape[2]"},
+        sizes={"t": 11},
+    ),
+    "dilated_conv": Case(
+        "y[b,i,o] = sum(x[b, s*i + d*k - p, c] * w[k,c,o], k, c)",
+        {"x": (2, 14, 3), "w": (3, 3, 4)},
+        attrs={"s": 2, "d": 3, "p": 2},
+        ranges={"i": "(x.shape[1] + 2*p - d*(w.shape[0] - 1) - 1) // s + 1"},
+        sizes={"i": 6},
+    ),
+    "causal_scores": Case(
+        "y[b,i] = sum(where(j <= i, exp(q[b,i,d] * k[b,j,d]), 0), j, d)",
+        {"q": (2, 7, 3), "k": (2, 7, 3)},
+    ),
+    "two_outputs": Case(
+        [
+            "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j)",
+            "s[b,i] = sum(tanh(x[b,i,c] * z[b,j,c]), j, c)",
+        ],
+        {"x": (2, 6, 3), "z": (2, 5, 3)},
+    ),
+}
+
+
+def _tiled(case: Case) -> bool:
+    return compile_op(op_spec(case, "Probe")).tiling is not None
+
+
+@pytest.mark.parametrize("name", sorted(TILED))
+def test_a_tiled_module_is_exact_everywhere(name, tmp_path):
+    case = TILED[name]
+    assert _tiled(case), f"{name} has large temporaries and must get a tiling"
+    module = generate(case, tmp_path, prefix="Tiled")
+    module.MAX_TEMP_BYTES = 512  # far below any chunk: one position per chunk
+    tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
+    assert module._tile_plan(*tensors, **case.attrs) is not None
+    check(replace(case, fd_directions=case.fd_directions or 4), module)
+
+
+CORPORA = {
+    **{f"corpus_{k}": v for k, v in CORPUS.items()},
+    **{f"indexing_{k}": v.case for k, v in KNOWN.items()},
+}
+CORPUS_TILED = sorted(name for name, case in CORPORA.items() if _tiled(case))
+
+
+def test_the_corpora_have_tiled_formulas():
+    assert len(CORPUS_TILED) >= 5, CORPUS_TILED
+
+
+def _all_paths(module, case, tensors, grads):
+    """forward, vjp, the registered gradient and a tape over forward, as arrays."""
+    outs = module.forward(*tensors, **case.attrs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    found = [o.numpy() for o in outs]
+    found += [
+        np.asarray(tf.convert_to_tensor(g))
+        for g in module.vjp(*tensors, *grads, **case.attrs)
+        if g is not None
+    ]
+    fake = FakeOp(tensors, outs, case.attrs, module)
+    found += [
+        np.asarray(tf.convert_to_tensor(g)) for g in module.gradient(fake, *grads) if g is not None
+    ]
+    floats = [t for t in tensors if t.dtype.is_floating]
+    with tf.GradientTape() as tape:
+        tape.watch(floats)
+        outs = module.forward(*tensors, **case.attrs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        loss = tf.add_n([tf.reduce_sum(o * g) for o, g in zip(outs, grads, strict=True)])
+    found += [
+        np.asarray(tf.convert_to_tensor(g)) for g in tape.gradient(loss, floats) if g is not None
+    ]
+    return found
+
+
+@pytest.mark.parametrize("name", CORPUS_TILED)
+def test_every_tiled_corpus_formula_gives_todays_numbers_in_chunks(name, tmp_path):
+    """Chunked and whole, every path agrees to rounding (the whole path is checked
+    against the reference and finite differences by the corpus tests)."""
+    case = CORPORA[name]
+    module = generate(case, tmp_path, prefix="TiledCorpus")
+    tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
+    outs = module.forward(*tensors, **case.attrs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    rng = np.random.default_rng(5)
+    grads = [tf.constant(rng.standard_normal(o.shape.as_list())) for o in outs]
+    whole = _all_paths(module, case, tensors, grads)
+    module.MAX_TEMP_BYTES = 512
+    assert module._tile_plan(*tensors, **case.attrs) is not None
+    chunked = _all_paths(module, case, tensors, grads)
+    assert len(chunked) == len(whole)
+    for got, want in zip(chunked, whole, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+def test_below_the_budget_the_module_runs_todays_code(tmp_path):
+    case = TILED["chamfer"]
+    module = generate(case, tmp_path, prefix="Untiled")
+    tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
+    assert module.MAX_TEMP_BYTES == 16 * 2**20
+    assert module._tile_plan(*tensors) is None
+
+
+def test_unknown_sizes_and_xla_tile_too(tmp_path):
+    case = TILED["correlation"]
+    module = generate(case, tmp_path, prefix="TiledGraph")
+    module.MAX_TEMP_BYTES = 512
+    tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
+    grad = tf.constant(np.random.default_rng(3).standard_normal((2, 5, 6, 3, 3)))
+    module.MAX_TEMP_BYTES = 2**40
+    want = module.vjp(*tensors, grad, r=1)
+    module.MAX_TEMP_BYTES = 512
+    spec = [tf.TensorSpec([None] * 4, tf.float64)] * 2
+    unknown = tf.function(lambda a, b: module.vjp(a, b, grad, r=1), input_signature=spec)
+    compiled = tf.function(lambda a, b: module.vjp(a, b, grad, r=1), jit_compile=True)
+    for run in (unknown, compiled):
+        for got, expected in zip(run(*tensors), want, strict=True):
+            np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_the_spec_sets_the_budget_per_op_and_at_the_top(tmp_path):
+    from symgrad.pipeline import generate as generate_texts
+    from symgrad.spec import parse_spec
+
+    spec = parse_spec(
+        textwrap.dedent(
+            """
+            max_temp_bytes = 4096
+            [ops.Near]
+            formula = "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j)"
+            [ops.Far]
+            formula = "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j)"
+            max_temp_bytes = 67108864
+            """
+        ),
+        "symgrad.toml",
+    )
+    files = generate_texts(spec)
+    assert "\nMAX_TEMP_BYTES = 4096\n" in files["near.py"]
+    assert "\nMAX_TEMP_BYTES = 67108864\n" in files["far.py"]
+
+
+MEASURE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+sys.path.insert(0, {repo!r})
+from generated import chamfer_distance, correlation, strided_conv1d
+
+rng = np.random.default_rng(0)
+f = lambda *s: tf.constant(rng.normal(size=s).astype(np.float32))
+
+def peak(run):
+    run()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    run()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+def step(module, args, attrs):
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = module.forward(*args, **attrs)
+            loss = tf.reduce_sum(y * y)
+        return [g.numpy() for g in tape.gradient(loss, args)]
+    return run
+
+found = {{}}
+for module, args, attrs in [
+    (correlation, [f(2, 24, 32, 16), f(2, 24, 32, 16)], {{"r": 4}}),
+    (chamfer_distance, [f(2, 1024, 3), f(2, 1536, 3)], {{}}),
+    (strided_conv1d, [f(2, 2048, 16), f(9, 16, 16)], {{"s": 1, "d": 2, "p": 8}}),
+]:
+    y = module.forward(*args, **attrs)
+    io = sum(a.numpy().nbytes for a in args) + y.numpy().nbytes
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = peak(step(module, args, attrs))
+    module.MAX_TEMP_BYTES = 2**20
+    tiled = peak(step(module, args, attrs))
+    found[module.OP_TYPE] = dict(io=io, untiled=untiled, tiled=tiled)
+print(json.dumps(found))
+"""
+
+
+def test_a_training_step_holds_at_most_4x_its_inputs_and_outputs_plus_the_budget():
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE.format(repo=str(REPO))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    budget = 2**20
+    for op, m in found.items():
+        bound = 4 * m["io"] + budget
+        assert m["untiled"] > 2 * bound, f"{op}: the size does not test the bound: {m}"
+        assert m["tiled"] <= bound, f"{op}: a tiled step peaks at {m['tiled']} > {bound}: {m}"
