@@ -144,7 +144,7 @@ def main() -> None:
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for target in targets:
-            new = Path(tmp) / target
+            new = Path(tmp) / f"new_{target}"
             subprocess.run(
                 [
                     sys.executable,

@@ -192,7 +192,7 @@ def test_the_spec_sets_the_budget_per_op_and_at_the_top(tmp_path):
         ),
         "symgrad.toml",
     )
-    files = generate_texts(spec)
+    files = generate_texts(spec, "tensorflow", "symgrad.toml")
     assert "\nMAX_TEMP_BYTES = 4096\n" in files["near.py"]
     assert "\nMAX_TEMP_BYTES = 67108864\n" in files["far.py"]
 
