@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -859,8 +860,9 @@ def _check_op(program, target: Target, sizes: Sizes, dtype, rng):
 
 
 def _short(exc: Exception) -> str:
+    """An exception's type and first line, without TF's `{{function_node ...}}` prefix."""
     text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
+    first = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text[0] if text else "")
     return f"{type(exc).__name__}: {first[:300]}"
 
 
