@@ -1,28 +1,33 @@
-"""`symgrad check`: a compiled op against its formula, and against the gradient TF uses.
+"""`symgrad check`: an op against its formula, and against the gradient its framework uses.
 
-Per op, on small random inputs whose sizes differ per index (so a swapped layout shows):
+Per op and attr setting, on small random inputs whose sizes differ per index (so a swapped
+layout shows):
 
 1. forward: the op's outputs against the formula's. With a library, the op is the
-   compiled one and the formula is the generated `forward`; without one, the generated
+   user's and the formula is the generated `forward`; without one, the generated
    `forward` is checked against `reference.evaluate`, a dense evaluation of the formula
    that shares nothing with lowering.
 2. gradient: a dot-product (adjoint) test that does not trust symgrad's derivation. For a
    direction v in one input, <u, J v> from central differences of the op's forward must
-   equal <J^T u, v> from `tf.GradientTape` through the op, which runs the gradient TF has
-   registered for it (the generated one, as it is on disk). Taking u = J v (from the
-   differences) makes <u, J v> = |J v|^2 > 0: a gradient off by a factor shows as that
-   factor, never hidden by cancellation between entries.
-3. interface (library only): the op def's input, output and attr names against the spec,
-   matched the way the registered gradient matches them, and the dtypes it accepts.
+   equal <J^T u, v> from the framework's differentiation of the op (`tf.GradientTape`,
+   `torch.autograd.grad`, `jax.vjp`), which runs the generated gradient as it is on disk.
+   Taking u = J v (from the differences) makes <u, J v> = |J v|^2 > 0: a gradient off by
+   a factor shows as that factor, never hidden by cancellation between entries.
+3. interface (library only): the op's input, output and attr names against the spec,
+   matched the way the registered gradient matches them.
 
-`plan_sizes` is pure (SymPy only); `run` imports TensorFlow and the generated modules, and
-loads the library; `render_table` and `as_json` format a `Report`. Nothing here writes.
+Attrs are checked at the op's defaults and at samples distinct from each other and from
+0 and 1 (`attr_settings`). The framework's side lives in check_tf.py, check_torch.py and
+check_jax.py, each giving `run` a `Library` and `Target`s that work on NumPy arrays.
+`plan_sizes` is pure (SymPy only); `render_table` and `as_json` format a `Report`.
+Nothing here writes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -431,14 +436,33 @@ def sample_attrs(attrs: tuple[tuple[str, str], ...], given: dict) -> dict:
     return values
 
 
+def other_samples(attrs: tuple[tuple[str, str], ...], given: dict, samples: dict) -> dict:
+    """A second sample set: every attr differs from its value in `samples`, and the values
+    stay distinct from each other and from 0 and 1 (the int samples rotated, 2, 3, 5 ->
+    3, 5, 2; a lone one takes the next value; bools False)."""
+    taken = set(given.values()) | set(samples.values())
+    values = {}
+    for kind, pool in (("int", INT_SAMPLES), ("float", FLOAT_SAMPLES)):
+        names = [name for name, k in attrs if k == kind and name in samples]
+        if len(names) == 1:
+            values[names[0]] = next(v for v in pool if v not in taken)
+        for n, name in enumerate(names if len(names) > 1 else ()):
+            values[name] = samples[names[(n + 1) % len(names)]]
+    values.update({name: False for name, k in attrs if k == "bool" and name in samples})
+    return values
+
+
 def attr_settings(program: Program, op: OpSpec, given: dict, defaults: dict) -> list:
     """The attr settings an op is checked at: (label, [(name, value, where from)]).
 
-    The op's own defaults where it has them (other attrs sampled), and a set of distinct
-    samples; --attr fixes an attr in both. One setting when the two agree."""
+    At least two unless --attr fixes every attr: the op's own defaults where it has them
+    ("defaults"; its other attrs from a second sample set), else a second sample set
+    ("samples-2"), and a set of distinct samples ("samples"). --attr fixes an attr in
+    all of them."""
     del program
     ours = {name: given[name] for name, _ in op.attrs if name in given}
     samples = sample_attrs(op.attrs, ours)
+    others = other_samples(op.attrs, ours, samples)
     kinds = dict(op.attrs)
 
     def typed(name, value):
@@ -453,11 +477,13 @@ def attr_settings(program: Program, op: OpSpec, given: dict, defaults: dict) -> 
         if name in defaults:
             first.append((name, typed(name, defaults[name]), "op default"))
         else:
-            first.append((name, samples[name], "sample"))
+            first.append((name, others[name], "sample"))
         second.append((name, samples[name], "sample"))
     if first == second:
         return [("", first)]
-    return [("defaults", first), ("samples", second)]
+    if any(how == "op default" for _, _, how in first):
+        return [("defaults", first), ("samples", second)]
+    return [("samples", second), ("samples-2", first)]
 
 
 def parse_shapes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
@@ -834,8 +860,9 @@ def _check_op(program, target: Target, sizes: Sizes, dtype, rng):
 
 
 def _short(exc: Exception) -> str:
+    """An exception's type and first line, without TF's `{{function_node ...}}` prefix."""
     text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
+    first = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text[0] if text else "")
     return f"{type(exc).__name__}: {first[:300]}"
 
 

@@ -18,7 +18,13 @@ pytest.importorskip("tensorflow")
 
 from test_check import REPO, symgrad
 
-from symgrad.check import compare_forward, parse_sizes, plan_sizes, sample_attrs
+from symgrad.check import (
+    compare_forward,
+    other_samples,
+    parse_sizes,
+    plan_sizes,
+    sample_attrs,
+)
 from symgrad.errors import SymgradError
 from symgrad.model import build
 from symgrad.spec import OpSpec
@@ -96,6 +102,10 @@ def test_sample_attrs_differ_from_each_other_and_from_0_and_1():
     assert sample_attrs(attrs, {}) == {"s": 2, "d": 3, "p": 5, "a": 0.75, "b": 1.5}
     # Given values are avoided too.
     assert sample_attrs(attrs, {"s": 3, "a": 0.75}) == {"d": 2, "p": 5, "b": 1.5}
+    # The second set changes every attr and keeps them distinct.
+    samples = sample_attrs(attrs, {})
+    assert other_samples(attrs, {}, samples) == {"s": 3, "d": 5, "p": 2, "a": 1.5, "b": 0.75}
+    assert other_samples((("s", "int"),), {"d": 3}, {"s": 2}) == {"s": 5}
 
 
 def test_swapped_stride_and_dilation_fail_at_the_distinct_sample_setting(project, library):
@@ -158,11 +168,17 @@ def test_local_attention_passes_and_shape_and_size_set_the_inputs(project, libra
         project, library, "--op", "CheckLocalAttention", "--shape", "k=2x9x4", "--size", "i=5"
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    (entry,) = entries(report, "CheckLocalAttention").values()
-    assert entry["shapes"]["k"] == [2, 9, 4]
-    assert entry["shapes"]["v"][:2] == [2, 9]
-    assert entry["shapes"]["a"][:2] == [2, 5]
-    assert entry["sizes"]["i"] == 5
+    # An op without attr defaults is checked at two distinct sample settings.
+    settings = entries(report, "CheckLocalAttention")
+    assert {s: e["attrs"][0]["value"] for s, e in settings.items()} == {
+        "samples": 2,
+        "samples-2": 3,
+    }
+    for entry in settings.values():
+        assert entry["shapes"]["k"] == [2, 9, 4]
+        assert entry["shapes"]["v"][:2] == [2, 9]
+        assert entry["shapes"]["a"][:2] == [2, 5]
+        assert entry["sizes"]["i"] == 5
 
 
 def test_an_op_that_raises_is_reported_as_raising_not_as_an_infinite_error(project, library):
@@ -177,8 +193,7 @@ def test_an_op_that_raises_is_reported_as_raising_not_as_an_infinite_error(proje
         "v=2x8x6",
     )
     assert result.returncode == 1, result.stdout + result.stderr
-    (entry,) = entries(report, "CheckLocalAttention").values()
-    checks = found(entry)
+    checks = found(entries(report, "CheckLocalAttention")["samples"])
     for name in ("forward", "gradient"):
         assert checks[name]["passed"] is False
         assert checks[name]["error"] is None
@@ -232,7 +247,7 @@ def test_a_missing_attr_is_what_the_interface_row_says(project, library):
     is still run (without the attr)."""
     result, report = check(project, library, "--op", "CheckNoAttr")
     assert result.returncode == 1
-    (entry,) = entries(report, "CheckNoAttr").values()
+    entry = entries(report, "CheckNoAttr")["samples"]
     checks = found(entry)
     assert checks["interface"]["passed"] is False
     assert "has no attr 'beta'" in checks["interface"]["detail"]

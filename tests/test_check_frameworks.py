@@ -151,9 +151,13 @@ def test_the_interface_check_reads_the_schema_and_the_signature(project, tmp_pat
         assert result.returncode == 1, result.stdout + result.stderr
         rows = {tuple(line.split()[:2]): line for line in result.stdout.splitlines()}
         assert "FAIL" in rows["PyMatMul", "interface"] and order in rows["PyMatMul", "interface"]
-        assert attr in rows["PyScale", "interface"]
+        # Without a default, alpha is checked at two sample settings.
+        assert attr in rows["PyScale[samples]", "interface"]
+        assert attr in rows["PyScale[samples-2]", "interface"]
         assert "names differ" not in result.stdout
-        assert "PyScale: the op has no attr alpha: checked without passing it" in result.stdout
+        assert "PyScale[samples]: the op has no attr alpha: checked without passing it" in (
+            result.stdout
+        )
         assert "the op's values are 1 x" not in result.stdout
         assert "error: PyMatMul: interface check failed" in result.stderr
 
@@ -184,3 +188,36 @@ def test_framework_usage_errors_are_exit_2_with_one_line(project, args, message)
     assert result.returncode == 2, result.stdout + result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert message in line
+
+
+def test_a_compiled_pytorch_cpp_op_library(project, tmp_path):
+    """A .so of TORCH_LIBRARY ops (torch.utils.cpp_extension, about 35 s to build on two
+    cores), loaded with torch.ops.load_library; the spec's other ops are skipped."""
+    torch = pytest.importorskip("torch")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found; cannot build a C++ op")
+    from torch.utils.cpp_extension import load_inline
+
+    del torch
+    load_inline(
+        name="check_torch_ops",
+        cpp_sources=[(CUSTOM / "check_torch_ops.cc").read_text()],
+        is_python_module=False,
+        build_directory=str(tmp_path),
+        extra_cflags=["-O1"],
+    )
+    library = tmp_path / "check_torch_ops.so"
+    assert library.is_file()
+    result, report = run_check(project, "--target", "pytorch", "--library", str(library))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert sorted(report["skipped"]) == ["PyStridedConv", "PyTransposed"]
+    ops = by_op(report)
+    assert sorted(ops) == ["PyMatMul", "PyOffByOne", "PyScale"]
+    for op in ("PyMatMul", "PyScale"):
+        for entry in ops[op]:
+            assert all(c["passed"] is True for c in entry["checks"]), entry
+    assert ops["PyScale"][0]["attrs"] == [{"name": "alpha", "value": 0.5, "from": "op default"}]
+    (off,) = ops["PyOffByOne"]
+    assert found(off)["interface"]["detail"] == "schema checkcpp::py_off_by_one(x, w)"
+    assert found(off)["forward"]["passed"] is False
+    assert found(off)["gradient"]["passed"] is False
