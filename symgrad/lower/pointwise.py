@@ -88,18 +88,36 @@ class Pointwise:
                     denominator.append(base ** (-exponent))
                 else:
                     numerator.append(factor)
-            top = [
-                ir.Negate(self.expr(body, f, target))
-                if f == negated
-                else self.expr(body, f, target)
-                for f in sorted(numerator, key=_print_order)
-            ]
-            result = top[0] if top else ir.Lit("1")
-            for factor in top[1:]:
-                result = ir.Binary("*", result, factor)
-            for factor in sorted(denominator, key=_print_order):
-                result = ir.Binary("/", result, self.expr(body, factor, target))
-            return result
+
+            def product(numerator: list, denominator: list) -> ir.Expr:
+                top = [
+                    ir.Negate(self.expr(body, f, target))
+                    if f == negated
+                    else self.expr(body, f, target)
+                    for f in sorted(numerator, key=_print_order)
+                ]
+                result = top[0] if top else ir.Lit("1")
+                for factor in top[1:]:
+                    result = ir.Binary("*", result, factor)
+                for factor in sorted(denominator, key=_print_order):
+                    result = ir.Binary("/", result, self.expr(body, factor, target))
+                return result
+
+            # The factors over fewer indices than the product first, among themselves:
+            # `m * (g / t)` is one pass over m's axes, `m * g / t` two.
+            full = len(_index_set(e))
+            small = [f for f in (*numerator, *denominator) if len(_index_set(f)) < full]
+            big = [f for f in numerator if f not in small]
+            if big and len(small) >= 2:
+                return ir.Binary(
+                    "*",
+                    product(big, [f for f in denominator if f not in small]),
+                    product(
+                        [f for f in numerator if f in small],
+                        [f for f in denominator if f in small],
+                    ),
+                )
+            return product(numerator, denominator)
         if isinstance(e, sp.Pow):
             base, exponent = e.args
             if exponent == -1:
