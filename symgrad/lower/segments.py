@@ -32,11 +32,9 @@ class Segments:
         mask, ids, v = found
         n = tuple(ids.indices)
         rest = mask.args[1] * sp.Mul(*[f for f in sp.Mul.make_args(e) if f is not mask])
-        if v in _index_set(rest):
-            if v in summed and set(n) <= set(out):
-                return self._read_at_ids(body, rest, ids, v, summed, out)
-            return None
-        if v in out and v not in summed and set(n) <= set(summed):
+        if v in summed:
+            return self._read_at_ids(body, rest, ids, v, summed, out)
+        if v in out and set(n) <= set(summed):
             return self._segment_sum(body, rest, ids, v, summed, out)
         return None
 
@@ -80,17 +78,30 @@ class Segments:
         return flat, ir.Var(body.bind(valid))
 
     def _segment_sum(self, body, rest, ids, v, summed, out):
+        """Σ_n where(ids[n..] == v, 1, 0) · local(n, ..) · table(v, ..): the local factors
+        added at row ids[n..], times the factors over v (which read no n)."""
         n = tuple(ids.indices)
-        others = tuple(i for i in out if i != v)
+        factors = sp.Mul.make_args(rest)
+        table = sp.Mul(*[f for f in factors if v in _index_set(f)])
+        local = sp.Mul(*[f for f in factors if v not in _index_set(f)])
+        if not _index_set(table) <= {*out}:
+            return None
+        others = tuple(i for i in out if i != v and i in _index_set(local))
         inner = tuple(i for i in summed if i not in n)
-        value, axes = self.contract(body, rest, inner, (*n, *others), ())
+        value, axes = self.contract(body, local, inner, (*n, *others), ())
         data = self.full(body, value, axes, (*n, *others))
         rows = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
         data = ir.Call("reshape", (data, rows))
         flat, valid = self._ids(body, ids, v)
         dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
         count = ir.Var(self.index_size(body, v))
-        return ir.Call("segment_sum", (data, dropped, count)), (v, *others)
+        total = ir.Call("segment_sum", (data, dropped, count))
+        if table == 1:
+            return total, (v, *others)
+        name = body.bind(total)
+        body.tensors[name] = name
+        summed_at = sp.IndexedBase(name)[(v, *others)]
+        return self.contract(body, table * summed_at, (), out, ())
 
     def _read_at_ids(self, body, rest, ids, v, summed, out):
         """Σ_v where(ids[n..] == v, 1, 0) · table(v, ..) · local(n, ..): the table read at
@@ -101,6 +112,8 @@ class Segments:
         local = [f for f in factors if v not in _index_set(f)]
         if any(set(n) & _index_set(f) for f in table):
             return None
+        if any(set(summed) & _index_set(f) - {v} for f in table):
+            return None  # the table would be summed over an index the local part has
         table_expr = sp.Mul(*table)
         others = tuple(dict.fromkeys(i for i in _index_set(table_expr) if i != v))
         others = tuple(sorted(others, key=sp.default_sort_key))
