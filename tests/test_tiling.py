@@ -2,7 +2,7 @@
 module runs its chunk in a loop (a Python loop in PyTorch, jax.lax.scan in JAX), and its
 forward and gradients -- vjp, autodiff through `forward`, the registered backward / `wrap`,
 a training step -- equal the untiled module's in float64. For the windowed and pairwise
-ops of this repo's symgrad.toml and two formulas of our own, each size different.
+ops of this repo's symgrad.toml and three formulas of our own, each size different.
 
 The TensorFlow target's tiling is tested in tests/test_tiling_tf.py.
 """
@@ -68,6 +68,19 @@ CASES = {
         {"w": (5, 3), "x": (2, 5, 11)},
         {"p": 1},
     ),
+    # A sliding max, x (13), w (k=3), i = 11: no input is cut, so the chunk reads x at
+    # i + tile_start and sizes i by tile_length
+    "sliding_max": Tiled(
+        OpSpec(
+            "SlidingMax",
+            ("y[i] = max(x[i+k] * w[k], k)",),
+            None,
+            (),
+            (),
+            "test [ops.SlidingMax]",
+        ),
+        {"x": (13,), "w": (3,)},
+    ),
     # A Gaussian (RBF) kernel sum over a second point set: tiled along i
     "rbf_sum": Tiled(
         OpSpec(
@@ -105,8 +118,9 @@ def _arrays(name: str, module, seed: int = 0) -> list[np.ndarray]:
 
 
 def budgets(module, arrays, attrs) -> list[int]:
-    """Two values of MAX_TEMP_BYTES that tile: the least (one position per chunk), and one
-    whose chunks hold several positions with a shorter last chunk, if the sizes allow."""
+    """Values of MAX_TEMP_BYTES that tile: the least a spec allows (1 KiB: at these sizes,
+    one position per chunk or a few), and the least whose chunks hold several positions
+    with a shorter last chunk, if the sizes allow."""
     found = [1024]
     default = module.MAX_TEMP_BYTES
     try:
@@ -123,7 +137,7 @@ def budgets(module, arrays, attrs) -> list[int]:
             budget = budget * 9 // 8
     finally:
         module.MAX_TEMP_BYTES = default
-    return found
+    return list(dict.fromkeys(found))
 
 
 @pytest.fixture
