@@ -454,3 +454,39 @@ def test_every_module_exposes_max_temp_bytes(target, modules):
         "[a-z]*.py"
     ):
         assert "\nMAX_TEMP_BYTES = 16777216\n" in path.read_text(encoding="utf-8"), path
+
+
+@pytest.mark.parametrize("name", ["chamfer", "correlation"])
+def test_jax_tiled_training_step_memory_is_bounded(name, modules, budget_of):
+    """The compiled gradient's temporaries (XLA's memory_analysis) stay near the budget
+    when tiled, at sizes whose untiled gradient holds many times more."""
+    module = modules(name, "jax")
+    rng = np.random.default_rng(6)
+    shapes, attrs = {
+        # a [2, 700, 500] distance matrix
+        "chamfer": ({"x": (2, 700, 3), "z": (2, 500, 3)}, {}),
+        # a [2, 20, 7, 24, 7, 8] gathered window (r = 3)
+        "correlation": ({"f1": (2, 20, 24, 8), "f2": (2, 20, 24, 8)}, {"r": 3}),
+    }[name]
+    xs = [jnp.asarray(rng.standard_normal(shapes[n]), jnp.float32) for n in module.INPUTS]
+
+    def temporaries():
+        def loss(*a):
+            return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
+
+        def grad(*a):  # a new function: traced with the current budget
+            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
+
+        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
+
+    budget_of(module, 2**40)
+    assert module._tile_plan(*xs, **attrs) is None
+    untiled = temporaries()
+    budget = 2**18
+    budget_of(module, budget)
+    assert module._tile_plan(*xs, **attrs) is not None
+    tiled = temporaries()
+    inputs_and_outputs = sum(x.nbytes for x in xs) * 2
+    print(f"{name}: gradient temporaries {untiled} bytes untiled, {tiled} tiled at {budget}")
+    assert tiled <= budget + 2 * inputs_and_outputs, (tiled, untiled)
+    assert untiled >= 8 * tiled, (tiled, untiled)
