@@ -298,6 +298,69 @@ def test_torch_compile_fullgraph_of_a_tiled_module(modules, budget_of):
         _close(got, want, "compiled backward")
 
 
+MEMORY_CASES = {
+    # a [2, 700, 500] distance matrix
+    "chamfer": ({"x": (2, 700, 3), "z": (2, 500, 3)}, {}),
+    # a [2, 20, 7, 24, 7, 8] gathered window (r = 3)
+    "correlation": ({"f1": (2, 20, 24, 8), "f2": (2, 20, 24, 8)}, {"r": 3}),
+}
+
+
+def _torch_memory(module, xs, attrs):
+    """(bytes the forward keeps for the backward, peak bytes allocated by a training
+    step's forward and backward). The peak is the running sum of the allocations and
+    frees that torch.profiler records (profile_memory: its "[memory]" events), in the
+    order they happen."""
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            y = module.forward(*xs, **attrs)
+        grads = torch.autograd.grad(torch.sin(y).sum(), xs)
+        del y, grads
+    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    total = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        peak = max(peak, total)
+    return sum(kept), peak
+
+
+@pytest.mark.parametrize("name", sorted(MEMORY_CASES))
+def test_torch_tiled_training_step_memory_is_bounded(name, modules, budget_of):
+    """A tiled forward keeps only its inputs for the backward, and a training step's peak
+    allocation stays near the budget, where the untiled step holds several times more."""
+    module = modules(name, "pytorch")
+    shapes, attrs = MEMORY_CASES[name]
+    rng = np.random.default_rng(6)
+    xs = [
+        torch.tensor(rng.standard_normal(shapes[n]), dtype=torch.float32, requires_grad=True)
+        for n in module.INPUTS
+    ]
+    budget_of(module, 2**40)
+    assert module._tile_plan(*xs, **attrs) is None
+    kept_untiled, untiled = _torch_memory(module, xs, attrs)
+    budget = 2**18
+    budget_of(module, budget)
+    assert module._tile_plan(*xs, **attrs) is not None
+    kept, tiled = _torch_memory(module, xs, attrs)
+    inputs = sum(x.nbytes for x in xs)
+    with torch.no_grad():
+        outputs = module.forward(*xs, **attrs).nbytes
+    print(f"{name}: kept {kept_untiled} / {kept}, peak {untiled} / {tiled} (untiled / tiled)")
+    assert kept == inputs, (kept, inputs)
+    assert kept_untiled > 10 * inputs
+    # The plan's estimate of a chunk's temporaries is TensorFlow's (4 of the largest);
+    # PyTorch's chunks hold up to twice that.
+    assert tiled <= 2 * budget + 4 * (inputs + outputs), (tiled, untiled)
+    assert untiled >= 4 * tiled, (tiled, untiled)
+
+
 # ----------------------------------------------------------------------------- JAX
 
 
@@ -456,18 +519,13 @@ def test_every_module_exposes_max_temp_bytes(target, modules):
         assert "\nMAX_TEMP_BYTES = 16777216\n" in path.read_text(encoding="utf-8"), path
 
 
-@pytest.mark.parametrize("name", ["chamfer", "correlation"])
+@pytest.mark.parametrize("name", sorted(MEMORY_CASES))
 def test_jax_tiled_training_step_memory_is_bounded(name, modules, budget_of):
     """The compiled gradient's temporaries (XLA's memory_analysis) stay near the budget
     when tiled, at sizes whose untiled gradient holds many times more."""
     module = modules(name, "jax")
     rng = np.random.default_rng(6)
-    shapes, attrs = {
-        # a [2, 700, 500] distance matrix
-        "chamfer": ({"x": (2, 700, 3), "z": (2, 500, 3)}, {}),
-        # a [2, 20, 7, 24, 7, 8] gathered window (r = 3)
-        "correlation": ({"f1": (2, 20, 24, 8), "f2": (2, 20, 24, 8)}, {"r": 3}),
-    }[name]
+    shapes, attrs = MEMORY_CASES[name]
     xs = [jnp.asarray(rng.standard_normal(shapes[n]), jnp.float32) for n in module.INPUTS]
 
     def temporaries():
