@@ -370,11 +370,16 @@ def without_conds(module: Module) -> Module:
         steps = tuple(Assign(s.target, rewrite(s.value, otherwise), s.comment) for s in block.steps)
         return Block(prune(Block(steps, block.returns), wanted, set()).steps, block.returns)
 
+    tiling = module.tiling
+    if tiling is not None:  # the chunk is a module of its own
+        sizes = strip(tiling.sizes, tuple(r for r in tiling.sizes.returns if r))
+        tiling = replace(tiling, chunk=without_conds(tiling.chunk), sizes=sizes)
     return replace(
         module,
         forward=strip(module.forward, (*module.outputs, *module.saved)),
         recompute=strip(module.recompute, module.saved),
         backward=strip(module.backward, tuple(r for r in module.backward.returns if r)),
+        tiling=tiling,
     )
 
 

@@ -125,18 +125,21 @@ class PyTorchPrinter(Printer):
 
     # -- function bodies ----------------------------------------------------------------
 
-    def code(self, e, module: ir.Module | None = None, kind: str = "") -> str:
+    def code(self, e, module: ir.Module | None = None, kind: str = "", raw=()) -> str:
         if isinstance(e, ir.Block):
-            return self.body(e, module, kind)
+            return self.body(e, module, kind, tuple(raw))
         return super().code(e)
 
-    def body(self, block: ir.Block, m: ir.Module, kind: str) -> str:
-        """The statements of `_compute` (kind "forward"), `_recompute` or `_backward`,
-        indented, without the steps and prelude lines nothing reads."""
+    def body(self, block: ir.Block, m: ir.Module, kind: str, raw: tuple[str, ...] = ()) -> str:
+        """The statements of `_compute` (kind "forward"), `_recompute`, `_backward` or a
+        tiling's size block ("sizes"), indented, without the steps and prelude lines
+        nothing reads. Int attrs in `raw` (a chunk's position in the loop) are taken as
+        they come, unchecked."""
         roots = {
             "forward": (*m.outputs, *m.saved),
             "recompute": m.saved,
             "backward": tuple(r for r in block.returns if r),
+            "sizes": tuple(r for r in block.returns if r),
         }[kind]
         live = set(roots)
         kept: list[tuple[ir.Assign, str]] = []
@@ -158,7 +161,9 @@ class PyTorchPrinter(Printer):
                         f"{grad} = torch.zeros_like({output}) if {grad} is None else {grad}"
                     )
         for attr in m.attrs:
-            if f"_int_{attr.name}" in live:
+            if f"_int_{attr.name}" in live and attr.name in raw:
+                lines.append(f"_int_{attr.name} = {attr.name}  # a position in the loop")
+            elif f"_int_{attr.name}" in live:
                 lines.append(f"_int_{attr.name} = _int_attr({attr.name!r}, {attr.name})")
                 if attr.name in m.positive_attrs:
                     lines += [
