@@ -11,9 +11,9 @@ before tiling. Each subprocess reports:
 - peak: TensorFlow: the BFC allocator's peak (`get_memory_info("CPU:0")["peak"]` after
   `reset_memory_stats`, minus the bytes in use before). JAX: the compiled step's
   `memory_analysis()` (temporaries + outputs + arguments, the bytes XLA allocates for one
-  call). PyTorch: the process's high-water resident size (`ru_maxrss`) during the step
-  minus its size before it (the CPU allocator keeps no statistics); a fresh process per
-  measurement, inputs made and one small warm-up step run before the baseline is read.
+  call). PyTorch: the CPU allocator keeps no statistics, so the peak of the running sum of
+  the allocations and frees `torch.profiler` records (`profile_memory=True`, its
+  "[memory]" events, in order) over one step after a warm-up step.
 - io: the bytes of the op's inputs and outputs; the bound is 4 x io + MAX_TEMP_BYTES.
 - time: the median of 5 steps after one warm-up (TensorFlow eager; PyTorch eager; JAX
   under `jax.jit`), and the ratio new / baseline.
@@ -90,11 +90,18 @@ elif target == "pytorch":
         loss = (y * y).sum()
         grads = torch.autograd.grad(loss, args)
         return grads, y
-    small = [torch.from_numpy(a[:1].copy()).requires_grad_() for a in arrays]
-    before = rss()
     _, y = step()
     io += y.numel() * 4
-    result["peak"] = rss() - before
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as profile:
+        step()
+    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    total = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        peak = max(peak, total)
+    result["peak"] = peak
 else:
     import jax, jax.numpy as jnp
     args = [jnp.asarray(a) for a in arrays]
