@@ -381,16 +381,20 @@ def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
 _PRELUDE_NAMES = ("dtype",)
 
 
+def _size_arithmetic(e: ir.Expr) -> bool:
+    """Whether `e` reads sizes, int attrs alone (`max(p, 0)`) or nothing (a literal
+    position): recomputed where it is needed, never kept from the forward pass (a Python
+    int is no tensor to save)."""
+    names = ir.names_in(e)
+    return any(n.startswith("_n_") for n in names) or all(n.startswith("_int_") for n in names)
+
+
 def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
     """Read values the forward pass already computed (`tanh(A)`) instead of recomputing.
 
     The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
     """
-    usable = {
-        expr: name
-        for expr, name in forward.items()
-        if not any(n.startswith("_n_") for n in ir.names_in(expr))
-    }
+    usable = {expr: name for expr, name in forward.items() if not _size_arithmetic(expr)}
 
     def borrowed(e: ir.Expr) -> ir.Expr | None:
         return ir.Var(usable[e]) if e in usable else None
