@@ -80,6 +80,7 @@ PARAMETERS = {
     "reshape": ("x", "shape"),
     "segment_sum": ("data", "ids", "n"),
     "shape": ("x",),
+    "size_limit": ("n", "where", "others"),
     "slice": ("x", "begin", "size"),
     "sparse_rows": ("values", "rows", "shape"),
     "squeeze": ("x", "axis"),
@@ -111,6 +112,8 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return is_python(e.operand, names)
     if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64"):
         return all(is_python(a, names) for a in e.args)
+    if isinstance(e, ir.Call) and e.function == "size_limit":
+        return is_python(e.args[0], names)
     return False
 
 
@@ -403,6 +406,9 @@ class PyTorchPrinter(Printer):
         if not items:
             return self.code(x)
         return f"{self.atom(x)}[{', '.join(items)}]"
+
+    def call_size_limit(self, args: dict) -> str:
+        return f"_size_limit({self.code(args['n'])}, {self.code(args['where'])}, {self.code(args['others'])})"
 
     def call_cumsum(self, args: dict) -> str:
         x, axis = self.code(args["x"]), self.code(args.get("axis", ir.Lit("0")))
