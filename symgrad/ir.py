@@ -106,6 +106,8 @@ OPS = {
     "transpose": "transpose(x, perm)",
     "zeros": "zeros(shape, dtype=)",
     "zeros_like": "zeros_like(x)",
+    "size_limit": "size_limit(n, where, others): the size n of an output axis, refused when "
+    "n times the other sizes is beyond the largest output allowed",
     # reductions and scans (axis=, keepdims=)
     "cumsum": "cumsum(x, axis=, exclusive=, reverse=)",
     "log_softmax": "log_softmax(x, axis=)",

@@ -133,7 +133,13 @@ def train_step(fw: Target, module, case: Case, seed: int = 0, rate: float = 0.1)
     args = inputs(case, module, fw, seed)
     attrs = dict(case.attrs)
     trainable = _floats(case, module)
-    shapes = [np.shape(fw.numpy(o)) for o in _tuple(module.forward(*args, **attrs))]
+    if fw.name == "jax":  # shapes by tracing: eager JAX compiles op by op
+        import jax
+
+        found = jax.eval_shape(lambda *xs: _tuple(module.forward(*xs, **attrs)), *args)
+        shapes = [o.shape for o in found]
+    else:
+        shapes = [np.shape(fw.numpy(o)) for o in _tuple(module.forward(*args, **attrs))]
     rng = np.random.default_rng(seed + 2)
     targets = [fw.tensor(rng.standard_normal(s)) for s in shapes]
 
@@ -179,7 +185,7 @@ def train_step(fw: Target, module, case: Case, seed: int = 0, rate: float = 0.1)
                 leaves[k] -= rate * g  # an optimizer's in-place update
                 grads.append(fw.numpy(g))
             after = loss_of(leaves)
-        return {"loss": float(loss), "grads": grads, "after": float(after)}
+        return {"loss": loss.item(), "grads": grads, "after": after.item()}
 
     import jax
 
@@ -193,12 +199,14 @@ def train_step(fw: Target, module, case: Case, seed: int = 0, rate: float = 0.1)
     params = [args[k] for k in trainable]
     if not params:
         return {"loss": float(loss_of()), "grads": [], "after": float(loss_of())}
-    loss, taken = jax.value_and_grad(loss_of, argnums=tuple(range(len(params))))(*params)
+    # Under jax.jit: one XLA compile for the step instead of one per op.
+    step = jax.jit(jax.value_and_grad(loss_of, argnums=tuple(range(len(params)))))
+    loss, taken = step(*params)
     updated = [p - rate * g for p, g in zip(params, taken, strict=True)]
     return {
         "loss": float(loss),
         "grads": [fw.numpy(g) for g in taken],
-        "after": float(loss_of(*updated)),
+        "after": float(step(*updated)[0]),  # the same compiled step, at the new values
     }
 
 

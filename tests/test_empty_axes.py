@@ -96,3 +96,23 @@ def test_positions_that_simplify_to_a_plain_index(read, target, tmp_path):
     np.testing.assert_allclose(fw.numpy(module.forward(fw.tensor(x))), scale * x)
     (grad,) = module.vjp(fw.tensor(x), fw.tensor(np.ones((2, 5))))
     np.testing.assert_allclose(fw.numpy(grad), np.full((2, 5), float(scale)))
+
+
+@pytest.mark.parametrize("target", sorted(FRAMEWORKS))
+@pytest.mark.parametrize("scale", ["1000000000", "100000000"])
+def test_an_absurdly_large_output_is_refused_before_allocating(scale, target, tmp_path):
+    """A range of x.shape[1] * 10**9 (or 10**8) would allocate until the process is
+    killed: one line naming the op, the output and its number of elements instead."""
+    case = Case(STRIDED, {"x": (2, 6, 3), "w": (1, 3, 4)}, ranges={"i": f"x.shape[1] * {scale}"})
+    module = generate(case, tmp_path, "Huge", target)
+    fw = FRAMEWORKS[target]
+    x, w = (fw.tensor(np.ones(case.shapes[n])) for n in module.INPUTS)
+    elements = 2 * 6 * int(scale) * 4
+    expected = rf"^Huge\d+: output y\[i\] would have {elements} elements"
+    for call in (
+        lambda: module.forward(x, w),
+        lambda: module.vjp(x, w, fw.tensor(np.ones((2, 1, 4)))),
+    ):
+        with pytest.raises(ValueError, match=expected) as error:
+            call()
+        assert "\n" not in str(error.value)

@@ -582,7 +582,7 @@ N = ir.Var("_n_i")
         (ir.Call("cast", (ir.Var("mask"), ir.Var("dtype"))), "jnp.asarray(mask, dtype)"),
         (
             ir.Call("gather", (X, ir.Var("p")), (("axis", ir.Lit("1")),)),
-            'jnp.take(x, p, axis=1, mode="fill")',
+            "_gather(x, p, axis=1)",  # jnp.take, never from an empty axis
         ),
         (ir.Call("segment_sum", (X, ir.Var("ids"), N)), "_segment_sum(x, ids, _n_i)"),
         (
@@ -619,7 +619,7 @@ N = ir.Var("_n_i")
                 (("strides", ir.List((ir.Lit("2"),))), ("padding", ir.Lit('"VALID"'))),
             ),
             (
-                'jax.lax.conv_general_dilated(x, w, window_strides=[2], padding="VALID", '
+                '_convolution(x, w, window_strides=[2], padding="VALID", '
                 "dimension_numbers=('NWC', 'WIO', 'NWC'))"
             ),
         ),

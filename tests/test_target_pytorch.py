@@ -660,3 +660,66 @@ def test_readme_example(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "same gradient"
+
+
+# -- formulas that crashed PyTorch only --------------------------------------------------
+
+LITERAL_INDICES = {
+    "row_of_a_table": Case("y[b] = W[b, 1]", {"W": (3, 4)}),
+    "column_of_a_lookup": Case(
+        "y[t] = W[ids[t], 1]", {"W": (5, 4)}, index_inputs={"ids": ((6,), -1, 6)}
+    ),
+    "last_axis_at_zero": Case("y[b,i] = x[b,i,0]", {"x": (2, 3, 4)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LITERAL_INDICES))
+def test_a_literal_index_in_brackets(name, folder):
+    """A literal position is a Python int: torch ops (broadcast_to, logical_and) get it as
+    a tensor."""
+    case = LITERAL_INDICES[name]
+    check_target(case, generate_for(case, "pytorch", folder), TORCH)
+
+
+def test_a_padded_convolution_trains_with_inputs_that_require_grad(folder):
+    """Sizes computed from an int attr (`max(p, 0)`) are Python ints: recomputed by the
+    backward, never given to save_for_backward (which takes tensors only)."""
+    case = Case(
+        "y[b,i,o] = sum(x[b, i + k - p, c] * w[k,c,o], k, c)",
+        {"x": (2, 6, 3), "w": (3, 3, 4)},
+        attrs={"p": 1},
+    )
+    module = generate_for(case, "pytorch", folder)
+    x, w = _inputs(case, module, requires_grad=True)
+    module.forward(x, w, p=1).square().sum().backward()
+    grad = 2 * module.forward(x, w, p=1).detach()
+    for got, want in zip((x.grad, w.grad), module.vjp(x, w, grad, p=1), strict=True):
+        torch.testing.assert_close(got, want)
+    assert torch.autograd.gradcheck(lambda a, b: module.forward(a, b, p=2), (x, w))
+
+
+def test_torch_compile_dynamic_with_int_attrs_as_arguments():
+    """The repo's StridedConv1d under torch.compile(dynamic=True, fullgraph=True), its int
+    attrs passed as arguments (symbolic ints, which have no `hasattr`)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from generated_torch import strided_conv1d as module
+    finally:
+        sys.path.remove(str(ROOT))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w, s, d, p: module.forward(x, w, s=s, d=d, p=p),
+        dynamic=True,
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 13, 3, generator=generator, requires_grad=True)
+    w = torch.randn(3, 3, 4, generator=generator, requires_grad=True)
+    for s, d, p in ((2, 2, 1), (1, 3, 2)):
+        out = compiled(x, w, s, d, p)
+        torch.testing.assert_close(out, module.forward(x, w, s=s, d=d, p=p))
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (x, w), grad)
+        for g, want in zip(got, module.vjp(x, w, grad, s=s, d=d, p=p), strict=True):
+            torch.testing.assert_close(g, want)

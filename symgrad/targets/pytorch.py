@@ -83,6 +83,7 @@ PARAMETERS = {
     "reshape": ("x", "shape"),
     "segment_sum": ("data", "ids", "n"),
     "shape": ("x",),
+    "size_limit": ("n", "where", "others"),
     "slice": ("x", "begin", "size"),
     "sparse_rows": ("values", "rows", "shape"),
     "squeeze": ("x", "axis"),
@@ -100,19 +101,22 @@ OPTIONAL = {"axis", "keepdims", "exclusive", "reverse", "padding"}
 SIZE_PREFIXES = ("_n_", "_int_")  # sizes and int attrs in index arithmetic: Python ints
 
 
-def is_python(e: ir.Expr) -> bool:
+def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
     """Whether `e` is a Python number in the generated code (a size, an int attr in index
-    arithmetic, a literal), not a tensor."""
+    arithmetic, a literal, or one of `names`: steps bound to such a number), not a
+    tensor."""
     if isinstance(e, ir.Lit | ir.AxisSize | ir.FloatSize):
         return True
     if isinstance(e, ir.Var):
-        return e.name.startswith(SIZE_PREFIXES)
+        return e.name.startswith(SIZE_PREFIXES) or e.name in names
     if isinstance(e, ir.Binary):
-        return is_python(e.left) and is_python(e.right)
+        return is_python(e.left, names) and is_python(e.right, names)
     if isinstance(e, ir.Negate):
-        return is_python(e.operand)
+        return is_python(e.operand, names)
     if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64"):
-        return all(is_python(a) for a in e.args)
+        return all(is_python(a, names) for a in e.args)
+    if isinstance(e, ir.Call) and e.function == "size_limit":
+        return is_python(e.args[0], names)
     return False
 
 
@@ -122,6 +126,12 @@ def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
 
 class PyTorchPrinter(Printer):
     branches = False  # data-dependent Python control flow breaks torch.compile(fullgraph)
+    # Steps of the body being printed that hold a Python number (a literal position, as in
+    # `W[b, 1]`): torch ops get them as tensors, like sizes.
+    python_names: frozenset[str] = frozenset()
+
+    def is_python(self, e: ir.Expr) -> bool:
+        return is_python(e, self.python_names)
 
     # -- function bodies ----------------------------------------------------------------
 
@@ -141,6 +151,11 @@ class PyTorchPrinter(Printer):
             "backward": tuple(r for r in block.returns if r),
             "sizes": tuple(r for r in block.returns if r),
         }[kind]
+        numbers: set[str] = set()
+        for step in block.steps:
+            if is_python(step.value, frozenset(numbers)):
+                numbers.add(step.target)
+        self.python_names = frozenset(numbers)
         live = set(roots)
         kept: list[tuple[ir.Assign, str]] = []
         for step in reversed(block.steps):
@@ -202,7 +217,7 @@ class PyTorchPrinter(Printer):
 
     def tensor(self, e: ir.Expr, dtype: bool = True) -> str:
         """`e` where torch wants a tensor: a Python number becomes one."""
-        if not is_python(e):
+        if not self.is_python(e):
             return self.code(e)
         keywords = ", dtype=dtype" if dtype else ""
         return f"torch.as_tensor({self.code(e)}{keywords}, device=_device)"
@@ -210,11 +225,11 @@ class PyTorchPrinter(Printer):
     def scalar(self, e: ir.Expr) -> str | None:
         """A Python number where torch takes a scalar: a literal, a size, or a literal
         cast to the computation dtype; None for a tensor."""
-        if isinstance(e, ir.Call) and e.function == "cast" and is_python(e.args[0]):
+        if isinstance(e, ir.Call) and e.function == "cast" and self.is_python(e.args[0]):
             return self.code(e.args[0])
         if isinstance(e, ir.Call) and e.function == "zeros" and e.args == (ir.Lit("[]"),):
             return "0"
-        if is_python(e):
+        if self.is_python(e):
             return self.code(e)
         return None
 
@@ -290,7 +305,7 @@ class PyTorchPrinter(Printer):
 
     def extremum(self, args: dict, python: str, both: str, clamp: str) -> str:
         x, y = args["x"], args["y"]
-        if is_python(x) and is_python(y):
+        if self.is_python(x) and self.is_python(y):
             return f"{python}({self.code(x)}, {self.code(y)})"
         # A constant bound: torch.clamp_min(A, 0) (the gradient at a tie goes to A, as
         # TF's maximum gives it to its first argument).
@@ -313,13 +328,13 @@ class PyTorchPrinter(Printer):
 
     def call_cast(self, args: dict) -> str:
         x, dtype = args["x"], self.code(args["dtype"])
-        if is_python(x):
+        if self.is_python(x):
             return f"torch.as_tensor({self.code(x)}, dtype={dtype}, device=_device)"
         return f"{self.atom(x)}.to({dtype})"
 
     def call_to_int64(self, args: dict) -> str:
         x = args["x"]
-        if is_python(x):  # a Python int is exact as it is
+        if self.is_python(x):  # a Python int is exact as it is
             return self.code(x)
         return f"{self.atom(x)}.to(torch.int64)"
 
@@ -327,8 +342,11 @@ class PyTorchPrinter(Printer):
         x, shape = args["x"], self.code(args["shape"])
         value = self.scalar(x)
         if value is not None:
+            # A cast value takes its dtype; a bare Python number is an index position.
             dtype = (
-                self.code(x.args[1]) if isinstance(x, ir.Call) and x.function == "cast" else "dtype"
+                self.code(x.args[1])
+                if isinstance(x, ir.Call) and x.function == "cast"
+                else "torch.int64"
             )
             return f"torch.full({shape}, {value}, dtype={dtype}, device=_device)"
         return f"torch.broadcast_to({self.code(x)}, {shape})"
@@ -397,6 +415,9 @@ class PyTorchPrinter(Printer):
         if not items:
             return self.code(x)
         return f"{self.atom(x)}[{', '.join(items)}]"
+
+    def call_size_limit(self, args: dict) -> str:
+        return f"_size_limit({self.code(args['n'])}, {self.code(args['where'])}, {self.code(args['others'])})"
 
     def call_cumsum(self, args: dict) -> str:
         x, axis = self.code(args["x"]), self.code(args.get("axis", ir.Lit("0")))
