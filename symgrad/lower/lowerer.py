@@ -283,14 +283,15 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         else:
             bwd.bind(lowerer.gradient(bwd, name, contributions, scatters), name=gname)
         returns.append(gname)
-    backward_block = _finish(bwd, tuple(returns))
+    limits = _output_limits(program, lowerer.size_of)
+    backward_block = _finish(bwd, tuple(returns), limits)
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
     # Borrowing forward values can leave a dtype or size definition nothing reads.
     backward_block = _borrow(backward_block, fwd.memo)
     backward_block = ir.prune(backward_block, backward_block.returns, set())
     read = ir.names_read(backward_block)
-    forward_block = _finish(fwd, tuple(outputs))
+    forward_block = _finish(fwd, tuple(outputs), limits)
     keep = set(outputs) | {name for name in read if name not in program.inputs}
     forward_block = ir.prune(
         forward_block,
@@ -374,23 +375,59 @@ def lower_sizes(
     lowerer = Lowerer(program, backward)
     body = _Body(program, {name: name for name in program.inputs}, stem="_s")
     names = tuple(lowerer.index_size(body, index) for index in indices)
-    return _finish(body, tuple(dict.fromkeys(names))), names
+    return _finish(body, tuple(dict.fromkeys(names)), {}), names
 
 
-def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
-    """Prepend the size and dtype definitions the steps use."""
+def _output_limits(program, size_of) -> dict:
+    """For each computed size (a range, or inferred from reads) of an output axis: per
+    output, the sizes of its other axes, and the output's name. The size is checked at
+    call time so that no output beyond `size_limit` elements is ever allocated."""
+    limits: dict = {}
+    for output in program.outputs:
+        indices = [i for group in output.groups for i in group]
+        for i in indices:
+            source = size_of.get(i)
+            if source is None or isinstance(source, tuple):
+                continue
+            others = []
+            for j in indices:
+                if j != i:
+                    other = size_of[j]
+                    others.append(
+                        ir.AxisSize(*other) if isinstance(other, tuple) else integer(other)
+                    )
+            limits.setdefault(source, []).append(
+                (output.level.name, i.name, ir.List(tuple(others)))
+            )
+    return limits
+
+
+def _finish(body: _Body, returns: tuple[str | None, ...], limits: dict) -> ir.Block:
+    """Prepend the size and dtype definitions the steps use; a computed size of an output
+    axis is checked against the size limit of an output (`limits`)."""
     prelude = []
     if body.uses_dtype:
         prelude.append(ir.Assign("dtype", ir.DType(body.program.value_inputs[0])))
     for var, source in sorted(body.sizes.items()):
         if isinstance(source, tuple):
             prelude.append(ir.Assign(var, ir.AxisSize(*source)))
-        else:
-            prelude.append(ir.Assign(var, integer(source)))
+            continue
+        value = integer(source)
+        for output, index, others in limits.get(source, ()):
+            value = ir.Call("size_limit", (value, ir.Lit(repr(f"{output}[{index}]")), others))
+        prelude.append(ir.Assign(var, value))
     return ir.Block(tuple(prelude + body.steps), returns)
 
 
 _PRELUDE_NAMES = ("dtype",)
+
+
+def _size_arithmetic(e: ir.Expr) -> bool:
+    """Whether `e` reads sizes, int attrs alone (`max(p, 0)`) or nothing (a literal
+    position): recomputed where it is needed, never kept from the forward pass (a Python
+    int is no tensor to save)."""
+    names = ir.names_in(e)
+    return any(n.startswith("_n_") for n in names) or all(n.startswith("_int_") for n in names)
 
 
 def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
@@ -398,11 +435,7 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
 
     The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
     """
-    usable = {
-        expr: name
-        for expr, name in forward.items()
-        if not any(n.startswith("_n_") for n in ir.names_in(expr))
-    }
+    usable = {expr: name for expr, name in forward.items() if not _size_arithmetic(expr)}
 
     def borrowed(e: ir.Expr) -> ir.Expr | None:
         return ir.Var(usable[e]) if e in usable else None
