@@ -39,6 +39,7 @@ import sympy as sp
 from . import indexing
 from .emit import intact
 from .errors import SymgradError
+from .folders import spec_source
 from .model import Program, build
 from .pipeline import module_text
 from .spec import OpSpec, Spec, snake_case
@@ -784,7 +785,7 @@ def _held(loaded: Library, op: OpSpec, name: str, value, how: str) -> tuple:
 def _module_state(spec: Spec, ops, out: Path, target: str) -> list[str]:
     """Each op's module must be on disk as `symgrad generate` would write it now; a module
     edited by hand is checked as it is, with a warning."""
-    source_name = Path(spec.path).name
+    source_name = spec_source(spec, out)
     warnings = []
     for op in ops:
         path = out / f"{snake_case(op.name)}.py"
