@@ -92,7 +92,9 @@ def main() -> None:
                 row = {"keops": keops(op, n)}
                 shapes = {"x": (1, n, 3), "z": (1, int(0.8 * n), 3)}
                 for target in options.targets.split(","):
-                    row[target] = measure(Path(tmp) / f"new_{target}", target, op, (name, shapes, {}))
+                    row[target] = measure(
+                        Path(tmp) / f"new_{target}", target, op, (name, shapes, {})
+                    )
                 results[f"{op}@{n}"] = row
                 print(
                     f"{op:11} {n:>6} "
