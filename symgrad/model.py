@@ -241,7 +241,15 @@ class _Builder:
                 symbol = self.bind(name)
                 inner_scope[name] = symbol
                 bound.append(symbol)
-            for term in self.factor(part, inner_scope):
+            terms = self.factor(part, inner_scope)
+            for symbol in bound:
+                if not self.dims.get(symbol) and not self.sized_elsewhere(symbol):
+                    raise self.fail(
+                        f"index {_base(symbol)!r} is summed over this term, but no tensor in it reads "
+                        "it, so its size is unknown",
+                        _value_col(part, _base(symbol)),
+                    )
+            for term in terms:
                 summed = _ordered_union(term.summed, bound)
                 result.append(Term(sign * term.expr, summed))
         return _merge_pointwise(result)
@@ -251,6 +259,8 @@ class _Builder:
         found: dict[str, None] = {}
 
         def walk(n: Node, bound: frozenset[str]) -> None:
+            if isinstance(n, IndexRef) and n.name not in scope and n.name not in bound:
+                found.setdefault(n.name, None)  # an index's value: summed like an access
             if isinstance(n, Access):
                 for index in n.indices:
                     if index not in scope and index not in bound:
@@ -290,7 +300,10 @@ class _Builder:
         if isinstance(node, Num):
             return [Term(_number(node.value), ())]
         if isinstance(node, Constant):
-            return [Term(sp.pi if node.name == "pi" else sp.E, ())]
+            constants = {"pi": sp.pi, "e": sp.E, "inf": -fn.NEG_INF}
+            return [Term(constants[node.name], ())]
+        if isinstance(node, IndexRef):  # an index as a value
+            return [Term(fn.index_value(indexing.index_values(scope[node.name])), ())]
         if isinstance(node, AttrRef):
             return [Term(self.attrs[node.name], ())]
         if isinstance(node, Access):
@@ -833,8 +846,28 @@ def _condition_indices(node: Condition) -> list[str]:
     return names
 
 
+def _value_col(node: Node, name: str) -> int | None:
+    """The column of the first use of index `name` as a value under `node`."""
+    if isinstance(node, IndexRef):
+        return node.col if node.name == name else None
+    children = {
+        Neg: lambda n: [n.operand],
+        BinOp: lambda n: [n.left, n.right],
+        Call: lambda n: list(n.args),
+        Reduce: lambda n: [n.body],
+        Where: lambda n: [n.then, n.otherwise],
+    }.get(type(node), lambda n: [])(node)
+    for child in children:
+        col = _value_col(child, name)
+        if col is not None:
+            return col
+    return getattr(node, "col", None)
+
+
 def _written_indices(node: Node) -> list[str]:
     """Index names of the accesses under `node`, in written order."""
+    if isinstance(node, IndexRef):  # an index's value
+        return [node.name]
     if isinstance(node, Access):
         return list(node.indices)
     if isinstance(node, Where):  # the values' indices first: they fix the axis order

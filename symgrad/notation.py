@@ -34,6 +34,9 @@ class IndexPrinter(StrPrinter):
     def _print_step_eq(self, expr):
         return f"[{self._print(expr.args[0])} == {self._print(expr.args[1])}]"
 
+    def _print_index_value(self, expr):  # an index as a value: the index itself
+        return self._print(expr.args[0])
+
     def _print_select(self, expr):
         cond, then, otherwise = (self._print(a) for a in expr.args)
         return f"where({cond}, {then}, {otherwise})"

@@ -222,7 +222,10 @@ class Evaluator:
         if isinstance(node, Num):
             return Dense(tf.constant(float(node.value), self.dtype), ())
         if isinstance(node, Constant):
-            return Dense(tf.constant(math.pi if node.name == "pi" else math.e, self.dtype), ())
+            values = {"pi": math.pi, "e": math.e, "inf": math.inf}
+            return Dense(tf.constant(values[node.name], self.dtype), ())
+        if isinstance(node, IndexRef):  # an index's value, in the float dtype
+            return Dense(tf.cast(tf.range(self.size(node.name)), self.dtype), (node.name,))
         if isinstance(node, AttrRef):
             return Dense(tf.constant(float(self.attrs[node.name]), self.dtype), ())
         if isinstance(node, Access):

@@ -120,6 +120,9 @@ class Pointwise:
                     self.value(body, otherwise, target),
                 ),
             )
+        if isinstance(e, fn.index_value):  # 0, 1, ... in the inputs' float dtype
+            body.uses_dtype = True
+            return ir.Call("cast", (self.expr(body, e.args[0], target), ir.Var("dtype")))
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
