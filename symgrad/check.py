@@ -611,16 +611,16 @@ def _outputs(result) -> list:
 
 def _generated_target(tf, program, module, attrs, sizes) -> _Target:
     """No library: the generated forward against the dense evaluation of the formula."""
-    from .reference import evaluate
+    from .reference import evaluate_op
 
     int_attrs = frozenset(n for n, kind in program.attrs if kind == "int")
+    outputs = {o.level.name for o in program.outputs}
 
     def reference(tensors):
         named = dict(zip(program.inputs, tensors, strict=True))
-        return [
-            evaluate(f, named, attrs, sizes=sizes.indices, int_attrs=int_attrs)
-            for f in program.formulas
-        ]
+        return evaluate_op(
+            program.formulas, named, attrs, outputs=outputs, sizes=sizes.indices, int_attrs=int_attrs
+        )
 
     def call(tensors):
         return _outputs(module.forward(*tensors, **attrs))

@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing
+from . import indexing, internals
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -211,6 +211,11 @@ class _Builder:
         self.index_uses: dict[Index, tuple[str, int]] = {}
         # int attrs an inferred range takes as > 0, or a range divides by
         self.positive_attrs: set[str] = set()
+        # Internal tensors (not in `outputs`): name -> (level, formula, column), in order;
+        # the ones some later equation reads; every left-hand name.
+        self.internals: dict[str, tuple[Level, str, int]] = {}
+        self.internal_reads: set[str] = set()
+        self.defined: list[str] = []
 
     # -- errors -----------------------------------------------------------------------
 
@@ -482,6 +487,8 @@ class _Builder:
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
         if not node.plain:
             return self.gather(node, scope)
+        if node.tensor in self.internals:
+            return internals.read(self, node, scope)
         self.mark(self.value_inputs, node.tensor, node.col)
         return self.plain_access(node, scope)
 
@@ -529,16 +536,26 @@ class _Builder:
     def gather(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
         """A read at computed positions: an intermediate over the indices it uses."""
         name = node.tensor
-        self.mark(self.value_inputs, name, node.col)
-        self.register(name, len(node.positions), node.col)
+        internal = name in self.internals  # computed by an earlier equation of the op
+        if internal:
+            self.internal_reads.add(name)
+            if len(node.positions) != self.ranks[name]:
+                raise self.fail(f"internal tensor {name!r} is read with another rank", node.col)
+        else:
+            self.mark(self.value_inputs, name, node.col)
+            self.register(name, len(node.positions), node.col)
         lookups: list[Access] = []
         positions = tuple(self.position(p, scope, lookups) for p in node.positions)
         written = [scope[i] for i in node.indices]
         computed, grid = indexing.layout(positions, written)
         for axis, position in enumerate(positions):
-            if indexing.is_plain(position):  # a plain index takes the axis size
+            if indexing.is_plain(position) and internal:
+                internals.share_axis(self, position, name, axis, node.col)
+            elif indexing.is_plain(position):  # a plain index takes the axis size
                 self.add_dim(position, name, axis)
-            elif not position.atoms(sp.Indexed):
+            elif not position.atoms(sp.Indexed) and not internal:
+                # Ranges are inferred from reads of inputs only: an internal tensor's
+                # size is known only once it is computed.
                 self.reads.append((position, name, axis))
         key = ("gather", name, tuple(sp.srepr(p) for p in positions), tuple(map(str, grid)))
         found = self.by_key.get(repr(key))
@@ -948,8 +965,19 @@ def build(op: OpSpec) -> Program:
         builder.used_names.update(equation.output_indices)
     outputs: list[Output] = []
     for equation in equations:
+        if equation.output in builder.defined:
+            raise SymgradError(
+                f"{equation.output!r} is computed by two equations",
+                where=op.source,
+                formula=equation.text,
+                column=equation.output_col,
+            )
+        builder.defined.append(equation.output)
         try:
-            outputs.append(builder.output(equation))
+            if internals.is_internal(op.outputs, equation):
+                internals.define(builder, equation)
+            else:
+                outputs.append(builder.output(equation))
         except SymgradError as exc:
             raise exc.located(op.source, equation.text) from None
     return _check(builder, outputs)
@@ -967,6 +995,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         if names.count(name) > 1:
             raise fail(f"output {name!r} is defined twice")
     inputs_used = [n for n in builder.input_order if not n.startswith("_")]
+    internals.check(builder, inputs_used, fail)
     for output in names:
         if output in inputs_used:
             raise fail(f"output {output!r} is also used as an input")
@@ -1205,7 +1234,7 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
     flags = []
     for axis in level.gather.computed:
         position = level.gather.positions[axis]
-        if position.atoms(sp.Indexed):
+        if position.atoms(sp.Indexed) or level.gather.source in builder.internals:
             flags.append(False)
             continue
         indices = [x for x in position.free_symbols if indexing.is_plain(x)]

@@ -25,7 +25,7 @@ ATTR_TYPES = ("float", "int", "bool")
 TOP_KEYS = ("out", "targets", "ops")
 # The frameworks a spec may write modules for, and each one's folder when none is named.
 TARGET_FOLDERS = {name: target.default_out for name, target in TARGETS.items()}
-OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges")
+OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges", "outputs")
 MAX_SIZE = 2**31
 MAX_OPS = 500
 MAX_FORMULAS = 16
@@ -90,6 +90,9 @@ class OpSpec:
     # The range of an index that is not a plain index of some input axis (index name ->
     # integer expression over int literals, int attrs and `X.shape[n]`), in spec order.
     ranges: tuple[tuple[str, str], ...] = ()
+    # The op's outputs, in order, when not every left-hand tensor is one: the others are
+    # internal (computed, read by later equations, never returned). None: all of them.
+    outputs: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -247,8 +250,23 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
                 where=where,
             )
         ranges.append((index, str(extent)))
+    outputs = _string_list(table["outputs"], "outputs", where) if "outputs" in table else None
+    for tensor in outputs or ():
+        problem = check_name(tensor, "output")
+        if problem:
+            raise SymgradError(problem, where=where)
+    if outputs is not None and not outputs:
+        raise SymgradError("`outputs` lists no output", where=where)
     return OpSpec(
-        name, formulas, inputs, tuple(attrs), no_gradient, where, tuple(sizes), tuple(ranges)
+        name,
+        formulas,
+        inputs,
+        tuple(attrs),
+        no_gradient,
+        where,
+        tuple(sizes),
+        tuple(ranges),
+        outputs,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from harness import Case, check, generate
 from target_harness import Framework, check_target
 
@@ -76,6 +77,52 @@ CASES = {
         ranges={"v": "3"},
         sizes={"v": 3},
     ),
+    # item 7: internal tensors, read by later equations, never returned
+    "internal_read_plainly_twice": Case(
+        ["h[b,i] = tanh(x[b,i] * w[i])", "y[b] = sum(h[b,i] * h[b,i], i)"],
+        {"x": (3, 4), "w": (4,)},
+        outputs=("y",),
+    ),
+    "internal_summed_into_an_output": Case(
+        ["h[b,i] = exp(x[b,i])", "y[b,j] = sum(h[b,i], i) * x[b,j]"],
+        {"x": (3, 4)},
+        outputs=("y",),
+    ),
+    "internal_read_at_computed_positions": Case(
+        ["h[b,t] = x[b,t] * x[b,t] + 1", "y[b,t] = h[b, t - 1] + 2 * h[b, t]"],
+        {"x": (3, 5)},
+        outputs=("y",),
+    ),
+    "internal_read_through_an_index_tensor": Case(
+        ["h[n,f] = sigmoid(x[n,f])", "y[m,f] = h[ids[m], f] * x[m,f]"],
+        {"x": (6, 2)},
+        index_inputs={"ids": ((6,), -1, 7)},
+        outputs=("y",),
+    ),
+    "internals_chained_with_two_outputs": Case(
+        [
+            "h[b,i] = x[b,i] * w[i]",
+            "g[b] = log(sum(exp(h[b,i]), i))",
+            "y[b,i] = exp(h[b,i] - g[b])",
+            "z[b] = g[b] * g[b]",
+        ],
+        {"x": (3, 4), "w": (4,)},
+        outputs=("y", "z"),
+    ),
+    # a real op: RWKV-4's WKV (the recurrence of wkv_cuda.cu, summed out) with internal
+    # numerator and denominator and the decay written with index values
+    "rwkv4_wkv": Case(
+        [
+            "a[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]) * v[b,i,c], 0), i)",
+            "d[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]), 0), i)",
+            "y[b,t,c] = (a[b,t,c] + exp(u[c] + k[b,t,c]) * v[b,t,c]) / "
+            "(d[b,t,c] + exp(u[c] + k[b,t,c]))",
+        ],
+        {"w": (3,), "u": (3,), "k": (2, 5, 3), "v": (2, 5, 3)},
+        inputs=("w", "u", "k", "v"),
+        outputs=("y",),
+        sizes={"t": 5},  # for the reference, which reads `a` alone: t is k's axis 1
+    ),
 }
 
 
@@ -139,3 +186,59 @@ def test_a_name_that_is_no_index_stays_an_unknown_name():
     error = _refused("y[b,i] = x[b,i] * j")
     assert "unknown name 'j'" in str(error)
     _caret_at(error, "j")
+
+
+def test_internal_tensors_are_refused_where_they_cannot_be_read():
+    composite = _refused(["h[(b,i)] = x[b,i]", "y[b,i] = h[b,i]"], outputs=("y",))
+    assert "composite axis" in str(composite)
+    _caret_at(composite, "h[")
+    twice = _refused(["h[b,i] = x[b,i]", "h[b,i] = x[b,i] * 2"], outputs=("h",))
+    assert "computed by two equations" in str(twice)
+    _caret_at(twice, "h[")
+    early = _refused(["y[b,i] = h[b,i]", "h[b,i] = x[b,i]"], outputs=("y",))
+    assert "read before the equation that computes it" in str(early)
+    unused = _refused(["h[b,i] = x[b,i]", "y[b,i] = x[b,i]"], outputs=("y",))
+    assert "no later equation reads it" in str(unused)
+    missing = _refused(["h[b,i] = x[b,i]", "y[b,i] = h[b,i]"], outputs=("y", "z"))
+    assert "`outputs` names 'z', which no equation computes" in str(missing)
+    rank = _refused(["h[b,i] = x[b,i]", "y[b] = h[b]"], outputs=("y",))
+    assert "has 2 axes but is read with 1 indices" in str(rank)
+    _caret_at(rank, "h[b]")
+
+
+def test_an_internal_axis_sized_by_a_range_is_read_with_its_own_index():
+    error = _refused(
+        ["h[b,t] = x[b, t - 1]", "y[b,j] = h[b,j] * x[b,j]"],
+        outputs=("y",),
+        ranges=(("t", "x.shape[1] + 1"),),
+    )
+    assert "sized by a range of 't'" in str(error)
+    _caret_at(error, "h[b,j]")
+
+
+def _wkv_kernel(w, u, k, v):
+    """RWKV-4's `kernel_forward` (BlinkDL/RWKV-LM, RWKV-v4/cuda/wkv_cuda.cu), one thread
+    per (b, c), transcribed loop for loop: running sums p, q scaled by exp(-o)."""
+    batch, steps, channels = k.shape
+    y = np.zeros_like(k)
+    for b in range(batch):
+        for c in range(channels):
+            p, q, o = 0.0, 0.0, -1e38
+            for i in range(steps):
+                no = max(o, u[c] + k[b, i, c])
+                a, e = np.exp(o - no), np.exp(u[c] + k[b, i, c] - no)
+                y[b, i, c] = (a * p + e * v[b, i, c]) / (a * q + e)
+                no = max(w[c] + o, k[b, i, c])
+                a, e = np.exp(w[c] + o - no), np.exp(k[b, i, c] - no)
+                p, q, o = a * p + e * v[b, i, c], a * q + e, no
+    return y
+
+
+def test_rwkv4_wkv_is_the_cuda_kernels_loop(folder):
+    case = CASES["rwkv4_wkv"]
+    module = generate(case, folder, "Wkv")
+    rng = np.random.default_rng(3)
+    w = -np.exp(rng.uniform(-1, 1, 3))  # the kernel takes w = -exp(time_decay)
+    u, k, v = rng.uniform(-1, 1, 3), rng.uniform(-2, 2, (2, 5, 3)), rng.standard_normal((2, 5, 3))
+    got = module.forward(*(tf.constant(a) for a in (w, u, k, v))).numpy()
+    np.testing.assert_allclose(got, _wkv_kernel(w, u, k, v), rtol=1e-12, atol=1e-12)

@@ -87,7 +87,10 @@ class Lowerer(Pointwise, Contraction, Kernels, Gathers):
         return ir.Call("to_int64", (size,))
 
     def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
-        """The variable holding the size of one axis of an input."""
+        """The variable holding the size of one axis of an input (of an internal tensor:
+        the size of the index that axis is computed over)."""
+        if tensor_name not in self.program.inputs:
+            return self.index_size(body, self.levels[tensor_name].indices[axis])
         source = (tensor_name, axis)
         for var, known in body.sizes.items():
             if known == source:
@@ -261,7 +264,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
             level = lowerer.levels[name]
             gname = grad_name(name)
-            value = lowerer.gradient(bwd, name, by_target[name])
+            scatters = [s for s in backward.scatters if s.target == name]
+            value = lowerer.gradient(bwd, name, by_target.get(name, []), scatters)
             if isinstance(value, ir.Var):  # passed through unchanged: no new name
                 bwd.tensors[gname] = value.name
                 continue
