@@ -619,7 +619,12 @@ def _generated_target(tf, program, module, attrs, sizes) -> _Target:
     def reference(tensors):
         named = dict(zip(program.inputs, tensors, strict=True))
         return evaluate_op(
-            program.formulas, named, attrs, outputs=outputs, sizes=sizes.indices, int_attrs=int_attrs
+            program.formulas,
+            named,
+            attrs,
+            outputs=outputs,
+            sizes=sizes.indices,
+            int_attrs=int_attrs,
         )
 
     def call(tensors):

@@ -117,8 +117,10 @@ CASES = {
         [
             "a[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]) * v[b,i,c], 0), i)",
             "d[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]), 0), i)",
-            "y[b,t,c] = (a[b,t,c] + exp(u[c] + k[b,t,c]) * v[b,t,c]) / "
-            "(d[b,t,c] + exp(u[c] + k[b,t,c]))",
+            (
+                "y[b,t,c] = (a[b,t,c] + exp(u[c] + k[b,t,c]) * v[b,t,c]) / "
+                "(d[b,t,c] + exp(u[c] + k[b,t,c]))"
+            ),
         ],
         {"w": (3,), "u": (3,), "k": (2, 5, 3), "v": (2, 5, 3)},
         inputs=("w", "u", "k", "v"),
