@@ -96,9 +96,12 @@ def plan_sizes(program: Program, attrs: dict[str, object]) -> Sizes:
             },
             **ints,
         }
+        for name, value in program.lets:  # in dependency order
+            values[f"_int_{name}"] = _evaluate(value, values)
         for index, extent in program.extents:
             indices[index.name] = _evaluate(extent, values)
-        bounds = _index_value_ranges(program, shapes, indices, ints)
+        lets = {k: v for k, v in values.items() if k.startswith("_int_")}
+        bounds = _index_value_ranges(program, shapes, indices, {**ints, **lets})
         sizes = Sizes(shapes, indices, bounds)
         enough = all(indices[i.name] >= 2 for i, _ in program.extents) and all(
             high - low >= 2 for low, high in bounds.values()

@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, internals
+from . import indexing, internals, lets
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -108,6 +108,9 @@ class Program:
     extents: tuple[tuple[Index, sp.Expr], ...] = ()
     index_inputs: tuple[str, ...] = ()  # integer index tensors: no gradient
     positive_attrs: tuple[str, ...] = ()  # int attrs that must be > 0 (strides)
+    # `let` names and their integer values (over `_int_` attrs, input sizes and earlier
+    # lets), in dependency order: generated code computes them at call time
+    lets: tuple[tuple[str, sp.Expr], ...] = ()
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -194,6 +197,8 @@ class _Builder:
         # Int attrs in index arithmetic stay Python ints in generated code (`_int_s`),
         # apart from the attr cast to the value dtype for arithmetic on values.
         self.int_attrs = {name: index_attr(name) for name, kind in op.attrs if kind == "int"}
+        # `let` names: integers like int attrs, computed at call time (see lets.py)
+        self.lets = {name: lets.symbol(name) for name in lets.names(op)}
         self.ranks: dict[str, int] = {}
         self.first_access: dict[str, tuple[str, int]] = {}
         self.input_order: list[str] = []
@@ -310,7 +315,9 @@ class _Builder:
         if isinstance(node, IndexRef):  # an index as a value
             return [Term(fn.index_value(indexing.index_values(scope[node.name])), ())]
         if isinstance(node, AttrRef):
-            return [Term(self.attrs[node.name], ())]
+            is_let = node.name in self.lets
+            value = lets.value_symbol(node.name) if is_let else self.attrs[node.name]
+            return [Term(value, ())]
         if isinstance(node, Access):
             return [Term(self.access(node, scope), ())]
         if isinstance(node, Neg):
@@ -492,6 +499,10 @@ class _Builder:
         self.mark(self.value_inputs, node.tensor, node.col)
         return self.plain_access(node, scope)
 
+    def int_symbol(self, name: str) -> sp.Symbol:
+        """An int attr or a `let` in index arithmetic."""
+        return self.int_attrs[name] if name in self.int_attrs else self.lets[name]
+
     def mark(self, uses: dict[str, int], name: str, col: int) -> None:
         """Record how a tensor is read; one read as an index tensor and as a value is
         refused: an index tensor holds integers and gets no gradient."""
@@ -514,7 +525,7 @@ class _Builder:
         if isinstance(node, Num):
             return _number(node.value)
         if isinstance(node, AttrRef):
-            return self.int_attrs[node.name]
+            return self.int_symbol(node.name)
         if isinstance(node, Neg):
             return -self.position(node.operand, scope, lookups)
         if isinstance(node, BinOp):
@@ -648,8 +659,9 @@ class _Builder:
         return value
 
     def register(self, name: str, rank: int, col: int) -> None:
-        if name in self.attrs:
-            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices", col)
+        if name in self.attrs or name in self.lets:
+            kind = "an attr" if name in self.attrs else "a let"
+            raise self.fail(f"{name!r} is {kind}, not a tensor; use it without indices", col)
         if self.equation and name == self.equation.output:
             raise self.fail(f"output {name!r} cannot be used on the right side", col)
         if rank == 0:
@@ -951,8 +963,8 @@ def _canonical_key(kind: str, terms: list[Term], free: list[Index]):
 def build(op: OpSpec) -> Program:
     """Validate an op's formulas and bring them into canonical form."""
     builder = _Builder(op)
-    attrs = frozenset(builder.attrs)
-    int_attrs = frozenset(name for name, kind in op.attrs if kind == "int")
+    attrs = frozenset(builder.attrs) | frozenset(builder.lets)
+    int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     equations = []
     for text in op.formulas:
         try:
@@ -1032,12 +1044,14 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         if level.gather is not None:
             for position in level.gather.positions:
                 used_symbols |= position.free_symbols
-    int_attrs = frozenset(builder.int_attrs)
+    int_attrs = frozenset(builder.int_attrs) | frozenset(builder.lets)
     for _, text in op.ranges:
         try:
-            used_symbols |= {builder.attrs[n] for n in _range_attrs(parse_range(text, int_attrs))}
+            read = _range_attrs(parse_range(text, int_attrs))
+            used_symbols |= {builder.attrs[n] for n in read if n in builder.attrs}
         except SymgradError:
             pass  # reported with its place by _extents
+    used_symbols |= {builder.attrs[n] for n in lets.attrs_read(op)}
     used_symbols |= {builder.attrs[n] for n, s in builder.int_attrs.items() if s in used_symbols}
 
     unused = [a for a in builder.attrs if builder.attrs[a] not in used_symbols]
@@ -1053,6 +1067,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     index_inputs = tuple(n for n in inputs if n in builder.index_inputs)
     if index_inputs and all(n in builder.index_inputs for n in inputs):
         raise fail("every input is an index tensor; the op needs a value input")
+    let_values = lets.definitions(builder, _range_expr)
     extents = _extents(builder, outputs, fail)
     intermediates = tuple(_bounded(level, extents, builder) for level in builder.intermediates)
     no_gradient = (*op.no_gradient, *(n for n in index_inputs if n not in op.no_gradient))
@@ -1070,6 +1085,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         extents=tuple(extents.items()),
         index_inputs=index_inputs,
         positive_attrs=tuple(sorted(builder.positive_attrs)),
+        lets=let_values,
     )
 
 
@@ -1100,7 +1116,7 @@ def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
     if isinstance(node, Num):
         return _number(node.value)
     if isinstance(node, AttrRef):
-        return builder.int_attrs[node.name]
+        return builder.int_symbol(node.name)
     if isinstance(node, ShapeRef):
         rank = builder.ranks.get(node.tensor)
         if rank is None or node.tensor.startswith("_"):
@@ -1138,7 +1154,7 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
     """Sizes of the indices that no plain input axis gives: from `ranges`, else inferred
     (output indices only) as the largest range whose reads stay in bounds at the top."""
     op = builder.op
-    int_attrs = frozenset(name for name, kind in op.attrs if kind == "int")
+    int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     symbols = _all_indices(builder, outputs)
     known: dict[Index, sp.Expr] = {}
     for symbol in symbols:

@@ -44,7 +44,8 @@ class IndexPrinter(StrPrinter):
     def _print_Symbol(self, expr):
         if expr.name == "_neg_inf":
             return "-inf"
-        return expr.name.removeprefix("_int_")  # an int attr in index arithmetic
+        # an int attr or a let in index arithmetic, or a let as a value
+        return expr.name.removeprefix("_int_").removeprefix("_letvalue_")
 
     def _print_Indexed(self, expr):  # `_iota[i]` is the index i itself
         if expr.base.label.name == indexing.IOTA:

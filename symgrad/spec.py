@@ -25,7 +25,7 @@ ATTR_TYPES = ("float", "int", "bool")
 TOP_KEYS = ("out", "targets", "ops")
 # The frameworks a spec may write modules for, and each one's folder when none is named.
 TARGET_FOLDERS = {name: target.default_out for name, target in TARGETS.items()}
-OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges", "outputs")
+OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges", "outputs", "let")
 MAX_SIZE = 2**31
 MAX_OPS = 500
 MAX_FORMULAS = 16
@@ -93,6 +93,9 @@ class OpSpec:
     # The op's outputs, in order, when not every left-hand tensor is one: the others are
     # internal (computed, read by later equations, never returned). None: all of them.
     outputs: tuple[str, ...] | None = None
+    # Derived integers (name -> integer expression with the grammar of `ranges` over int
+    # literals, int attrs, `X.shape[n]` and other lets), usable wherever an int attr is.
+    lets: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,21 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
             raise SymgradError(problem, where=where)
     if outputs is not None and not outputs:
         raise SymgradError("`outputs` lists no output", where=where)
+    let_table = table.get("let", {})
+    if not isinstance(let_table, dict):
+        raise SymgradError(f"`let` must be a table, not {_type_name(let_table)}", where=where)
+    lets = []
+    for let, value in let_table.items():
+        problem = check_name(let, "let")
+        if problem:
+            raise SymgradError(problem, where=where)
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise SymgradError(
+                f'let {let!r} must be a string such as "(k - 1) // 2" or a whole number, '
+                f"not {_type_name(value)}",
+                where=where,
+            )
+        lets.append((let, str(value)))
     return OpSpec(
         name,
         formulas,
@@ -267,6 +285,7 @@ def _op_spec(name: str, table: object, path: str) -> OpSpec:
         tuple(sizes),
         tuple(ranges),
         outputs,
+        tuple(lets),
     )
 
 

@@ -54,6 +54,10 @@ class Case:
     fd_directions: int | None = None
     # The op's outputs when some left-hand tensors are internal (the spec's `outputs`).
     outputs: tuple[str, ...] | None = None
+    # The spec's `let` (name -> integer expression), and, independently, the values the
+    # reference uses for them with these inputs and attrs. The two must agree.
+    lets: dict[str, str] = field(default_factory=dict)
+    let_values: dict[str, int] = field(default_factory=dict)
 
     @property
     def equations(self) -> tuple[str, ...]:
@@ -76,6 +80,7 @@ def op_spec(case: Case, name: str) -> OpSpec:
         f"test [ops.{name}]",
         ranges=tuple(case.ranges.items()),
         outputs=case.outputs,
+        lets=tuple(case.lets.items()),
     )
 
 
@@ -167,10 +172,10 @@ def reference(case: Case, named: dict) -> list:
     return evaluate_op(
         case.equations,
         named,
-        case.attrs,
+        {**case.attrs, **case.let_values},
         outputs=case.outputs,
         sizes=case.sizes,
-        int_attrs=int_attrs(case),
+        int_attrs=int_attrs(case) | frozenset(case.let_values),
     )
 
 

@@ -127,6 +127,31 @@ CASES = {
         outputs=("y",),
         sizes={"t": 5},  # for the reference, which reads `a` alone: t is k's axis 1
     ),
+    # item 2: `let`, derived integers usable wherever an int attr is
+    "let_in_a_position_and_as_a_value": Case(
+        "y[b,i] = x[b,i] * R + x[b, i + h]",
+        {"x": (3, 7)},
+        lets={"R": "x.shape[1] // 2", "h": "R - 1"},
+        let_values={"R": 3, "h": 2},
+    ),
+    "let_from_a_filter_size_as_a_centred_padding": Case(
+        "y[b,i,o] = sum(x[b, s*i + k - kr, c] * w[k,c,o], k, c)",
+        {"x": (2, 9, 3), "w": (5, 3, 4)},
+        attrs={"s": 2},
+        lets={"kr": "(K - 1) // 2", "K": "w.shape[0]"},
+        let_values={"kr": 2, "K": 5},
+        ranges={"i": "(x.shape[1] + s - 1) // s"},
+        sizes={"i": 5},
+    ),
+    "let_in_ranges_and_a_stride": Case(
+        "y[b,(h,r)] = sum(x[b, h*R + q] * where(q == r, 1, 0), q)",
+        {"x": (2, 12)},
+        attrs={"H": 3},
+        lets={"R": "x.shape[1] // H"},
+        let_values={"R": 4},
+        ranges={"h": "H", "r": "R", "q": "R"},
+        sizes={"h": 3, "r": 4, "q": 4},
+    ),
 }
 
 
@@ -255,3 +280,35 @@ def test_rwkv4_wkv_is_the_cuda_kernels_loop(folder):
     u, k, v = rng.uniform(-1, 1, 3), rng.uniform(-2, 2, (2, 5, 3)), rng.standard_normal((2, 5, 3))
     got = module.forward(*(tf.constant(a) for a in (w, u, k, v))).numpy()
     np.testing.assert_allclose(got, _wkv_kernel(w, u, k, v), rtol=1e-12, atol=1e-12)
+
+
+def test_a_let_is_evaluated_when_the_op_is_called_with_unknown_dims(folder):
+    case = CASES["let_in_a_position_and_as_a_value"]
+    module = generate(case, folder, "LetDims")
+    spec = tf.TensorSpec([None, None], tf.float64)
+    forward = tf.function(module.forward, input_signature=[spec])
+    for shape, r in (((3, 7), 3), ((2, 10), 5)):
+        x = np.random.default_rng(0).standard_normal(shape)
+        h = r - 1
+        shifted = np.concatenate([x[:, h:], np.zeros((shape[0], h))], axis=1)
+        np.testing.assert_allclose(forward(tf.constant(x)).numpy(), x * r + shifted, rtol=1e-12)
+
+
+def test_let_mistakes_are_refused_with_a_caret():
+    cycle = _refused("y[b,i] = x[b, i + A]", lets=(("A", "B + 1"), ("B", "2 * A")))
+    assert "the lets form a cycle (A -> B -> A)" in str(cycle)
+    _caret_at(cycle, "A")
+    itself = _refused("y[b,i] = x[b, i + A]", lets=(("A", "A + 1"),))
+    assert "cycle (A -> A)" in str(itself)
+    unknown = _refused("y[b,i] = x[b, i + A]", lets=(("A", "n + 1"),))
+    assert "let 'A': unknown name 'n'" in str(unknown)
+    _caret_at(unknown, "n")
+    fraction = _refused("y[b,i] = x[b, i + A]", lets=(("A", "x.shape[1] / 2"),))
+    assert "is not allowed in a let" in str(fraction)
+    _caret_at(fraction, "x.shape")
+    shape = _refused("y[b,i] = x[b, i + A]", lets=(("A", "z.shape[0]"),))
+    assert "no formula uses a tensor 'z'" in str(shape)
+    clash = _refused("y[b,i] = x[b, i] * n", attrs=(("n", "int"),), lets=(("n", "2"),))
+    assert "let 'n' has the name of an attr" in str(clash)
+    tensor = _refused("y[b,i] = x[b, i] * A[i]", lets=(("A", "2"),))
+    assert "'A' is a let, not a tensor" in str(tensor)

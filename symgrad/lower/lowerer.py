@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .. import ir, patterns
+from .. import ir, lets, patterns
 from ..derive import Backward, Contribution, Scatter, fresh_indices, grad_name
 from ..model import Index, Level, Program
 from ..notation import gradient_lines
@@ -290,7 +290,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
     # Borrowing forward values can leave a dtype or size definition nothing reads.
-    backward_block = _borrow(backward_block, fwd.memo)
+    let_names = frozenset(lets.symbol(name).name for name, _ in program.lets)
+    backward_block = _borrow(backward_block, fwd.memo, let_names)
     backward_block = ir.prune(backward_block, backward_block.returns, set())
     read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs))
@@ -308,7 +309,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         and step.target not in outputs
         and step.target not in program.inputs
         and step.target not in _PRELUDE_NAMES
-        and not step.target.startswith("_n_")
+        and not step.target.startswith(("_n_", "_int_"))
     )
     recompute = ir.prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
     # Per output axis, the input axes whose sizes multiply to its size; (None, None) for
@@ -370,30 +371,36 @@ def lower(program: Program, backward: Backward) -> ir.Module:
 
 
 def _finish(body: _Body, returns: tuple[str | None, ...]) -> ir.Block:
-    """Prepend the size and dtype definitions the steps use."""
+    """Prepend the dtype, `let` and size definitions the steps use."""
     prelude = []
     if body.uses_dtype:
         prelude.append(ir.Assign("dtype", ir.DType(body.program.value_inputs[0])))
+    sizes = []
     for var, source in sorted(body.sizes.items()):
         if isinstance(source, tuple):
-            prelude.append(ir.Assign(var, ir.AxisSize(*source)))
+            sizes.append(ir.Assign(var, ir.AxisSize(*source)))
         else:
-            prelude.append(ir.Assign(var, integer(source)))
-    return ir.Block(tuple(prelude + body.steps), returns)
+            sizes.append(ir.Assign(var, integer(source)))
+    # Each let the steps or sizes read (and the lets those read), in dependency order;
+    # unread ones are pruned with everything else.
+    for name, value in body.program.lets:
+        prelude.append(ir.Assign(lets.symbol(name).name, integer(value)))
+    return ir.Block(tuple(prelude + sizes + body.steps), returns)
 
 
 _PRELUDE_NAMES = ("dtype",)
 
 
-def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
+def _borrow(block: ir.Block, forward: dict[ir.Expr, str], let_names=frozenset()) -> ir.Block:
     """Read values the forward pass already computed (`tanh(A)`) instead of recomputing.
 
     The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
+    Integers from sizes and lets are recomputed: cheap, and never saved as tensors.
     """
     usable = {
         expr: name
         for expr, name in forward.items()
-        if not any(n.startswith("_n_") for n in ir.names_in(expr))
+        if not any(n.startswith("_n_") or n in let_names for n in ir.names_in(expr))
     }
 
     def borrowed(e: ir.Expr) -> ir.Expr | None:
