@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import tensorflow as tf
-from harness import Case, check, generate
+from harness import Case, check, generate, op_spec
 from target_harness import Framework, check_target
 
 from symgrad.errors import SymgradError
+from symgrad.explain import explain
 from symgrad.model import build
 
 torch = pytest.importorskip("torch")
@@ -312,3 +313,24 @@ def test_let_mistakes_are_refused_with_a_caret():
     assert "let 'n' has the name of an attr" in str(clash)
     tensor = _refused("y[b,i] = x[b, i] * A[i]", lets=(("A", "2"),))
     assert "'A' is a let, not a tensor" in str(tensor)
+
+
+def test_explain_shows_values_internal_tensors_and_lets():
+    def explained(name: str, fmt: str = "text") -> str:
+        return explain(build(op_spec(CASES[name], "Explained")), fmt)
+
+    decay = explained("index_value_decay")
+    assert "(-i + t - 1)*w[b] + k[b,i]" in decay  # the index values, as indices
+    assert "tf.cast(" in decay and "tf.range(_n_t)" in decay
+    assert "-inf" in explained("minus_inf_in_a_segment_max")
+    internal = explained("internal_read_at_computed_positions")
+    assert "    h[b,t] = x[b,t]**2 + 1" in internal  # computed once, by its own name
+    assert "_g2[b,t] = h[b,t - 1] (0 outside h)" in internal  # the read it solves for
+    assert "Gradient of h (intermediate):" in internal
+    lets = explained("let_from_a_filter_size_as_a_centred_padding")
+    assert "let (integers computed when the op is called):\n    K = w.shape[0]\n" in lets
+    assert "    kr = (K - 1) // 2\n" in lets
+    assert "_int_kr = (_int_K - 1) // 2" in lets
+    assert "kr = (K - 1) // 2" in explained(
+        "let_from_a_filter_size_as_a_centred_padding", "markdown"
+    )
