@@ -162,14 +162,14 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tensorflow(name, folder):
+def test_values_internals_and_lets_in_tensorflow(name, folder):
     case = CASES[name]
     check(case, generate(case, folder, "Values"))
 
 
 @pytest.mark.parametrize("target", sorted(FRAMEWORKS))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_other_targets(name, target, folder):
+def test_values_internals_and_lets_in_pytorch_and_jax(name, target, folder):
     case = CASES[name]
     module = generate(case, folder, "Values", target)
     if target == "jax":  # one XLA compile per function instead of one per op
@@ -240,6 +240,8 @@ def test_internal_tensors_are_refused_where_they_cannot_be_read():
     assert "no later equation reads it" in str(unused)
     missing = _refused(["h[b,i] = x[b,i]", "y[b,i] = h[b,i]"], outputs=("y", "z"))
     assert "`outputs` names 'z', which no equation computes" in str(missing)
+    output = _refused(["y[b,i] = x[b,i]", "z[b,i] = y[b,i]"], outputs=("y", "z"))
+    assert "output 'y' is also used as an input" in str(output)
     rank = _refused(["h[b,i] = x[b,i]", "y[b] = h[b]"], outputs=("y",))
     assert "has 2 axes but is read with 1 indices" in str(rank)
     _caret_at(rank, "h[b]")
