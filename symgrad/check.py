@@ -142,6 +142,21 @@ def _axis_groups(program: Program) -> list[list]:
     return list(groups.values())
 
 
+def _let_values(program: Program, attrs: dict[str, object], shapes: dict) -> dict[str, int]:
+    """The op's lets for inputs of these shapes, in dependency order."""
+    values = {
+        **{f"_int_{n}": v for n, v in attrs.items() if isinstance(v, int)},
+        **{
+            indexing.shape_symbol(t, a).name: int(s)
+            for t, shape in shapes.items()
+            for a, s in enumerate(shape)
+        },
+    }
+    for name, value in program.lets:
+        values[f"_int_{name}"] = _evaluate(value, values)
+    return {name: values[f"_int_{name}"] for name, _ in program.lets}
+
+
 def _evaluate(expr: sp.Expr, values: dict[str, int]) -> int:
     value = sp.sympify(expr).xreplace(
         {s: sp.Integer(values[s.name]) for s in expr.free_symbols if s.name in values}
@@ -621,13 +636,14 @@ def _generated_target(tf, program, module, attrs, sizes) -> _Target:
 
     def reference(tensors):
         named = dict(zip(program.inputs, tensors, strict=True))
+        lets = _let_values(program, attrs, {n: tuple(t.shape) for n, t in named.items()})
         return evaluate_op(
             program.formulas,
             named,
-            attrs,
+            {**attrs, **lets},
             outputs=outputs,
             sizes=sizes.indices,
-            int_attrs=int_attrs,
+            int_attrs=int_attrs | frozenset(lets),
         )
 
     def call(tensors):
