@@ -90,6 +90,8 @@ def check(builder: _Builder, inputs_used: list[str], fail) -> None:
         if name not in builder.defined:
             raise fail(f"`outputs` names {name!r}, which no equation computes")
     for name in builder.internals:
+        if name in builder.attrs or name in builder.lets:
+            raise fail(f"internal tensor {name!r} has the name of an attr or a let")
         if name in inputs_used:
             raise fail(
                 f"internal tensor {name!r} is read before the equation that computes it; "

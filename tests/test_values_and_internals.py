@@ -238,6 +238,8 @@ def test_internal_tensors_are_refused_where_they_cannot_be_read():
     assert "read before the equation that computes it" in str(early)
     unused = _refused(["h[b,i] = x[b,i]", "y[b,i] = x[b,i]"], outputs=("y",))
     assert "no later equation reads it" in str(unused)
+    named = _refused(["n[b,i] = x[b,i]", "y[b,i] = n[b,i]"], (("n", "int"),), outputs=("y",))
+    assert "internal tensor 'n' has the name of an attr" in str(named)
     missing = _refused(["h[b,i] = x[b,i]", "y[b,i] = h[b,i]"], outputs=("y", "z"))
     assert "`outputs` names 'z', which no equation computes" in str(missing)
     output = _refused(["y[b,i] = x[b,i]", "z[b,i] = y[b,i]"], outputs=("y", "z"))
