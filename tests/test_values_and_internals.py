@@ -338,3 +338,15 @@ def test_explain_shows_values_internal_tensors_and_lets():
     assert "kr = (K - 1) // 2" in explained(
         "let_from_a_filter_size_as_a_centred_padding", "markdown"
     )
+
+
+def test_an_empty_segment_is_minus_inf_and_sends_no_gradient(folder):
+    module = generate(CASES["minus_inf_in_a_segment_max"], folder, "Empty")
+    seg = tf.constant([0, 2, 0, 2, 2, 0, 0, 2, 0], tf.int32)  # segment 1 is empty
+    x = tf.constant(np.random.default_rng(5).permutation(18).reshape(9, 2) * 0.1)
+    y = module.forward(seg, x).numpy()
+    assert np.all(y[1] == -np.inf) and np.all(np.isfinite(y[[0, 2]]))
+    g = np.random.default_rng(6).standard_normal((3, 2))
+    _, grad_x = module.vjp(seg, x, tf.constant(g))
+    assert np.all(np.isfinite(grad_x.numpy()))
+    np.testing.assert_allclose(grad_x.numpy().sum(axis=0), g[[0, 2]].sum(axis=0), rtol=1e-12)
