@@ -350,3 +350,23 @@ def test_an_empty_segment_is_minus_inf_and_sends_no_gradient(folder):
     _, grad_x = module.vjp(seg, x, tf.constant(g))
     assert np.all(np.isfinite(grad_x.numpy()))
     np.testing.assert_allclose(grad_x.numpy().sum(axis=0), g[[0, 2]].sum(axis=0), rtol=1e-12)
+
+
+def test_a_let_stride_works_with_unknown_dims(folder):
+    """A let is a tensor when dims are unknown: as a stride it lowers as a general gather,
+    never as a kernel that needs a Python int."""
+    case = Case(
+        "y[b,i,o] = sum(x[b, R*i + k, c] * w[k,c,o], k, c)",
+        {"x": (2, 9, 3), "w": (2, 3, 4)},
+        lets={"R": "w.shape[0]"},
+        let_values={"R": 2},
+        ranges={"i": "x.shape[1] // R"},
+        sizes={"i": 4},
+    )
+    module = generate(case, folder, "LetStride")
+    check(case, module)
+    spec = [tf.TensorSpec([None, None, 3], tf.float64), tf.TensorSpec([None, 3, 4], tf.float64)]
+    rng = np.random.default_rng(1)
+    x, w = tf.constant(rng.standard_normal((2, 9, 3))), tf.constant(rng.standard_normal((2, 3, 4)))
+    traced = tf.function(module.forward, input_signature=spec)
+    np.testing.assert_allclose(traced(x, w).numpy(), module.forward(x, w).numpy(), rtol=1e-12)
