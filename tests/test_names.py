@@ -145,7 +145,7 @@ def test_check_finds_an_ops_wrapper_by_tensorflows_name_for_it():
     `a_b` (op A_b) both in a library, each op gets its own."""
     from types import SimpleNamespace
 
-    from symgrad.check import _wrapper
+    from symgrad.check_tf import _wrapper
 
     def ab():
         return "AB"
