@@ -117,9 +117,12 @@ def plan_sizes(
             },
             **ints,
         }
+        for name, value in program.lets:  # in dependency order
+            values[f"_int_{name}"] = _evaluate(value, values)
         for index, extent in program.extents:
             indices[index.name] = _evaluate(extent, values)
-        bounds = _index_value_ranges(program, planned, indices, ints)
+        lets = {k: v for k, v in values.items() if k.startswith("_int_")}
+        bounds = _index_value_ranges(program, planned, indices, {**ints, **lets})
         result = Sizes(planned, indices, bounds)
         enough = all(indices[i.name] >= 2 for i, _ in program.extents) and all(
             high - low >= 2 for low, high in bounds.values()
@@ -207,6 +210,21 @@ def _axis_groups(program: Program) -> list[list]:
     for member in order:
         groups.setdefault(find(member), []).append(member)
     return list(groups.values())
+
+
+def _let_values(program: Program, attrs: dict[str, object], shapes: dict) -> dict[str, int]:
+    """The op's lets for inputs of these shapes, in dependency order."""
+    values = {
+        **{f"_int_{n}": v for n, v in attrs.items() if isinstance(v, int)},
+        **{
+            indexing.shape_symbol(t, a).name: int(s)
+            for t, shape in shapes.items()
+            for a, s in enumerate(shape)
+        },
+    }
+    for name, value in program.lets:
+        values[f"_int_{name}"] = _evaluate(value, values)
+    return {name: values[f"_int_{name}"] for name, _ in program.lets}
 
 
 def _evaluate(expr: sp.Expr, values: dict[str, int]) -> int:

@@ -50,16 +50,24 @@ def formula_reference(program: Program, attrs: dict, sizes):
     """The dense evaluation of the formula (`reference.evaluate`, in TensorFlow), in NumPy:
     what a generated forward is checked against when there is no library."""
     tf = tensorflow()
-    from .reference import evaluate
+    from .check import _let_values
+    from .reference import evaluate_op
 
     int_attrs = frozenset(n for n, kind in program.attrs if kind == "int")
+    outputs = {o.level.name for o in program.outputs}
 
     def reference(arrays):
         named = {n: tf.constant(a) for n, a in zip(program.inputs, arrays, strict=True)}
-        return [
-            evaluate(f, named, attrs, sizes=sizes.indices, int_attrs=int_attrs).numpy()
-            for f in program.formulas
-        ]
+        lets = _let_values(program, attrs, {n: tuple(a.shape) for n, a in named.items()})
+        found = evaluate_op(
+            program.formulas,
+            named,
+            {**attrs, **lets},
+            outputs=outputs,
+            sizes=sizes.indices,
+            int_attrs=int_attrs | frozenset(lets),
+        )
+        return [np.asarray(y) for y in found]
 
     return reference
 

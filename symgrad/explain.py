@@ -525,9 +525,31 @@ def _text_block(section: Section) -> tuple[list[tuple[str, list[str]]], list[str
     return groups, list(section.code)
 
 
+def _let_lines(program: Program) -> list[str]:
+    """The op's `let` integers, as computed when the op is called."""
+    if not program.lets:
+        return []
+    lines = ["let (integers computed when the op is called):"]
+    for name, value in program.lets:
+        lines.append(f"  {name} = {_IntegerPrinter().doprint(value)}")
+    return lines
+
+
+class _IntegerPrinter(sp.printing.str.StrPrinter):
+    """An integer expression as written in a spec: `(K - 1) // 2`, attrs by name."""
+
+    def _print_floor(self, expr):
+        numerator, denominator = sp.fraction(sp.together(expr.args[0]))
+        return f"({self._print(numerator)}) // {self._print(denominator)}"
+
+    def _print_Symbol(self, expr):
+        return expr.name.removeprefix("_int_")
+
+
 def _text(program: Program, explainer: _Explainer, sections: list[Section]) -> str:
     formula, *gradients = sections
     lines = ["Formula:", *(f"  {f}" for f in program.formulas)]
+    lines += [f"  {line}" for line in _let_lines(program)]
     if program.intermediates:
         lines.append("  where (intermediates symgrad computes once):")
         lines += [f"    {e.left} = {e.right}" for e in formula.partials[len(program.outputs) :]]
@@ -554,7 +576,7 @@ def _text(program: Program, explainer: _Explainer, sections: list[Section]) -> s
 def _markdown(program: Program, explainer: _Explainer, sections: list[Section]) -> str:
     formula, *gradients = sections
     lines = [f"# Gradient of {program.op}" if program.op != "Formula" else "# Gradient", ""]
-    lines += ["```text", *program.formulas]
+    lines += ["```text", *program.formulas, *_let_lines(program)]
     if program.intermediates:
         lines.append("where (intermediates symgrad computes once):")
         lines += [f"  {e.left} = {e.right}" for e in formula.partials[len(program.outputs) :]]

@@ -97,6 +97,16 @@ class step_eq(_Step):
 NEG_INF = sp.Symbol("_neg_inf", real=True)
 
 
+class index_value(sp.Function):
+    """The value of an index (`_iota[i]`: 0, 1, ...) as a number of the inputs' float
+    dtype, as in RWKV's decay `(t - 1 - i) * w[c]`. A constant: no gradient."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0)
+
+
 class select(sp.Function):
     """`where(cond, a, b)`: a where the condition holds, else b.
 

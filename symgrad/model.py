@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing
+from . import indexing, internals, lets
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -109,6 +109,9 @@ class Program:
     extents: tuple[tuple[Index, sp.Expr], ...] = ()
     index_inputs: tuple[str, ...] = ()  # integer index tensors: no gradient
     positive_attrs: tuple[str, ...] = ()  # int attrs that must be > 0 (strides)
+    # `let` names and their integer values (over `_int_` attrs, input sizes and earlier
+    # lets), in dependency order: generated code computes them at call time
+    lets: tuple[tuple[str, sp.Expr], ...] = ()
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -195,6 +198,8 @@ class _Builder:
         # Int attrs in index arithmetic stay Python ints in generated code (`_int_s`),
         # apart from the attr cast to the value dtype for arithmetic on values.
         self.int_attrs = {name: index_attr(name) for name, kind in op.attrs if kind == "int"}
+        # `let` names: integers like int attrs, computed at call time (see lets.py)
+        self.lets = {name: lets.symbol(name) for name in lets.names(op)}
         self.ranks: dict[str, int] = {}
         self.first_access: dict[str, tuple[str, int]] = {}
         self.input_order: list[str] = []
@@ -214,6 +219,11 @@ class _Builder:
         self.index_uses: dict[Index, tuple[str, int]] = {}
         # int attrs an inferred range takes as > 0, or a range divides by
         self.positive_attrs: set[str] = set()
+        # Internal tensors (not in `outputs`): name -> (level, formula, column), in order;
+        # the ones some later equation reads; every left-hand name.
+        self.internals: dict[str, tuple[Level, str, int]] = {}
+        self.internal_reads: set[str] = set()
+        self.defined: list[str] = []
 
     # -- errors -----------------------------------------------------------------------
 
@@ -244,7 +254,15 @@ class _Builder:
                 symbol = self.bind(name)
                 inner_scope[name] = symbol
                 bound.append(symbol)
-            for term in self.factor(part, inner_scope):
+            terms = self.factor(part, inner_scope)
+            for symbol in bound:
+                if not self.dims.get(symbol) and not self.sized_elsewhere(symbol):
+                    raise self.fail(
+                        f"index {_base(symbol)!r} is summed over this term, but no tensor in it reads "
+                        "it, so its size is unknown",
+                        _value_col(part, _base(symbol)),
+                    )
+            for term in terms:
                 summed = _ordered_union(term.summed, bound)
                 result.append(Term(sign * term.expr, summed))
         return _merge_pointwise(result)
@@ -254,6 +272,8 @@ class _Builder:
         found: dict[str, None] = {}
 
         def walk(n: Node, bound: frozenset[str]) -> None:
+            if isinstance(n, IndexRef) and n.name not in scope and n.name not in bound:
+                found.setdefault(n.name, None)  # an index's value: summed like an access
             if isinstance(n, Access):
                 for index in n.indices:
                     if index not in scope and index not in bound:
@@ -293,9 +313,14 @@ class _Builder:
         if isinstance(node, Num):
             return [Term(_number(node.value), ())]
         if isinstance(node, Constant):
-            return [Term(sp.pi if node.name == "pi" else sp.E, ())]
+            constants = {"pi": sp.pi, "e": sp.E, "inf": -fn.NEG_INF}
+            return [Term(constants[node.name], ())]
+        if isinstance(node, IndexRef):  # an index as a value
+            return [Term(fn.index_value(indexing.index_values(scope[node.name])), ())]
         if isinstance(node, AttrRef):
-            return [Term(self.attrs[node.name], ())]
+            is_let = node.name in self.lets
+            value = lets.value_symbol(node.name) if is_let else self.attrs[node.name]
+            return [Term(value, ())]
         if isinstance(node, Access):
             return [Term(self.access(node, scope), ())]
         if isinstance(node, Neg):
@@ -472,8 +497,14 @@ class _Builder:
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
         if not node.plain:
             return self.gather(node, scope)
+        if node.tensor in self.internals:
+            return internals.read(self, node, scope)
         self.mark(self.value_inputs, node.tensor, node.col)
         return self.plain_access(node, scope)
+
+    def int_symbol(self, name: str) -> sp.Symbol:
+        """An int attr or a `let` in index arithmetic."""
+        return self.int_attrs[name] if name in self.int_attrs else self.lets[name]
 
     def mark(self, uses: dict[str, int], name: str, col: int) -> None:
         """Record how a tensor is read; one read as an index tensor and as a value is
@@ -497,7 +528,7 @@ class _Builder:
         if isinstance(node, Num):
             return _number(node.value)
         if isinstance(node, AttrRef):
-            return self.int_attrs[node.name]
+            return self.int_symbol(node.name)
         if isinstance(node, Neg):
             return -self.position(node.operand, scope, lookups)
         if isinstance(node, BinOp):
@@ -519,20 +550,30 @@ class _Builder:
     def gather(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
         """A read at computed positions: an intermediate over the indices it uses."""
         name = node.tensor
-        self.mark(self.value_inputs, name, node.col)
-        self.register(name, len(node.positions), node.col)
+        internal = name in self.internals  # computed by an earlier equation of the op
+        if internal:
+            self.internal_reads.add(name)
+            if len(node.positions) != self.ranks[name]:
+                raise self.fail(f"internal tensor {name!r} is read with another rank", node.col)
+        else:
+            self.mark(self.value_inputs, name, node.col)
+            self.register(name, len(node.positions), node.col)
         lookups: list[Access] = []
         positions = tuple(self.position(p, scope, lookups) for p in node.positions)
-        if all(indexing.is_plain(p) for p in positions):
+        if all(indexing.is_plain(p) for p in positions) and not internal:
             return self.simplified_access(name, positions)
         written = [scope[i] for i in node.indices]
         computed, grid = indexing.layout(positions, written)
         for axis, position in enumerate(positions):
-            if indexing.is_plain(position):  # a plain index takes the axis size
+            if indexing.is_plain(position) and internal:
+                internals.share_axis(self, position, name, axis, node.col)
+            elif indexing.is_plain(position):  # a plain index takes the axis size
                 self.add_dim(position, name, axis)
-            else:
+            elif not internal:
                 self.moving.append((position, name, axis))
                 if not position.atoms(sp.Indexed):
+                    # Ranges are inferred from reads of inputs only: an internal tensor's
+                    # size is known only once it is computed.
                     self.reads.append((position, name, axis))
         key = ("gather", name, tuple(sp.srepr(p) for p in positions), tuple(map(str, grid)))
         found = self.by_key.get(repr(key))
@@ -625,8 +666,9 @@ class _Builder:
         return value
 
     def register(self, name: str, rank: int, col: int) -> None:
-        if name in self.attrs:
-            raise self.fail(f"{name!r} is an attr, not a tensor; use it without indices", col)
+        if name in self.attrs or name in self.lets:
+            kind = "an attr" if name in self.attrs else "a let"
+            raise self.fail(f"{name!r} is {kind}, not a tensor; use it without indices", col)
         if self.equation and name == self.equation.output:
             raise self.fail(f"output {name!r} cannot be used on the right side", col)
         if rank == 0:
@@ -847,8 +889,28 @@ def _condition_indices(node: Condition) -> list[str]:
     return names
 
 
+def _value_col(node: Node, name: str) -> int | None:
+    """The column of the first use of index `name` as a value under `node`."""
+    if isinstance(node, IndexRef):
+        return node.col if node.name == name else None
+    children = {
+        Neg: lambda n: [n.operand],
+        BinOp: lambda n: [n.left, n.right],
+        Call: lambda n: list(n.args),
+        Reduce: lambda n: [n.body],
+        Where: lambda n: [n.then, n.otherwise],
+    }.get(type(node), lambda n: [])(node)
+    for child in children:
+        col = _value_col(child, name)
+        if col is not None:
+            return col
+    return getattr(node, "col", None)
+
+
 def _written_indices(node: Node) -> list[str]:
     """Index names of the accesses under `node`, in written order."""
+    if isinstance(node, IndexRef):  # an index's value
+        return [node.name]
     if isinstance(node, Access):
         return list(node.indices)
     if isinstance(node, Where):  # the values' indices first: they fix the axis order
@@ -915,8 +977,8 @@ def _canonical_key(kind: str, terms: list[Term], free: list[Index]):
 def build(op: OpSpec) -> Program:
     """Validate an op's formulas and bring them into canonical form."""
     builder = _Builder(op)
-    attrs = frozenset(builder.attrs)
-    int_attrs = frozenset(name for name, kind in op.attrs if kind == "int")
+    attrs = frozenset(builder.attrs) | frozenset(builder.lets)
+    int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     equations = []
     for text in op.formulas:
         try:
@@ -929,8 +991,19 @@ def build(op: OpSpec) -> Program:
         builder.used_names.update(equation.output_indices)
     outputs: list[Output] = []
     for equation in equations:
+        if equation.output in builder.defined:
+            raise SymgradError(
+                f"{equation.output!r} is computed by two equations",
+                where=op.source,
+                formula=equation.text,
+                column=equation.output_col,
+            )
+        builder.defined.append(equation.output)
         try:
-            outputs.append(builder.output(equation))
+            if internals.is_internal(op.outputs, equation):
+                internals.define(builder, equation)
+            else:
+                outputs.append(builder.output(equation))
         except SymgradError as exc:
             raise exc.located(op.source, equation.text) from None
     return _check(builder, outputs)
@@ -948,6 +1021,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         if names.count(name) > 1:
             raise fail(f"output {name!r} is defined twice")
     inputs_used = [n for n in builder.input_order if not n.startswith("_")]
+    internals.check(builder, inputs_used, fail)
     for output in names:
         if output in inputs_used:
             raise fail(f"output {output!r} is also used as an input")
@@ -984,12 +1058,14 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         if level.gather is not None:
             for position in level.gather.positions:
                 used_symbols |= position.free_symbols
-    int_attrs = frozenset(builder.int_attrs)
+    int_attrs = frozenset(builder.int_attrs) | frozenset(builder.lets)
     for _, text in op.ranges:
         try:
-            used_symbols |= {builder.attrs[n] for n in _range_attrs(parse_range(text, int_attrs))}
+            read = _range_attrs(parse_range(text, int_attrs))
+            used_symbols |= {builder.attrs[n] for n in read if n in builder.attrs}
         except SymgradError:
             pass  # reported with its place by _extents
+    used_symbols |= {builder.attrs[n] for n in lets.attrs_read(op)}
     used_symbols |= {builder.attrs[n] for n, s in builder.int_attrs.items() if s in used_symbols}
 
     unused = [a for a in builder.attrs if builder.attrs[a] not in used_symbols]
@@ -1005,6 +1081,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     index_inputs = tuple(n for n in inputs if n in builder.index_inputs)
     if index_inputs and all(n in builder.index_inputs for n in inputs):
         raise fail("every input is an index tensor; the op needs a value input")
+    let_values = lets.definitions(builder, _range_expr)
     extents = _extents(builder, outputs, fail)
     intermediates = tuple(_bounded(level, extents, builder) for level in builder.intermediates)
     no_gradient = (*op.no_gradient, *(n for n in index_inputs if n not in op.no_gradient))
@@ -1022,6 +1099,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         extents=tuple(extents.items()),
         index_inputs=index_inputs,
         positive_attrs=tuple(sorted(builder.positive_attrs)),
+        lets=let_values,
     )
 
 
@@ -1052,7 +1130,7 @@ def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
     if isinstance(node, Num):
         return _number(node.value)
     if isinstance(node, AttrRef):
-        return builder.int_attrs[node.name]
+        return builder.int_symbol(node.name)
     if isinstance(node, ShapeRef):
         rank = builder.ranks.get(node.tensor)
         if rank is None or node.tensor.startswith("_"):
@@ -1090,7 +1168,7 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
     """Sizes of the indices that no plain input axis gives: from `ranges`, else inferred
     (output indices only) as the largest range whose reads stay in bounds at the top."""
     op = builder.op
-    int_attrs = frozenset(name for name, kind in op.attrs if kind == "int")
+    int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     symbols = _all_indices(builder, outputs)
     known: dict[Index, sp.Expr] = {}
     for symbol in symbols:
@@ -1189,7 +1267,7 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
     flags = []
     for axis in level.gather.computed:
         position = level.gather.positions[axis]
-        if position.atoms(sp.Indexed):
+        if position.atoms(sp.Indexed) or level.gather.source in builder.internals:
             flags.append(False)
             continue
         indices = [x for x in position.free_symbols if indexing.is_plain(x)]

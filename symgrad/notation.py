@@ -34,6 +34,9 @@ class IndexPrinter(StrPrinter):
     def _print_step_eq(self, expr):
         return f"[{self._print(expr.args[0])} == {self._print(expr.args[1])}]"
 
+    def _print_index_value(self, expr):  # an index as a value: the index itself
+        return self._print(expr.args[0])
+
     def _print_select(self, expr):
         cond, then, otherwise = (self._print(a) for a in expr.args)
         return f"where({cond}, {then}, {otherwise})"
@@ -41,7 +44,8 @@ class IndexPrinter(StrPrinter):
     def _print_Symbol(self, expr):
         if expr.name == "_neg_inf":
             return "-inf"
-        return expr.name.removeprefix("_int_")  # an int attr in index arithmetic
+        # an int attr or a let in index arithmetic, or a let as a value
+        return expr.name.removeprefix("_int_").removeprefix("_letvalue_")
 
     def _print_Indexed(self, expr):  # `_iota[i]` is the index i itself
         if expr.base.label.name == indexing.IOTA:

@@ -50,7 +50,7 @@ FUNCTIONS: dict[str, int] = {
 }
 REDUCTIONS = ("sum", "mean")
 EXTREMA = ("max", "min")  # `max(x, y)` is elementwise; `max(expr, k, ...)` reduces over k
-CONSTANTS = ("pi", "e")
+CONSTANTS = ("pi", "e", "inf")  # inf only as a branch of where: `where(c, x, -inf)`
 COMPARISONS = {
     ast.Lt: "<",
     ast.LtE: "<=",
@@ -156,7 +156,8 @@ class AttrRef:
 
 @dataclass(frozen=True)
 class IndexRef:
-    """An index used as a number: inside brackets, or in a comparison (`j <= i`)."""
+    """An index used as a number: inside brackets, in a comparison (`j <= i`), or as a
+    value (`(t - 1 - i) * w[c]`: its integer value in the inputs' float dtype)."""
 
     name: str
     col: int
@@ -373,6 +374,9 @@ class _Walker:
         self.indices: set[str] = set()  # every index name used, for the einsum letter limit
         self.output_indices: frozenset[str] = frozenset()
         self.summing: list[str] = []  # indices bound by the enclosing sum()/mean() calls
+        # Names that are indices somewhere in the equation (inside brackets, on the left,
+        # or reduced over): outside brackets such a name is the index's value.
+        self.known_indices: frozenset[str] = frozenset()
 
     def fail(self, message: str, node: ast.AST | None = None, col: int | None = None):
         column = col if col is not None else getattr(node, "col_offset", None)
@@ -412,6 +416,7 @@ class _Walker:
                 groups.append((self.index_name(element),))
                 cols.append(element.col_offset)
         self.output_indices = frozenset(index for group in groups for index in group)
+        self.known_indices = self.output_indices | _bracket_names(assign.value)
         rhs = self.expr(assign.value, 0)
         terms = _term_count(rhs)
         if terms > MAX_TERMS:
@@ -495,12 +500,20 @@ class _Walker:
         if isinstance(node, ast.Constant):
             return self.number(node)
         if isinstance(node, ast.Name):
+            if node.id == "inf":
+                self.fail(
+                    "`inf` is only allowed as a whole branch of where, e.g. "
+                    "`max(where(seg[n] == v, x[n, f], -inf), n)`",
+                    node,
+                )
             if node.id in CONSTANTS:
                 return Constant(node.id, col)
             if node.id in self.attrs:
                 return AttrRef(node.id, col)
             if node.id in FUNCTIONS or node.id in REDUCTIONS:
                 self.fail(f"function {node.id!r} must be called", node)
+            if node.id in self.known_indices:
+                return IndexRef(node.id, col)  # an index's value, as a float
             self.fail(
                 f"unknown name {node.id!r}: tensors need indices (`{node.id}[...]`) "
                 "and scalars must be declared in `attrs`",
@@ -655,8 +668,8 @@ class _Walker:
             if len(node.args) != 3:
                 self.fail("where(condition, then, otherwise) takes 3 arguments", node)
             cond = self.condition(node.args[0], depth + 1)
-            then = self.expr(node.args[1], depth + 1)
-            otherwise = self.expr(node.args[2], depth + 1)
+            then = _infinity(node.args[1]) or self.expr(node.args[1], depth + 1)
+            otherwise = _infinity(node.args[2]) or self.expr(node.args[2], depth + 1)
             return Where(cond, then, otherwise, col)
         if name in REDUCTIONS or (name in EXTREMA and self.is_reduction(node)):
             if len(node.args) < 2:
@@ -766,6 +779,33 @@ class _Walker:
             self.fail(f"exponent {value} is larger than {MAX_EXPONENT} in magnitude", node)
 
 
+def _infinity(node: ast.AST) -> Node | None:
+    """`inf` or `-inf` written as a whole branch of where, or None."""
+    negated = isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+    name = node.operand if negated else node
+    if not (isinstance(name, ast.Name) and name.id == "inf"):
+        return None
+    constant = Constant("inf", name.col_offset)
+    return Neg(constant, node.col_offset) if negated else constant
+
+
+def _bracket_names(tree: ast.AST) -> frozenset[str]:
+    """Names used as indices: inside any brackets, or as the indices of a reduction."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            inside = list(ast.walk(node.slice))
+            named = {id(n.value) for n in inside if isinstance(n, ast.Subscript)}
+            named |= {id(n.func) for n in inside if isinstance(n, ast.Call)}
+            names |= {n.id for n in inside if isinstance(n, ast.Name) and id(n) not in named}
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+            *REDUCTIONS,
+            *EXTREMA,
+        ):
+            names |= {a.id for a in node.args[1:] if isinstance(a, ast.Name)}
+    return frozenset(names)
+
+
 def _constant_value(node: Node) -> Fraction | None:
     """The exact value of a constant sub-formula (numbers only), or None.
 
@@ -840,6 +880,8 @@ def _float_value(node: Node) -> float | None:
     if isinstance(node, Num):
         value = float(node.value)
     elif isinstance(node, Constant):
+        if node.name == "inf":
+            return None  # only a branch of where: never folded
         value = math.pi if node.name == "pi" else math.e
     elif isinstance(node, Neg):
         inner = _float_value(node.operand)

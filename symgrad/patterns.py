@@ -133,7 +133,7 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
             indexing.is_plain(s) for s in offset.free_symbols
         ):
             return None
-        if not (stride.is_Integer and stride > 0) and not _int_attr(stride):
+        if not (stride.is_Integer and stride > 0) and not _int_attr(stride, program):
             return None
         spatial.append(Spatial(output, window, stride, offset))
     windows = {s.window for s in spatial}
@@ -158,5 +158,8 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
     )
 
 
-def _int_attr(e: sp.Expr) -> bool:
-    return isinstance(e, sp.Symbol) and e.name.startswith("_int_")
+def _int_attr(e: sp.Expr, program: Program) -> bool:
+    """An int attr: a Python int when the op is called. A `let` is not (it may be a
+    tensor when dims are unknown), so a let stride lowers as a general gather."""
+    attrs = {f"_int_{name}" for name, kind in program.attrs if kind == "int"}
+    return isinstance(e, sp.Symbol) and e.name in attrs

@@ -222,7 +222,10 @@ class Evaluator:
         if isinstance(node, Num):
             return Dense(tf.constant(float(node.value), self.dtype), ())
         if isinstance(node, Constant):
-            return Dense(tf.constant(math.pi if node.name == "pi" else math.e, self.dtype), ())
+            values = {"pi": math.pi, "e": math.e, "inf": math.inf}
+            return Dense(tf.constant(values[node.name], self.dtype), ())
+        if isinstance(node, IndexRef):  # an index's value, in the float dtype
+            return Dense(tf.cast(tf.range(self.size(node.name)), self.dtype), (node.name,))
         if isinstance(node, AttrRef):
             return Dense(tf.constant(float(self.attrs[node.name]), self.dtype), ())
         if isinstance(node, Access):
@@ -337,3 +340,26 @@ def evaluate(
     tensor = evaluator.grid(value, out)
     shape = [math.prod(evaluator.size(i) for i in group) for group in equation.groups]
     return tf.reshape(tensor, shape)
+
+
+def evaluate_op(
+    formulas,
+    inputs: dict,
+    attrs: dict | None = None,
+    *,
+    outputs=None,
+    sizes: dict[str, int] | None = None,
+    int_attrs: frozenset[str] | None = None,
+) -> list:
+    """The outputs of an op's equations, evaluated in order: each left-hand tensor is
+    readable by the equations after it (internal tensors), and only those in `outputs`
+    (all of them when None) are returned, in equation order."""
+    named = dict(inputs)
+    results = []
+    for formula in formulas:
+        value = evaluate(formula, named, attrs, sizes=sizes, int_attrs=int_attrs)
+        name = formula.split("[", 1)[0].strip()
+        named[name] = value
+        if outputs is None or name in outputs:
+            results.append(value)
+    return results

@@ -26,7 +26,17 @@ DEFAULT_MAX_TEMP_BYTES = 16 * 2**20  # 16 MiB of temporaries before tiling
 TOP_KEYS = ("out", "targets", "max_temp_bytes", "ops")
 # The frameworks a spec may write modules for, and each one's folder when none is named.
 TARGET_FOLDERS = {name: target.default_out for name, target in TARGETS.items()}
-OP_KEYS = ("formula", "inputs", "attrs", "no_gradient", "sizes", "ranges", "max_temp_bytes")
+OP_KEYS = (
+    "formula",
+    "inputs",
+    "attrs",
+    "no_gradient",
+    "sizes",
+    "ranges",
+    "max_temp_bytes",
+    "outputs",
+    "let",
+)
 MAX_SIZE = 2**31
 MAX_OPS = 500
 MAX_FORMULAS = 16
@@ -110,6 +120,12 @@ class OpSpec:
     ranges: tuple[tuple[str, str], ...] = ()
     # The default of the module's MAX_TEMP_BYTES: above it, large temporaries are tiled.
     max_temp_bytes: int = DEFAULT_MAX_TEMP_BYTES
+    # The op's outputs, in order, when not every left-hand tensor is one: the others are
+    # internal (computed, read by later equations, never returned). None: all of them.
+    outputs: tuple[str, ...] | None = None
+    # Derived integers (name -> integer expression with the grammar of `ranges` over int
+    # literals, int attrs, `X.shape[n]` and other lets), usable wherever an int attr is.
+    lets: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,6 +288,28 @@ def _op_spec(
     budget = default_budget
     if "max_temp_bytes" in table:
         budget = _budget(table["max_temp_bytes"], where)
+    outputs = _string_list(table["outputs"], "outputs", where) if "outputs" in table else None
+    for tensor in outputs or ():
+        problem = check_name(tensor, "output")
+        if problem:
+            raise SymgradError(problem, where=where)
+    if outputs is not None and not outputs:
+        raise SymgradError("`outputs` lists no output", where=where)
+    let_table = table.get("let", {})
+    if not isinstance(let_table, dict):
+        raise SymgradError(f"`let` must be a table, not {_type_name(let_table)}", where=where)
+    lets = []
+    for let, value in let_table.items():
+        problem = check_name(let, "let")
+        if problem:
+            raise SymgradError(problem, where=where)
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise SymgradError(
+                f'let {let!r} must be a string such as "(k - 1) // 2" or a whole number, '
+                f"not {_type_name(value)}",
+                where=where,
+            )
+        lets.append((let, str(value)))
     return OpSpec(
         name,
         formulas,
@@ -282,6 +320,8 @@ def _op_spec(
         tuple(sizes),
         tuple(ranges),
         budget,
+        outputs,
+        tuple(lets),
     )
 
 

@@ -159,6 +159,8 @@ def _read_indices(program: Program, name: str) -> set[Index]:
 def choose(op: OpSpec, program: Program) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
     temporary is larger than the inputs and outputs) or no index can be tiled."""
+    if op.outputs is not None or op.lets:
+        return None  # internal tensors and lets are not cut into chunks (yet)
     big = big_sets(program)
     if not big:
         return None

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from symgrad.model import build
 from symgrad.pipeline import module_text
-from symgrad.reference import evaluate
+from symgrad.reference import evaluate_op
 from symgrad.spec import OpSpec
 
 _counter = itertools.count()
@@ -52,6 +52,12 @@ class Case:
     # Finite differences along this many random directions per input instead of the full
     # Jacobian (which costs two forward calls per element: too slow for images).
     fd_directions: int | None = None
+    # The op's outputs when some left-hand tensors are internal (the spec's `outputs`).
+    outputs: tuple[str, ...] | None = None
+    # The spec's `let` (name -> integer expression), and, independently, the values the
+    # reference uses for them with these inputs and attrs. The two must agree.
+    lets: dict[str, str] = field(default_factory=dict)
+    let_values: dict[str, int] = field(default_factory=dict)
 
     @property
     def equations(self) -> tuple[str, ...]:
@@ -73,6 +79,8 @@ def op_spec(case: Case, name: str) -> OpSpec:
         case.no_gradient,
         f"test [ops.{name}]",
         ranges=tuple(case.ranges.items()),
+        outputs=case.outputs,
+        lets=tuple(case.lets.items()),
     )
 
 
@@ -161,10 +169,14 @@ def make_inputs(case: Case, program, seed: int = 0, dtype=tf.float64):
 
 def reference(case: Case, named: dict) -> list:
     """The reference outputs of `case` for inputs given by name."""
-    return [
-        evaluate(f, named, case.attrs, sizes=case.sizes, int_attrs=int_attrs(case))
-        for f in case.equations
-    ]
+    return evaluate_op(
+        case.equations,
+        named,
+        {**case.attrs, **case.let_values},
+        outputs=case.outputs,
+        sizes=case.sizes,
+        int_attrs=int_attrs(case) | frozenset(case.let_values),
+    )
 
 
 def reference_outputs(case: Case, program, tensors):

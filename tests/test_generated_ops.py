@@ -76,6 +76,37 @@ def chamfer(x, z):
 IDS = tf.constant([[0, 3, 3, 5], [6, 1, 0, 2]], tf.int32)
 
 
+def wkv_kernel(w, u, k, v):
+    """RWKV-4's kernel_forward (RWKV-v4/cuda/wkv_cuda.cu) loop for loop, its threads (one
+    per b, c) as the lanes of [B, C] tensors: running sums p, q scaled by exp(-o)."""
+    p = tf.zeros_like(k[:, 0])
+    q = tf.zeros_like(k[:, 0])
+    o = tf.fill(tf.shape(k[:, 0]), tf.constant(-1e38, k.dtype))
+    ys = []
+    for i in range(k.shape[1]):
+        kk, vv = k[:, i], v[:, i]
+        no = tf.maximum(o, u + kk)
+        a, e = tf.exp(o - no), tf.exp(u + kk - no)
+        ys.append((a * p + e * vv) / (a * q + e))
+        no = tf.maximum(w + o, kk)
+        a, e = tf.exp(w + o - no), tf.exp(kk - no)
+        p, q, o = a * p + e * vv, a * q + e, no
+    return tf.stack(ys, axis=1)
+
+
+def lightconv(w, x):
+    """fairseq's lightconv forward, one head per channel, padding_l = (K - 1) // 2:
+    y[b,c,t] = sum_k w[c,k] * x[b, c, t + k - padding_l], zero outside."""
+    taps = w.shape[1]
+    pad = (taps - 1) // 2
+    padded = tf.pad(x, [[0, 0], [0, 0], [pad, taps]])
+    steps = x.shape[2]
+    return tf.add_n([w[None, :, k, None] * padded[:, :, k : k + steps] for k in range(taps)])
+
+
+SEGMENTS = tf.constant([2, 0, 1, 2, 0, 1, 1], tf.int32)  # every segment non-empty
+
+
 def separated(*shape):
     """Values at least 0.01 apart: finite differences never cross a tie of a max."""
     values = RNG.permutation(int(np.prod(shape))).reshape(shape) * 0.01 - 0.5
@@ -84,6 +115,21 @@ def separated(*shape):
 
 # module -> (inputs, attrs, reference returning a tuple of outputs)
 OPS = {
+    "rwkv_wkv": (
+        (-tf.exp(rand(3)), rand(3), rand(2, 5, 3, low=-2, high=2), rand(2, 5, 3)),
+        {},
+        lambda w, u, k, v: (wkv_kernel(w, u, k, v),),
+    ),
+    "rows_segment_max": (
+        (SEGMENTS, separated(7, 2)),
+        {"num_segments": 3},
+        lambda seg, x, num_segments: (tf.math.unsorted_segment_max(x, seg, num_segments),),
+    ),
+    "lightconv_same": (
+        (rand(3, 5), rand(2, 3, 7)),
+        {},
+        lambda w, x: (lightconv(w, x),),
+    ),
     "strided_conv1d": (
         (rand(2, 13, 3), rand(3, 3, 4)),
         {"s": 2, "d": 2, "p": 1},

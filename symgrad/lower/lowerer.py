@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .. import ir, patterns
+from .. import ir, lets, patterns
 from ..derive import Backward, Contribution, Scatter, fresh_indices, grad_name
 from ..model import Index, Level, Program
 from ..notation import gradient_lines
@@ -88,7 +88,10 @@ class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments):
         return ir.Call("to_int64", (size,))
 
     def axis_size(self, body: _Body, tensor_name: str, axis: int) -> str:
-        """The variable holding the size of one axis of an input."""
+        """The variable holding the size of one axis of an input (of an internal tensor:
+        the size of the index that axis is computed over)."""
+        if tensor_name not in self.program.inputs:
+            return self.index_size(body, self.levels[tensor_name].indices[axis])
         source = (tensor_name, axis)
         for var, known in body.sizes.items():
             if known == source:
@@ -262,7 +265,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
             level = lowerer.levels[name]
             gname = grad_name(name)
-            value = lowerer.gradient(bwd, name, by_target[name])
+            scatters = [s for s in backward.scatters if s.target == name]
+            value = lowerer.gradient(bwd, name, by_target.get(name, []), scatters)
             if isinstance(value, ir.Var):  # passed through unchanged: no new name
                 bwd.tensors[gname] = value.name
                 continue
@@ -288,7 +292,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
     # Borrowing forward values can leave a dtype or size definition nothing reads.
-    backward_block = _borrow(backward_block, fwd.memo)
+    let_names = frozenset(lets.symbol(name).name for name, _ in program.lets)
+    backward_block = _borrow(backward_block, fwd.memo, let_names)
     backward_block = ir.prune(backward_block, backward_block.returns, set())
     read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs), limits)
@@ -306,7 +311,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         and step.target not in outputs
         and step.target not in program.inputs
         and step.target not in _PRELUDE_NAMES
-        and not step.target.startswith("_n_")
+        and not step.target.startswith(("_n_", "_int_"))
     )
     recompute = ir.prune(forward_block, saved, set(program.inputs) | set(outputs), fwd.recompute)
     # Per output axis, the input axes whose sizes multiply to its size; (None, None) for
@@ -403,20 +408,25 @@ def _output_limits(program, size_of) -> dict:
 
 
 def _finish(body: _Body, returns: tuple[str | None, ...], limits: dict) -> ir.Block:
-    """Prepend the size and dtype definitions the steps use; a computed size of an output
-    axis is checked against the size limit of an output (`limits`)."""
+    """Prepend the dtype, `let` and size definitions the steps use; a computed size of an
+    output axis is checked against the size limit of an output (`limits`)."""
     prelude = []
     if body.uses_dtype:
         prelude.append(ir.Assign("dtype", ir.DType(body.program.value_inputs[0])))
+    sizes = []
     for var, source in sorted(body.sizes.items()):
         if isinstance(source, tuple):
-            prelude.append(ir.Assign(var, ir.AxisSize(*source)))
+            sizes.append(ir.Assign(var, ir.AxisSize(*source)))
             continue
         value = integer(source)
         for output, index, others in limits.get(source, ()):
             value = ir.Call("size_limit", (value, ir.Lit(repr(f"{output}[{index}]")), others))
-        prelude.append(ir.Assign(var, value))
-    return ir.Block(tuple(prelude + body.steps), returns)
+        sizes.append(ir.Assign(var, value))
+    # Each let the steps or sizes read (and the lets those read), in dependency order;
+    # unread ones are pruned with everything else.
+    for name, value in body.program.lets:
+        prelude.append(ir.Assign(lets.symbol(name).name, integer(value)))
+    return ir.Block(tuple(prelude + sizes + body.steps), returns)
 
 
 _PRELUDE_NAMES = ("dtype",)
@@ -430,12 +440,17 @@ def _size_arithmetic(e: ir.Expr) -> bool:
     return any(n.startswith("_n_") for n in names) or all(n.startswith("_int_") for n in names)
 
 
-def _borrow(block: ir.Block, forward: dict[ir.Expr, str]) -> ir.Block:
+def _borrow(block: ir.Block, forward: dict[ir.Expr, str], let_names=frozenset()) -> ir.Block:
     """Read values the forward pass already computed (`tanh(A)`) instead of recomputing.
 
     The `forward` closure keeps them, as TF's tape would; `gradient(op)` recomputes them.
+    Integers from sizes and lets are recomputed: cheap, and never saved as tensors.
     """
-    usable = {expr: name for expr, name in forward.items() if not _size_arithmetic(expr)}
+    usable = {
+        expr: name
+        for expr, name in forward.items()
+        if not _size_arithmetic(expr) and not (ir.names_in(expr) & let_names)
+    }
 
     def borrowed(e: ir.Expr) -> ir.Expr | None:
         return ir.Var(usable[e]) if e in usable else None

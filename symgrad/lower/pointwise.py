@@ -9,7 +9,7 @@ import itertools
 import sympy as sp
 
 from .. import functions as fn
-from .. import ir
+from .. import ir, lets
 from ..indexing import IOTA
 from ..model import Index, index_of_size
 from .common import (
@@ -59,6 +59,9 @@ class Pointwise:
             if index is not None:
                 body.uses_dtype = True
                 return ir.FloatSize(self.index_size(body, sp.Symbol(index)))
+            if e.name.startswith(lets.VALUE_PREFIX):  # a let, computed at call time
+                body.uses_dtype = True
+                return ir.FloatSize(lets.symbol(e.name.removeprefix(lets.VALUE_PREFIX)).name)
             return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
             terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
@@ -147,6 +150,9 @@ class Pointwise:
                     self.value(body, otherwise, target),
                 ),
             )
+        if isinstance(e, fn.index_value):  # 0, 1, ... in the inputs' float dtype
+            body.uses_dtype = True
+            return ir.Call("cast", (self.expr(body, e.args[0], target), ir.Var("dtype")))
         if isinstance(e, sp.Function):
             func = type(e)
             args = tuple(self.expr(body, a, target) for a in e.args)
