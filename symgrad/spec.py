@@ -269,22 +269,13 @@ def _op_spec(
                 where=where,
             )
         sizes.append((index, size))
-    ranges_table = table.get("ranges", {})
-    if not isinstance(ranges_table, dict):
-        raise SymgradError(f"`ranges` must be a table, not {_type_name(ranges_table)}", where=where)
-    ranges = []
-    for index, extent in ranges_table.items():
-        problem = check_name(index, "index")
-        if problem:
-            raise SymgradError(problem, where=where)
-        if isinstance(extent, bool) or not isinstance(extent, str | int):
-            raise SymgradError(
-                f"range of index {index!r} must be a string (input sizes `X.shape[n]`, int "
-                f'attrs and numbers, e.g. "X.shape[1] - 2") or a whole number, not '
-                f"{_type_name(extent)}",
-                where=where,
-            )
-        ranges.append((index, str(extent)))
+    ranges = _int_expressions(
+        table,
+        "ranges",
+        lambda index: f"range of index {index!r}",
+        '(input sizes `X.shape[n]`, int attrs and numbers, e.g. "X.shape[1] - 2")',
+        where,
+    )
     budget = default_budget
     if "max_temp_bytes" in table:
         budget = _budget(table["max_temp_bytes"], where)
@@ -295,21 +286,9 @@ def _op_spec(
             raise SymgradError(problem, where=where)
     if outputs is not None and not outputs:
         raise SymgradError("`outputs` lists no output", where=where)
-    let_table = table.get("let", {})
-    if not isinstance(let_table, dict):
-        raise SymgradError(f"`let` must be a table, not {_type_name(let_table)}", where=where)
-    lets = []
-    for let, value in let_table.items():
-        problem = check_name(let, "let")
-        if problem:
-            raise SymgradError(problem, where=where)
-        if isinstance(value, bool) or not isinstance(value, str | int):
-            raise SymgradError(
-                f'let {let!r} must be a string such as "(k - 1) // 2" or a whole number, '
-                f"not {_type_name(value)}",
-                where=where,
-            )
-        lets.append((let, str(value)))
+    lets = _int_expressions(
+        table, "let", lambda let: f"let {let!r}", 'such as "(k - 1) // 2"', where
+    )
     return OpSpec(
         name,
         formulas,
@@ -323,6 +302,27 @@ def _op_spec(
         outputs,
         tuple(lets),
     )
+
+
+def _int_expressions(table: dict, key: str, title, example: str, where: str):
+    """The `ranges` or `let` table: names to integer expressions (strings or whole
+    numbers), as (name, text) pairs in the spec's order."""
+    entries = table.get(key, {})
+    if not isinstance(entries, dict):
+        raise SymgradError(f"`{key}` must be a table, not {_type_name(entries)}", where=where)
+    pairs = []
+    for name, value in entries.items():
+        problem = check_name(name, "index" if key == "ranges" else key)
+        if problem:
+            raise SymgradError(problem, where=where)
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise SymgradError(
+                f"{title(name)} must be a string {example} or a whole number, not "
+                f"{_type_name(value)}",
+                where=where,
+            )
+        pairs.append((name, str(value)))
+    return pairs
 
 
 def parse_op(name: str, table: object, path: str) -> OpSpec:
