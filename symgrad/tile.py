@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from . import functions as fn
-from . import ir, patterns
+from . import ir, patterns, splits
 from .indexing import IOTA
 from .model import Index, Level, Program, accesses
 from .spec import OpSpec
@@ -148,6 +148,8 @@ def _read_indices(program: Program, name: str) -> set[Index]:
     found: set[Index] = set()
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     for level in levels:
+        if level.gather is not None and level.gather.source == name and splits.reshapes(level):
+            found |= set(level.indices)  # a composite read holds the input, reshaped
         for term in level.terms:
             for access in accesses(term.expr):
                 if access.base.label.name == name:
@@ -173,9 +175,11 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         for index in program.outputs[0].level.indices
         if all(index in f for f in free) and all(index in b for b in big)
     ]
+    reads = _reads(trees, set(program.inputs))
+    # An index inside a composite read `x[b, (h, r)]` cannot be moved by an offset.
+    candidates = [i for i in candidates if not splits.in_group(i.name, reads)]
     if not candidates:
         return None
-    reads = _reads(trees, set(program.inputs))
     ranged = dict(op.ranges)
 
     def score(index: Index) -> tuple:
