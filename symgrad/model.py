@@ -496,7 +496,7 @@ class _Builder:
     # -- computed positions -----------------------------------------------------------
 
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
-        if not node.plain:
+        if not node.plain or splits.reads_past(self, node):
             return self.gather(node, scope)
         if node.tensor in self.internals:
             return internals.read(self, node, scope)
@@ -565,6 +565,8 @@ class _Builder:
             self.register(name, len(node.positions), node.col)
         lookups: list[Access] = []
         positions = tuple(self.position(p, scope, lookups) for p in node.positions)
+        if not internal:  # an explicit range wins over the size of an axis read plainly
+            positions = splits.past_axes(self, positions)
         if all(indexing.is_plain(p) for p in positions) and not internal:
             return self.simplified_access(name, positions)
         written = [scope[i] for i in node.indices]

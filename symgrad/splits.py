@@ -120,6 +120,24 @@ def position(builder, node, scope, lookups) -> sp.Expr:
     return FloorDiv(left, divisor) if node.op == "//" else Mod(left, divisor)
 
 
+def ranged(builder, symbol: sp.Symbol) -> bool:
+    """Whether an index has an explicit `ranges` entry (which wins over an axis' size)."""
+    return symbol.name.rstrip("'") in dict(builder.op.ranges)
+
+
+def reads_past(builder, node) -> bool:
+    """Whether a plain read of an input has an index with an explicit range: it is read
+    like a computed position, zero past the axis."""
+    if node.tensor in builder.internals:
+        return False
+    return any(p.name in dict(builder.op.ranges) for p in node.positions)
+
+
+def past_axes(builder, positions: tuple) -> tuple:
+    """Plain positions at indices with an explicit range, marked `Ranged`."""
+    return tuple(Ranged(p) if indexing.is_plain(p) and ranged(builder, p) else p for p in positions)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 

@@ -65,6 +65,31 @@ LIGHTCONV_HEADS = Case(
     sizes={"t": 7},
 )
 
+# CCNet's criss-cross attention (speedinghzl/CCNet, cc_attention/src/ca.cu) in its own
+# layouts: t, f, g [B, C, H, W]; the scores a [B, H+W-1, H, W], z over the row (z < W),
+# then the column without the position itself.
+CCNET_SCORES = Case(
+    "a[b,z,i,j] = sum(t[b,c,i,j] * where(z < W, f[b,c,i,z], "
+    "where(z - W < i, f[b,c,z - W,j], f[b,c,z - W + 1,j])), c)",
+    {"t": (2, 3, 4, 5), "f": (2, 3, 4, 5)},
+    lets={"W": "t.shape[3]"},
+    let_values={"W": 5},
+    ranges={"z": "t.shape[2] + t.shape[3] - 1"},
+    sizes={"z": 8},
+    fd_directions=3,
+)
+CCNET_AGGREGATION = Case(
+    "o[b,c,i,j] = sum(g[b,c,i,u] * a[b,u,i,j], u) + sum(where(v < i, g[b,c,v,j] * "
+    "a[b, W + v, i, j], where(v > i, g[b,c,v,j] * a[b, W + v - 1, i, j], 0)), v)",
+    {"a": (2, 8, 4, 5), "g": (2, 3, 4, 5)},
+    inputs=("a", "g"),
+    lets={"W": "g.shape[3]"},
+    let_values={"W": 5},
+    ranges={"u": "W"},
+    sizes={"u": 5},
+    fd_directions=3,
+)
+
 # Every construct, with a different size for every index.
 CASES = {
     # x[b, (h, r), t]: axis 1 of size H*R, row-major; R from v, H = 12 / 4 inferred
@@ -91,6 +116,21 @@ CASES = {
         ranges={"c": "12"},
     ),
     "lightconv_heads": LIGHTCONV_HEADS,
+    # item 3: an explicit range wins over the size of an axis read plainly
+    "a_range_past_the_axis_reads_zero": Case(
+        "y[b,i] = x[b,i] * w[b]",
+        {"x": (2, 5), "w": (2,)},
+        ranges={"i": "x.shape[1] + 2"},
+        sizes={"i": 7},
+    ),
+    "a_range_short_of_the_axis_reads_part_of_it": Case(
+        "y[b,i] = sum(x[b,i,k] * z[b,k], k) + x[b,i,0]",
+        {"x": (2, 5, 3), "z": (2, 3)},
+        ranges={"i": "x.shape[1] - 2"},
+        sizes={"i": 3},
+    ),
+    "ccnet_criss_cross_scores": CCNET_SCORES,
+    "ccnet_criss_cross_aggregation": CCNET_AGGREGATION,
 }
 
 
@@ -115,8 +155,9 @@ def _jitted(module):
     )
 
 
+# CCNet's ops are checked in every target against their kernels' loops (below).
 @pytest.mark.parametrize("target", sorted(FRAMEWORKS))
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(n for n in CASES if not n.startswith("ccnet")))
 def test_split_reads_in_pytorch_and_jax(name, target, folder):
     case = CASES[name]
     module = generate(case, folder, "Split", target)
@@ -206,6 +247,72 @@ def test_lightconv_heads_gradient_sums_over_the_channels_sharing_a_filter(folder
     )
     want = per_channel.numpy().reshape(2, 3, 3).sum(axis=1)
     np.testing.assert_allclose(tf.convert_to_tensor(grad_w).numpy(), want, rtol=1e-12)
+
+
+def _ca_forward_kernel(t, f):
+    """CCNet's ca_forward_kernel (cc_attention/src/ca.cu), thread (x, y, z) for z < H+W-1:
+    the row for z < W, else the column at j = i < y ? i : i + 1 with i = z - W."""
+    num, chn, height, width = t.shape
+    weight = np.zeros((num, height + width - 1, height, width))
+    for x in range(width):
+        for y in range(height):
+            for z in range(height + width - 1):
+                for batch in range(num):
+                    for plane in range(chn):
+                        _t = t[batch, plane, y, x]
+                        if z < width:
+                            weight[batch, z, y, x] += _t * f[batch, plane, y, z]
+                        else:
+                            i = z - width
+                            j = i if i < y else i + 1
+                            weight[batch, width + i, y, x] += _t * f[batch, plane, j, x]
+    return weight
+
+
+def _ca_map_forward_kernel(weight, g):
+    """CCNet's ca_map_forward_kernel (cc_attention/src/ca.cu): the row, then the column
+    without the position itself, its score at width + (i < y ? i : i - 1)."""
+    num, chn, height, width = g.shape
+    out = np.zeros_like(g)
+    for x in range(width):
+        for y in range(height):
+            for plane in range(chn):
+                for batch in range(num):
+                    for i in range(width):
+                        out[batch, plane, y, x] += g[batch, plane, y, i] * weight[batch, i, y, x]
+                    for i in range(height):
+                        if i == y:
+                            continue
+                        j = i if i < y else i - 1
+                        _w = weight[batch, width + j, y, x]
+                        out[batch, plane, y, x] += g[batch, plane, i, x] * _w
+    return out
+
+
+@pytest.mark.parametrize("target", sorted(TO))
+def test_ccnet_criss_cross_attention_is_its_cuda_kernels(target, folder):
+    rng = np.random.default_rng(5)
+    to_tensor, to_numpy = TO[target]
+    t, f, g = (rng.standard_normal((2, 3, 4, 5)) for _ in range(3))  # B, C, H, W
+    scores = generate(CCNET_SCORES, folder, "CaScores", target)
+    _check_against_kernel(scores, _ca_forward_kernel, (t, f), to_tensor, to_numpy, scores.vjp)
+    a = rng.standard_normal((2, 8, 4, 5))  # [B, H+W-1, H, W]
+    aggregation = generate(CCNET_AGGREGATION, folder, "CaMap", target)
+    _check_against_kernel(
+        aggregation, _ca_map_forward_kernel, (a, g), to_tensor, to_numpy, aggregation.vjp
+    )
+
+
+def test_reads_past_an_axis_are_zero_and_send_no_gradient(folder):
+    case = CASES["a_range_past_the_axis_reads_zero"]
+    module = generate(case, folder, "Past")
+    x, w = tf.constant(np.arange(10.0).reshape(2, 5) + 1), tf.constant([2.0, 3.0], tf.float64)
+    y = module.forward(x, w).numpy()
+    assert y.shape == (2, 7) and np.all(y[:, 5:] == 0)
+    np.testing.assert_allclose(y[:, :5], x.numpy() * [[2.0], [3.0]])
+    grad_x, grad_w = module.vjp(x, w, tf.ones((2, 7), tf.float64))
+    np.testing.assert_allclose(grad_x.numpy(), np.tile([[2.0], [3.0]], (1, 5)))
+    np.testing.assert_allclose(grad_w.numpy(), x.numpy().sum(axis=1))
 
 
 # ----------------------------------------------------------------------------- refusals
