@@ -6,6 +6,7 @@ attention) against NumPy loop transcriptions of their CUDA kernels, forward and 
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -398,3 +399,44 @@ def test_a_composite_read_is_a_reshape_and_its_gradient_one_too():
     assert "_g1 = tf.reshape(x, [_n_b, _n_h, _n_r, _n_t])" in text
     assert "grad_x = tf.reshape(_grad_g1, [_n_x_0, _n_x_1, _n_x_2])" in text
     assert "tf.gather" not in text and "segment_sum" not in text
+
+
+# ----------------------------------------------------------------------------- tiling
+
+LET_OPS = {  # ops of symgrad.toml with lets: module -> input shapes
+    "lightconv_heads": [(3, 5), (2, 6, 7)],
+    "lightconv_same": [(6, 5), (2, 6, 7)],
+    "cc_attention_scores": [(2, 3, 4, 5), (2, 3, 4, 5)],
+    "cc_attention_map": [(2, 8, 4, 5), (2, 3, 4, 5)],
+}
+PACKAGES = {"tensorflow": "generated", "pytorch": "generated_torch", "jax": "generated_jax"}
+
+
+def _counted(function, calls: list):
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counting
+
+
+@pytest.mark.parametrize("target", sorted(PACKAGES))
+def test_ops_with_lets_are_tiled_and_equal_the_untiled(target, monkeypatch):
+    to_tensor, to_numpy = TO[target]
+    rng = np.random.default_rng(8)
+    for name, shapes in LET_OPS.items():
+        module = importlib.import_module(f"{PACKAGES[target]}.{name}")
+        assert "_tiled_compute" in module.__doc__, name
+        inputs = [to_tensor(rng.standard_normal(s)) for s in shapes]
+        y = to_numpy(module.forward(*inputs))
+        grad = to_tensor(rng.standard_normal(y.shape))
+        grads = [to_numpy(g) for g in module.vjp(*inputs, grad)]
+        chunks = []
+        if target == "pytorch":  # a Python loop: count its chunks
+            monkeypatch.setattr(module, "_chunk_compute", _counted(module._chunk_compute, chunks))
+        monkeypatch.setattr(module, "MAX_TEMP_BYTES", 64)
+        np.testing.assert_allclose(to_numpy(module.forward(*inputs)), y, rtol=1e-12, atol=1e-12)
+        for got, want in zip(module.vjp(*inputs, grad), grads, strict=True):
+            np.testing.assert_allclose(to_numpy(got), want, rtol=1e-12, atol=1e-12)
+        if target == "pytorch":
+            assert len(chunks) > 2, name
