@@ -106,6 +106,8 @@ OPS = {
     "transpose": "transpose(x, perm)",
     "zeros": "zeros(shape, dtype=)",
     "zeros_like": "zeros_like(x)",
+    "exact_div": "exact_div(n, d, where): n // d for the size n of a composite axis `where`, "
+    "refused when d does not divide it",
     "size_limit": "size_limit(n, where, others): the size n of an output axis, refused when "
     "n times the other sizes is beyond the largest output allowed",
     # reductions and scans (axis=, keepdims=)

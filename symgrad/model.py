@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, internals, lets
+from . import indexing, internals, lets, splits
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -33,6 +33,7 @@ from .parse import (
     Condition,
     Constant,
     Equation,
+    Group,
     IndexRef,
     Logic,
     Neg,
@@ -495,7 +496,7 @@ class _Builder:
     # -- computed positions -----------------------------------------------------------
 
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
-        if not node.plain:
+        if not node.plain or splits.reads_past(self, node):
             return self.gather(node, scope)
         if node.tensor in self.internals:
             return internals.read(self, node, scope)
@@ -531,6 +532,10 @@ class _Builder:
             return self.int_symbol(node.name)
         if isinstance(node, Neg):
             return -self.position(node.operand, scope, lookups)
+        if isinstance(node, BinOp) and node.op in ("//", "%"):
+            return splits.position(self, node, scope, lookups)
+        if isinstance(node, Group):
+            return splits.Composite(*(self.position(i, scope, lookups) for i in node.indices))
         if isinstance(node, BinOp):
             left = self.position(node.left, scope, lookups)
             right = self.position(node.right, scope, lookups)
@@ -560,6 +565,8 @@ class _Builder:
             self.register(name, len(node.positions), node.col)
         lookups: list[Access] = []
         positions = tuple(self.position(p, scope, lookups) for p in node.positions)
+        if not internal:  # an explicit range wins over the size of an axis read plainly
+            positions = splits.past_axes(self, positions)
         if all(indexing.is_plain(p) for p in positions) and not internal:
             return self.simplified_access(name, positions)
         written = [scope[i] for i in node.indices]
@@ -1203,6 +1210,10 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
     sized = {**known, **extents}
     output_indices = {i for o in outputs for i in o.level.indices}
     pending = [s for s in symbols if s not in sized]
+    split_reads = [r for r in builder.reads if splits.has_split(r[0])]
+    for symbol, value in splits.infer(split_reads, sized, pending).items():
+        extents[symbol] = sized[symbol] = value
+        pending.remove(symbol)
     while pending:
         progress = False
         for symbol in list(pending):
@@ -1269,6 +1280,10 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
         position = level.gather.positions[axis]
         if position.atoms(sp.Indexed) or level.gather.source in builder.internals:
             flags.append(False)
+            continue
+        if splits.has_split(position):
+            size = indexing.shape_symbol(level.gather.source, axis)
+            flags.append(splits.bounded(position, size, extents, inferred))
             continue
         indices = [x for x in position.free_symbols if indexing.is_plain(x)]
         signs = {x: indexing.sign(indexing.coefficient(position, x)) for x in indices}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sympy as sp
 from sympy.printing.str import StrPrinter
 
-from . import indexing
+from . import indexing, splits
 from .derive import Backward, Contribution, Scatter, grad_name
 from .model import Index, Level, Program, accesses, size_of
 
@@ -174,7 +174,10 @@ def scatter_text(level: Level, shown: tuple[Index, ...]) -> str:
     gather = level.gather
     inner = gather.inner(level.indices)
     mapping = {gather.positions[n]: shown[n] for n in range(len(shown)) if n not in gather.computed}
-    equations = [f"{show_position(gather.positions[n])} = {shown[n]}" for n in gather.computed]
+    equations = [
+        splits.equation(gather.positions[n], f"{show_position(gather.positions[n])} = {shown[n]}")
+        for n in gather.computed
+    ]
     grad = tensor_text(grad_name(level.name), [mapping.get(i, i) for i in level.indices])
     return f"Σ_{{{','.join(show(i) for i in inner)}: {', '.join(equations)}}} {grad}"
 

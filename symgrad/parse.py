@@ -196,6 +196,14 @@ class Access:
 
 
 @dataclass(frozen=True)
+class Group:
+    """`(h, r)` inside an input's brackets: one axis read row-major (`h*R + r`)."""
+
+    indices: tuple[IndexRef, ...]
+    col: int
+
+
+@dataclass(frozen=True)
 class Neg:
     operand: Node
     col: int
@@ -263,7 +271,7 @@ class Where:
     col: int
 
 
-Node = Num | Constant | AttrRef | IndexRef | Access | Neg | BinOp | Call | Reduce | Where
+Node = Num | Constant | AttrRef | IndexRef | Group | Access | Neg | BinOp | Call | Reduce | Where
 
 
 @dataclass(frozen=True)
@@ -292,6 +300,8 @@ def index_names(node) -> list[str]:
     """Index names used in an index expression or condition, in written order."""
     if isinstance(node, IndexRef):
         return [node.name]
+    if isinstance(node, Group):
+        return [i.name for i in node.indices]
     if isinstance(node, Access):
         return [name for p in node.positions for name in index_names(p)]
     if isinstance(node, Neg):
@@ -526,11 +536,9 @@ class _Walker:
             problem = check_name(name, "tensor")
             if problem:
                 self.fail(problem, node)
-            if self.parenthesised(node.slice):
-                self.fail(
-                    "composite indices `(i, k)` are only allowed on the left side", node.slice
-                )
-            elements = _slice_elements(node.slice)
+            # `x[(h, r)]` and `x[b, (h, r), t]`: composite axes, read row-major.
+            whole = self.parenthesised(node.slice)
+            elements = [node.slice] if whole else _slice_elements(node.slice)
             positions = tuple(self.position(e, depth + 1) for e in elements)
             return Access(name, positions, col)
         if isinstance(node, ast.Call):
@@ -543,6 +551,11 @@ class _Walker:
         """One position inside an input's brackets: a plain index, or an index expression."""
         if isinstance(node, ast.Name):
             return IndexRef(self.index_name(node), node.col_offset)
+        if isinstance(node, ast.Tuple):
+            if len(node.elts) < 2:
+                self.fail("a composite index needs two or more indices", node)
+            members = tuple(IndexRef(self.index_name(e), e.col_offset) for e in node.elts)
+            return Group(members, node.col_offset)
         return self.index_expr(node, depth, inside=True)
 
     def index_expr(self, node: ast.AST, depth: int, *, inside: bool) -> Node:
@@ -574,10 +587,12 @@ class _Walker:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
             inner = self.index_expr(node.operand, depth + 1, inside=inside)
             return Neg(inner, col) if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv | ast.Mod):
+            return self.split(node, depth, inside=inside)
         if isinstance(node, ast.BinOp):
             op = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}.get(type(node.op))
             if op is None:
-                hint = " (only + - * with integer coefficients)"
+                hint = " (only + - * // % with integer coefficients)"
                 self.fail(
                     f"operator {_op_symbol(node.op)} is not allowed in an index expression{hint}",
                     node,
@@ -610,9 +625,28 @@ class _Walker:
             positions = tuple(IndexRef(self.index_name(e), e.col_offset) for e in elements)
             return Access(name, positions, col)
         if isinstance(node, ast.Tuple):
-            self.fail("composite indices `(i, k)` are only allowed on the left side", node)
+            self.fail(
+                "a composite index `(i, k)` is a whole axis, on the left or of an input", node
+            )
         where = "inside brackets" if inside else "in an index comparison"
         self.fail(f"{_describe(node)} is not allowed {where}", node)
+
+    def split(self, node: ast.BinOp, depth: int, *, inside: bool) -> Node:
+        """`c // G`, `c % G`: by a positive int literal, an int attr or a let."""
+        op = "//" if isinstance(node.op, ast.FloorDiv) else "%"
+        left = self.index_expr(node.left, depth + 1, inside=inside)
+        right = node.right
+        if isinstance(right, ast.Constant) and type(right.value) is int and right.value > 0:
+            divisor: Node = Num(Fraction(right.value), right.col_offset)
+        elif isinstance(right, ast.Name) and right.id in self.int_attrs:
+            divisor = AttrRef(right.id, right.col_offset)
+        else:
+            self.fail(
+                f"an index is split by `{op}` with a positive int literal, an int attr or a "
+                "let on its right",
+                right,
+            )
+        return BinOp(op, left, divisor, node.col_offset)
 
     # -- conditions -------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from symgrad.parse import (
     Call,
     Compare,
     Constant,
+    Group,
     IndexRef,
     Logic,
     Neg,
@@ -167,8 +168,17 @@ class Evaluator:
         if isinstance(node, Neg):
             inner = self.position(node.operand)
             return Dense(-inner.tensor, inner.labels)
+        if isinstance(node, Group):  # (h, r): row-major, h * |r| + r
+            total = self.position(node.indices[0])
+            for member in node.indices[1:]:
+                size = Dense(tf.constant(self.size(member.name), tf.int64), ())
+                total = self.combine(
+                    self.combine(total, size, tf.multiply), self.position(member), tf.add
+                )
+            return total
         if isinstance(node, BinOp):
             ops = {"+": tf.add, "-": tf.subtract, "*": tf.multiply}
+            ops |= {"//": tf.math.floordiv, "%": tf.math.floormod}
             return self.combine(self.position(node.left), self.position(node.right), ops[node.op])
         if isinstance(node, Access):  # an integer index tensor, read at plain indices
             value = self.read(node)
@@ -179,7 +189,13 @@ class Evaluator:
     def read(self, node: Access) -> Dense:
         """`X[positions]` over the grid of the indices the positions use; zero outside X."""
         tensor = self.inputs[node.tensor]
-        if node.plain and len(set(node.indices)) == len(node.indices):
+        # A plain read whose index has a range past (or short of) the axis is read like
+        # a computed one: zero beyond the axis.
+        fits = all(
+            i in self.ambiguous or self.sizes.get(i, int(d)) == int(d)
+            for i, d in zip(node.indices, tensor.shape, strict=False)
+        )
+        if node.plain and len(set(node.indices)) == len(node.indices) and fits:
             return Dense(tensor, node.indices)
         labels = tuple(dict.fromkeys(node.indices))
         coords = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from . import functions as fn
-from . import ir, patterns
+from . import ir, patterns, splits
 from .indexing import IOTA
 from .model import Index, Level, Program, accesses
 from .spec import OpSpec
@@ -148,6 +148,8 @@ def _read_indices(program: Program, name: str) -> set[Index]:
     found: set[Index] = set()
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     for level in levels:
+        if level.gather is not None and level.gather.source == name and splits.reshapes(level):
+            found |= set(level.indices)  # a composite read holds the input, reshaped
         for term in level.terms:
             for access in accesses(term.expr):
                 if access.base.label.name == name:
@@ -159,8 +161,8 @@ def _read_indices(program: Program, name: str) -> set[Index]:
 def choose(op: OpSpec, program: Program) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
     temporary is larger than the inputs and outputs) or no index can be tiled."""
-    if op.outputs is not None or op.lets:
-        return None  # internal tensors and lets are not cut into chunks (yet)
+    if op.outputs is not None:
+        return None  # internal tensors are not cut into chunks (yet)
     big = big_sets(program)
     if not big:
         return None
@@ -173,9 +175,11 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         for index in program.outputs[0].level.indices
         if all(index in f for f in free) and all(index in b for b in big)
     ]
+    reads = _reads(trees, set(program.inputs))
+    # An index inside a composite read `x[b, (h, r)]` cannot be moved by an offset.
+    candidates = [i for i in candidates if not splits.in_group(i.name, reads)]
     if not candidates:
         return None
-    reads = _reads(trees, set(program.inputs))
     ranged = dict(op.ranges)
 
     def score(index: Index) -> tuple:
@@ -205,7 +209,8 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     ranges = tuple((k, v) for k, v in op.ranges if k != name)
     if length is not None:
         ranges += ((name, length),)
-    used = {n for text in (*formulas, *(v for _, v in ranges)) for n in _names(ast.parse(text))}
+    texts = (*formulas, *(v for _, v in ranges), *(v for _, v in op.lets))
+    used = {n for text in texts for n in _names(ast.parse(text))}
     attrs = (
         *((a, kind) for a, kind in op.attrs if a in used),
         *((a, "int") for a in (start, length) if a),
@@ -254,7 +259,7 @@ def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
 
 def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tuple:
     """Inputs every read of which puts `name` plainly at one axis and nowhere else, and
-    whose size on that axis no range reads."""
+    whose size on that axis no range or let reads (the chunk would see the cut size)."""
     found = []
     for tensor, positions_list in sorted(reads.items()):
         axes = set()
@@ -268,7 +273,8 @@ def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tup
         if not axes or len(axes) != 1:
             continue
         (axis,) = axes
-        if any(f"{tensor}.shape[{axis}]" in text.replace(" ", "") for _, text in op.ranges):
+        sizes = (*op.ranges, *op.lets)
+        if any(f"{tensor}.shape[{axis}]" in text.replace(" ", "") for _, text in sizes):
             continue
         found.append((tensor, axis))
     return tuple(found)

@@ -40,8 +40,8 @@ def test_output_groups_follow_the_parentheses(formula, groups):
 @pytest.mark.parametrize(
     ("formula", "message", "at"),
     [
-        ("y[b,i] = A[(b,i)]", "only allowed on the left side", "(b,i)]"),
-        ("y[b,i,j] = A[((b,i)),j]", "only allowed on the left side", "(b,i)"),
+        ("y[b,i] = A[(b,i) + 1]", "is a whole axis, on the left or of an input", "(b,i)"),
+        ("y[b,i,j] = A[(b,2),j]", "an index must be a plain name", "2),j]"),
         ("y[((i,k),j)] = A[i,j] * B[k]", "an index must be a plain name", "(i,k),j)"),
     ],
 )

@@ -147,9 +147,9 @@ CASES = [
     ),
     Case(
         "composite-on-input",
-        op("y[b,i] = A[(b,i)]"),
-        "composite indices `(i, k)` are only allowed on the left side",
-        at="(b,i)]",
+        op("y[b,i] = A[(b,i) * 2]"),
+        "a composite index `(i, k)` is a whole axis, on the left or of an input",
+        at="(b,i)",
     ),
     Case("floor-division", op("y[b,i] = A[b,i]//2"), "operator '//' is not supported", at="//2"),
     Case("second-statement", op("y[b,i] = A[b,i]; import os"), "one equation", at="y[b,i]"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from .. import functions as fn
-from .. import indexing, ir
+from .. import indexing, ir, splits
 from ..derive import Backward
 from ..model import Index, Program
 
@@ -218,6 +218,9 @@ def integer(e: sp.Expr) -> ir.Expr:
         if shape is not None:
             return ir.AxisSize(*shape)
         return ir.Var(e.name)
+    if isinstance(e, splits.ExactDiv):  # a composite axis' size over the others'
+        where = ir.Lit(repr(str(e.args[0])))
+        return ir.Call("exact_div", (integer(e.args[0]), integer(e.args[1]), where))
     if isinstance(e, sp.floor):
         numerator, denominator = sp.fraction(sp.together(e.args[0]))
         return ir.Binary("//", integer(numerator), integer(denominator))

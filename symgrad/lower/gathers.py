@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .. import indexing, ir
+from .. import indexing, ir, splits
 from ..derive import Scatter, grad_name
 from ..model import Index, Level
 from .common import (
@@ -104,6 +104,8 @@ class Gathers:
         blocks = self.blocks(level)
         if blocks is not None:
             return self.gather_blocks(body, level, blocks)
+        if splits.reshape_grid(level):  # x[b, (h, r), t]: a reshape
+            return splits.reshape_read(self, body, level)
         gather = level.gather
         computed = gather.computed
         rank = self.program.rank(gather.source)
@@ -249,6 +251,9 @@ class Gathers:
         blocks = self.blocks(level)
         if blocks is not None:
             return self.scatter_blocks(body, level, blocks)
+        if splits.reshape_grid(level):
+            grad = ir.Var(body.tensors[grad_name(level.name)])
+            return splits.reshape_back(self, body, level, grad)
         gather = level.gather
         computed = gather.computed
         rank = self.program.rank(gather.source)

@@ -92,9 +92,9 @@ def is_integer(e: ir.Expr) -> bool:
     if isinstance(e, ir.Negate):
         return is_integer(e.operand)
     if isinstance(e, ir.Binary):
-        return e.op in ("+", "-", "*", "//") and is_integer(e.left) and is_integer(e.right)
+        return e.op in ("+", "-", "*", "//", "%") and is_integer(e.left) and is_integer(e.right)
     if isinstance(e, ir.Call):
-        integral = ("maximum", "minimum", "to_int64", "size_limit")
+        integral = ("maximum", "minimum", "to_int64", "size_limit", "exact_div")
         return e.function in integral and all(is_integer(a) for a in e.args)
     return False
 
@@ -167,6 +167,9 @@ class JaxPrinter(Printer):
         return f"{NAMES[e.function]}({self.arguments(e)})"
 
     # -- one method per op whose spelling is more than a name ---------------------------
+
+    def call_exact_div(self, e: ir.Call) -> str:
+        return f"_exact_div({self.arguments(e)})"
 
     def call_size_limit(self, e: ir.Call) -> str:
         return f"_size_limit({self.arguments(e)})"

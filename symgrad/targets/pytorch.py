@@ -84,6 +84,7 @@ PARAMETERS = {
     "segment_sum": ("data", "ids", "n"),
     "shape": ("x",),
     "size_limit": ("n", "where", "others"),
+    "exact_div": ("n", "d", "where"),
     "slice": ("x", "begin", "size"),
     "sparse_rows": ("values", "rows", "shape"),
     "squeeze": ("x", "axis"),
@@ -117,6 +118,8 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Call) and e.function == "size_limit":
         return is_python(e.args[0], names)
+    if isinstance(e, ir.Call) and e.function == "exact_div":
+        return is_python(e.args[0], names) and is_python(e.args[1], names)
     return False
 
 
@@ -415,6 +418,10 @@ class PyTorchPrinter(Printer):
         if not items:
             return self.code(x)
         return f"{self.atom(x)}[{', '.join(items)}]"
+
+    def call_exact_div(self, args: dict) -> str:
+        n, d, where = (self.code(args[k]) for k in ("n", "d", "where"))
+        return f"_exact_div({n}, {d}, {where})"
 
     def call_size_limit(self, args: dict) -> str:
         return f"_size_limit({self.code(args['n'])}, {self.code(args['where'])}, {self.code(args['others'])})"
