@@ -74,7 +74,8 @@ def axis_names(program: Program) -> dict[str, tuple[str, ...]]:
         names.setdefault(level.name, tuple(i.name for i in level.indices))
         for term in level.terms:
             for access in accesses(term.expr):
-                names.setdefault(access.base.label.name, tuple(i.name for i in access.indices))
+                if all(isinstance(i, sp.Symbol) for i in access.indices):  # not a lookup
+                    names.setdefault(access.base.label.name, tuple(i.name for i in access.indices))
     return names
 
 

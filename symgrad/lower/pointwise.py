@@ -47,6 +47,8 @@ class Pointwise:
     def pointwise(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         if isinstance(e, sp.Indexed):
             return self.access(body, e, target)
+        if isinstance(e, sp.Min | sp.Max):  # an index clamp
+            return self.clamp(body, e, target)
         if e.is_Integer:
             return ir.Lit(str(int(e)))
         if e.is_number:  # 1/2, pi, sqrt(pi): a Python float takes the tensors' dtype
@@ -193,7 +195,14 @@ class Pointwise:
                 return result
         op = RELATIONS[type(cond)]
         left, right = cond.args
-        return ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target))
+        compared, valid = self.collect_valid(
+            body,
+            lambda: ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target)),
+            target,
+        )
+        if valid is None:
+            return compared
+        return ir.Call("logical_and", (compared, valid))  # false where a lookup is outside
 
     def normalized_logits(self, terms: list[sp.Expr]) -> list[tuple[list[sp.Expr], sp.Expr, tuple]]:
         """In a sum, each `-L` (L = log Σ_m exp(u)) with the terms of its own logits `u`
@@ -309,6 +318,8 @@ class Pointwise:
             size = self.position_int(ir.Var(self.index_size(body, label)))
             operand = ir.Var(body.bind(ir.Call("range", (size,))))
             return self.align(body, operand, labels, target)
+        if name in self.program.index_inputs and self.is_lookup(access):
+            return self.lookup(body, access, target)
         if name in self.program.index_inputs:  # compared and added with tf.range values
             operand = ir.Var(body.bind(ir.Call("to_int64", (ir.Var(name),))))
             return self.align(body, operand, labels, target)
