@@ -6,14 +6,24 @@ kernels."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
-from harness import Case, check, generate
+import tensorflow as tf
+from harness import Case, check, generate, load_module
 from target_harness import check_target
 from test_values_and_internals import FRAMEWORKS
 
+from symgrad.pipeline import module_text
+from symgrad.spec import load_spec
+
+torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Every construct, with a different size for every index; index values run past both
 # ends of the axes they index (reads there are zero).
@@ -88,3 +98,214 @@ def test_index_tensors_and_clamps_in_pytorch_and_jax(name, target, folder):
     case = CASES[name]
     module = generate(case, folder, "Lookup", target)
     check_target(case, _jitted(module) if target == "jax" else module, FRAMEWORKS[target])
+
+
+# -- real ops of symgrad.toml against NumPy loop transcriptions of their kernels --------
+
+
+def _paconv_kernel(scores, points, centers, knn_idx):
+    """mmcv assign_score_withk_forward_cuda_kernel, aggregate "sum", one thread per
+    (b, o, n, k)."""
+    batch, n0, banks, channels = points.shape
+    _, n1, neighbours, _ = scores.shape
+    output = np.zeros((batch, channels, n1, neighbours))
+    for b, o, n, k in np.ndindex(batch, channels, n1, neighbours):
+        cn, kn = knn_idx[b, n, 0], knn_idx[b, n, k]
+        if kn >= n0 or kn < 0:
+            continue
+        val = 0.0
+        for m in range(banks):
+            val += (
+                points[b, kn, m, o] * scores[b, n, k, m] - centers[b, cn, m, o] * scores[b, n, k, m]
+            )
+        output[b, o, n, k] = val
+    return output
+
+
+def _segment_csr_kernel(src, indptr):
+    """torch_scatter segment_csr, reduce "sum": each segment sums its rows."""
+    out = np.zeros((len(indptr) - 1, src.shape[1]))
+    for s in range(len(indptr) - 1):
+        for n in range(indptr[s], indptr[s + 1]):
+            out[s] += src[n]
+    return out
+
+
+def _interpolate_kernel(attr, rast, tri, tid):
+    """nvdiffrast InterpolateFwdKernelTemplate without differentials, one thread per pixel."""
+    batch, height, width, _ = rast.shape
+    out = np.zeros((batch, height, width, attr.shape[1]))
+    for pz, py, px in np.ndindex(batch, height, width):
+        r = rast[pz, py, px]
+        tri_idx = tid[pz, py, px] - 1
+        if not 0 <= tri_idx < len(tri):
+            continue  # no triangle: zero output
+        vi0, vi1, vi2 = tri[tri_idx]
+        b0, b1, b2 = r[0], r[1], 1.0 - r[0] - r[1]
+        out[pz, py, px] = b0 * attr[vi0] + b1 * attr[vi1] + b2 * attr[vi2]
+    return out
+
+
+def _natten_window_start(index, length, kernel_size):
+    """NATTEN's get_window_start (na_utils.cuh) with stride 1: radius K // 2 both sides."""
+    left = right = kernel_size // 2
+    leader = min(index, length - 1)
+    return max(leader - left, 0) + (leader + right >= length) * (length - right - leader - 1)
+
+
+def _natten_qk_kernel(query, key, kernel_size):
+    batch, heads, length, _ = query.shape
+    attn = np.zeros((batch, heads, length, kernel_size))
+    for b, h, i in np.ndindex(batch, heads, length):
+        start = _natten_window_start(i, length, kernel_size)
+        for k in range(kernel_size):
+            attn[b, h, i, k] = query[b, h, i] @ key[b, h, start + k]
+    return attn
+
+
+def _longformer_kernel(x, y, dilation, w, diagonaled):
+    """diagonaled_mm_tvm.py's TVM `algorithm` (padding 0, w_upper = w, t1 not transposed)."""
+    b, n, h, _ = x.shape
+    out = np.zeros((b, n, h, y.shape[3] if diagonaled else 2 * w + 1))
+    for l, i, q, j in np.ndindex(*out.shape):
+        for k in range(x.shape[3]):
+            at = i + dilation[q] * ((k if diagonaled else j) - w)
+            if 0 <= at < n:
+                out[l, i, q, j] += x[l, i, q, k] * y[l, at, q, j if diagonaled else k]
+    return out
+
+
+def _linear_vjp(kernel, inputs, k, grad):
+    """<grad, d kernel / d inputs[k]> for a kernel linear in inputs[k] (every op here is
+    multilinear in its float inputs): one difference per element, exact up to rounding."""
+    base = kernel(*inputs)
+    result = np.zeros_like(inputs[k])
+    for at in np.ndindex(*inputs[k].shape):
+        moved = list(inputs)
+        moved[k] = inputs[k].copy()
+        moved[k][at] += 1.0
+        result[at] = np.sum(grad * (kernel(*moved) - base))
+    return result
+
+
+def _real_inputs():
+    rng = np.random.default_rng(11)
+    u = rng.uniform(0, 1, (2, 3, 4, 4))  # barycentrics (u, v, z, tid) of 2x3x4 pixels
+    u[..., 1] *= 1 - u[..., 0]
+    return {
+        # B=2, npoint=5, K=4, M=3, N=7, O=6
+        "PaconvAssignScore": (
+            _paconv_kernel,
+            [rng.standard_normal((2, 5, 4, 3)), rng.standard_normal((2, 7, 3, 6))]
+            + [rng.standard_normal((2, 7, 3, 6)), rng.integers(0, 7, (2, 5, 4))],
+            {},
+        ),
+        # N=11 rows, F=3, S=5 segments: one empty, rows before the first and after the last
+        "SegmentCsrSum": (
+            _segment_csr_kernel,
+            [rng.standard_normal((11, 3)), np.array([1, 3, 3, 6, 9, 10])],
+            {},
+        ),
+        # V=9 vertices, C=2, T=5 triangles; tid 0 (no triangle) and 6 (> T) read zero
+        "NvdiffrastInterpolate": (
+            _interpolate_kernel,
+            [rng.standard_normal((9, 2)), u, rng.integers(0, 9, (5, 3))]
+            + [rng.integers(0, 7, (2, 3, 4))],
+            {},
+        ),
+        # B=2, heads=3, L=9, D=4, K=5: windows clamped at both ends
+        "NattenQk1d": (
+            lambda q, k: _natten_qk_kernel(q, k, 5),
+            [rng.standard_normal((2, 3, 9, 4)), rng.standard_normal((2, 3, 9, 4))],
+            {"kernel_size": 5},
+        ),
+        # b=2, n=8, h=3, m=4, w=2 (2w+1 = 5 diagonals), dilations 1, 2, 3
+        "LongformerQk": (
+            lambda x, y, d: _longformer_kernel(x, y, d, 2, diagonaled=False),
+            [rng.standard_normal((2, 8, 3, 4)), rng.standard_normal((2, 8, 3, 4))]
+            + [np.array([1, 2, 3])],
+            {"w": 2},
+        ),
+        "LongformerAv": (
+            lambda x, y, d: _longformer_kernel(x, y, d, 2, diagonaled=True),
+            [rng.standard_normal((2, 8, 3, 5)), rng.standard_normal((2, 8, 3, 4))]
+            + [np.array([1, 2, 3])],
+            {"w": 2},
+        ),
+    }
+
+
+REAL = _real_inputs()
+_EXPECTED: dict[str, tuple] = {}
+
+
+def _expected(name):
+    """The kernel's output, a random output gradient and the kernel's vjp (None for the
+    index tensors), computed once per op."""
+    if name not in _EXPECTED:
+        kernel, inputs, _ = REAL[name]
+        out = kernel(*inputs)
+        grad = np.random.default_rng(5).standard_normal(out.shape)
+        vjps = [
+            None if np.issubdtype(a.dtype, np.integer) else _linear_vjp(kernel, inputs, k, grad)
+            for k, a in enumerate(inputs)
+        ]
+        _EXPECTED[name] = (out, grad, vjps)
+    return _EXPECTED[name]
+
+
+def _spec_op(name):
+    (op,) = [o for o in load_spec(ROOT / "symgrad.toml").ops if o.name == name]
+    return op
+
+
+TENSORS = {
+    "tensorflow": (lambda a: tf.constant(a), lambda t: np.asarray(t)),
+    "pytorch": (lambda a: torch.from_numpy(a), lambda t: t.detach().numpy()),
+    "jax": (lambda a: jnp.asarray(a), np.asarray),
+}
+
+
+@pytest.mark.parametrize("target", sorted(TENSORS))
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_op_matches_its_kernel_forward_and_gradient(name, target, folder):
+    """Each op as symgrad.toml writes it, against the NumPy transcription of its kernel,
+    in float64: forward, and the vjp against the kernel's own (linear) differences."""
+    _, inputs, attrs = REAL[name]
+    text = module_text(_spec_op(name), "symgrad.toml", target)
+    module = load_module(text, folder, f"real_{target}_{name.lower()}")
+    if target == "jax":  # compiled once: faster than op-by-op dispatch
+        module = SimpleNamespace(INPUTS=module.INPUTS, **vars(_jitted(module)))
+    tensor, numpy = TENSORS[target]
+    args = [tensor(a) for a in inputs]
+    out, grad, vjps = _expected(name)
+    np.testing.assert_allclose(numpy(module.forward(*args, **attrs)), out, rtol=1e-12, atol=1e-12)
+    got = module.vjp(*args, tensor(grad), **attrs)
+    for k, (g, want) in enumerate(zip(got, vjps, strict=True)):
+        if want is None:
+            assert g is None, f"{name}: index tensor {module.INPUTS[k]} gets None"
+            continue
+        g = tf.convert_to_tensor(g) if target == "tensorflow" else g  # IndexedSlices
+        np.testing.assert_allclose(numpy(g), want, rtol=1e-10, atol=1e-10, err_msg=module.INPUTS[k])
+
+
+def test_csr_segment_sum_of_any_indptr_is_the_kernels_loop(folder):
+    """Unsorted indptr (overlapping and reversed segments) takes the dense branch: still the
+    loop's sum over [indptr[s], indptr[s + 1])."""
+    module = load_module(
+        module_text(_spec_op("SegmentCsrSum"), "symgrad.toml", "tensorflow"), folder, "csr_any"
+    )
+    assert "tf.searchsorted" in text_of(module)
+    src = np.random.default_rng(2).standard_normal((11, 3))
+    for indptr in ([0, 5, 2, 8, 11, 11], [4, 4, 1, 0, 7, 9]):
+        got = module.forward(tf.constant(src), tf.constant(indptr)).numpy()
+        np.testing.assert_allclose(got, _segment_csr_kernel(src, indptr), rtol=1e-12, atol=1e-12)
+        grad = np.random.default_rng(3).standard_normal(got.shape)
+        (grad_src, none) = module.vjp(tf.constant(src), tf.constant(indptr), tf.constant(grad))
+        want = _linear_vjp(_segment_csr_kernel, [src, np.array(indptr)], 0, grad)
+        np.testing.assert_allclose(tf.convert_to_tensor(grad_src).numpy(), want, rtol=1e-10)
+        assert none is None
+
+
+def text_of(module) -> str:
+    return Path(module.__file__).read_text(encoding="utf-8")
