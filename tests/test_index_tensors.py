@@ -16,8 +16,11 @@ from harness import Case, check, generate, load_module
 from target_harness import check_target
 from test_values_and_internals import FRAMEWORKS
 
+from symgrad.errors import SymgradError
+from symgrad.explain import explain
+from symgrad.model import build
 from symgrad.pipeline import module_text
-from symgrad.spec import load_spec
+from symgrad.spec import OpSpec, load_spec
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
@@ -309,3 +312,62 @@ def test_csr_segment_sum_of_any_indptr_is_the_kernels_loop(folder):
 
 def text_of(module) -> str:
     return Path(module.__file__).read_text(encoding="utf-8")
+
+
+# -- refusals and explain ------------------------------------------------------------
+
+
+def _refused(formula, **spec) -> SymgradError:
+    op = OpSpec("Refused", (formula,), None, (), (), "test [ops.Refused]", **spec)
+    with pytest.raises(SymgradError) as info:
+        build(op)
+    return info.value
+
+
+def _caret_at(error: SymgradError, text: str) -> None:
+    rendered = str(error)
+    formula_line, caret_line = rendered.splitlines()[-2:]
+    assert caret_line.strip() == "^", rendered
+    column = caret_line.index("^") - (len(formula_line) - len(formula_line.lstrip()))
+    assert formula_line.strip()[column:].startswith(text), rendered
+
+
+def test_what_cannot_be_an_index_is_refused_with_a_caret():
+    three = _refused("y[b,i] = x[b, max(i - 1, 0, 2)]")
+    assert "only min(a, b) and max(a, b) of index expressions are allowed inside" in str(three)
+    _caret_at(three, "max(")
+    other = _refused("y[b,i] = x[b, abs(i - 2)]")
+    assert "only min(a, b) and max(a, b)" in str(other)
+    _caret_at(other, "abs(")
+    condition = _refused("y[b,i] = sum(where(exp(i) <= j, x[b,j], 0), j)")
+    assert "in an index comparison" in str(condition)
+    _caret_at(condition, "exp(")
+    product = _refused("y[b,i,j] = x[b, i * (j + D[b])]")  # an index times an index
+    assert "a product of indices is not an affine index expression" in str(product)
+    _caret_at(product, "i * ")
+    value = _refused("y[p,c] = a[t[p], c] * t[p]")
+    assert "used both as an index tensor" in str(value)
+
+
+def test_explain_shows_the_solved_equations_of_lookups_and_clamps():
+    def explained(name: str) -> str:
+        return explain(build(_spec_op(name)))
+
+    natten = explained("NattenQk1d")
+    assert "_g1[b,h,i,k,d] = key[b,h,k + max(0, min(L - kernel_size, -ns + i)),d]" in natten
+    assert "grad_key[b,h,p,d] = Σ_{i,k: k + max(0, min(L - kernel_size, -ns + i)) = p}" in natten
+    interpolate = explained("NvdiffrastInterpolate")
+    assert (
+        "attr[tri[tid[n,h,w] - 1,0],c] (0 outside attr, or where tid, tri are read outside)"
+        in interpolate
+    )
+    assert "grad_tri[p0,p1] = None (no_gradient)" in interpolate
+    assert "grad_tid[n,h,w] = None (no_gradient)" in interpolate
+    longformer = explained("LongformerQk")
+    assert "Y[l,i + (-w + j)*D[q],q,k] (0 outside Y, or where D is read outside)" in longformer
+    assert "grad_Y[l,p,r,k] = Σ_{i,q,j: i + (-w + j)*D[q] = p, q = r}" in longformer
+    paconv = explained("PaconvAssignScore")
+    assert "centers[b,knn_idx[b,n,0],m,o]" in paconv and "grad_knn_idx[b,n,k] = None" in paconv
+    csr = explained("SegmentCsrSum")
+    assert "tf.searchsorted(tf.cast(tf.reshape(indptr, [-1]), tf.int64)" in csr
+    assert "tf.math.unsorted_segment_sum" in csr
