@@ -159,8 +159,8 @@ def _read_indices(program: Program, name: str) -> set[Index]:
 def choose(op: OpSpec, program: Program) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
     temporary is larger than the inputs and outputs) or no index can be tiled."""
-    if op.outputs is not None or op.lets:
-        return None  # internal tensors and lets are not cut into chunks (yet)
+    if op.outputs is not None:
+        return None  # internal tensors are not cut into chunks (yet)
     big = big_sets(program)
     if not big:
         return None
@@ -205,7 +205,8 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     ranges = tuple((k, v) for k, v in op.ranges if k != name)
     if length is not None:
         ranges += ((name, length),)
-    used = {n for text in (*formulas, *(v for _, v in ranges)) for n in _names(ast.parse(text))}
+    texts = (*formulas, *(v for _, v in ranges), *(v for _, v in op.lets))
+    used = {n for text in texts for n in _names(ast.parse(text))}
     attrs = (
         *((a, kind) for a, kind in op.attrs if a in used),
         *((a, "int") for a in (start, length) if a),
@@ -254,7 +255,7 @@ def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
 
 def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tuple:
     """Inputs every read of which puts `name` plainly at one axis and nowhere else, and
-    whose size on that axis no range reads."""
+    whose size on that axis no range or let reads."""
     found = []
     for tensor, positions_list in sorted(reads.items()):
         axes = set()
@@ -268,7 +269,10 @@ def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tup
         if not axes or len(axes) != 1:
             continue
         (axis,) = axes
-        if any(f"{tensor}.shape[{axis}]" in text.replace(" ", "") for _, text in op.ranges):
+        # A range or let reading the axis' size needs the whole axis, not the chunk's.
+        if any(
+            f"{tensor}.shape[{axis}]" in text.replace(" ", "") for _, text in (*op.ranges, *op.lets)
+        ):
             continue
         found.append((tensor, axis))
     return tuple(found)

@@ -64,7 +64,9 @@ class Pointwise:
             if e.name.startswith(lets.VALUE_PREFIX):  # a let, computed at call time
                 body.uses_dtype = True
                 return ir.FloatSize(lets.symbol(e.name.removeprefix(lets.VALUE_PREFIX)).name)
-            return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
+            if e.name.startswith("_int_"):  # an int attr in index arithmetic
+                return self.position_int(ir.Var(e.name))  # int64 beside index tensors
+            return ir.Var(e.name)  # an attr
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
             terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
             groups = self.normalized_logits(terms)
