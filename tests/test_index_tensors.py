@@ -386,3 +386,47 @@ def test_explain_shows_the_solved_equations_of_lookups_and_clamps():
     csr = explained("SegmentCsrSum")
     assert "tf.searchsorted(tf.cast(tf.reshape(indptr, [-1]), tf.int64)" in csr
     assert "tf.math.unsorted_segment_sum" in csr
+
+
+# -- memory: the gathered windows of NATTEN and Longformer in chunks -----------------
+
+
+MEMORY = {
+    # B=2, heads=4, L=256, D=32, K=15: a [2, 4, 256, 15, 32] gathered key window
+    "NattenQk1d": ({"query": (2, 4, 256, 32), "key": (2, 4, 256, 32)}, {"kernel_size": 15}),
+    # b=2, n=256, h=4, m=32, w=8, dilations 1..4: a [2, 256, 4, 17, 32] window of Y
+    "LongformerQk": ({"X": (2, 256, 4, 32), "Y": (2, 256, 4, 32)}, {"w": 8}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEMORY))
+def test_torch_training_step_of_a_gathered_window_is_bounded(name, folder):
+    """Untiled, a training step holds the gathered window (15-17x a key); with a 256 KiB
+    budget it holds at most 2x the budget plus 4x its inputs and outputs (the bound of
+    tests/test_tiling.py)."""
+    from test_tiling import _torch_memory
+
+    shapes, attrs = MEMORY[name]
+    text = module_text(_spec_op(name), "symgrad.toml", "pytorch")
+    module = load_module(text, folder, f"memory_{name.lower()}")
+    rng = np.random.default_rng(6)
+    xs = [
+        torch.tensor(rng.standard_normal(shapes[n]), dtype=torch.float32, requires_grad=True)
+        for n in module.INPUTS
+        if n in shapes
+    ]
+    if name == "LongformerQk":
+        xs.append(torch.tensor([1, 2, 3, 4]))  # D: the dilation per head
+    module.MAX_TEMP_BYTES = 2**40
+    assert module._tile_plan(*xs, **attrs) is None
+    _, untiled = _torch_memory(module, [x for x in xs if x.is_floating_point()], attrs, xs)
+    budget = 2**18
+    module.MAX_TEMP_BYTES = budget
+    assert module._tile_plan(*xs, **attrs) is not None
+    _, tiled = _torch_memory(module, [x for x in xs if x.is_floating_point()], attrs, xs)
+    inputs = sum(x.nbytes for x in xs)
+    with torch.no_grad():
+        outputs = module.forward(*xs, **attrs).nbytes
+    print(f"{name}: peak {untiled} / {tiled} (untiled / tiled), in+out {inputs + outputs}")
+    assert tiled <= 2 * budget + 4 * (inputs + outputs), (tiled, untiled)
+    assert untiled >= 3 * tiled, (tiled, untiled)
