@@ -50,8 +50,9 @@ CASES = {
     ),
     "data_dependent_stride": Case(
         "y[b,i,j,h] = sum(q[b,i,h,m] * k[b, i + D[h] * (j - w), h, m], m)",
-        {"q": (2, 7, 3, 4), "k": (2, 7, 3, 4)},
+        {"q": (2, 6, 3, 4), "k": (2, 6, 3, 4)},
         index_inputs={"D": ((3,), 1, 4)},
+        fd_directions=3,
         attrs={"w": 1},
         ranges={"j": "2*w + 1"},
         sizes={"j": 3},
@@ -59,6 +60,7 @@ CASES = {
     "clamped_window_start": Case(
         "y[b,i,k] = sum(q[b,i,d] * kk[b, max(min(i - ns, L - K), 0) + k, d], d)",
         {"q": (2, 7, 4), "kk": (2, 7, 4)},
+        fd_directions=3,
         attrs={"ns": 1, "K": 3},
         lets={"L": "q.shape[1]"},
         let_values={"L": 7},
@@ -392,10 +394,10 @@ def test_explain_shows_the_solved_equations_of_lookups_and_clamps():
 
 
 MEMORY = {
-    # B=2, heads=4, L=256, D=32, K=15: a [2, 4, 256, 15, 32] gathered key window
-    "NattenQk1d": ({"query": (2, 4, 256, 32), "key": (2, 4, 256, 32)}, {"kernel_size": 15}),
-    # b=2, n=256, h=4, m=32, w=8, dilations 1..4: a [2, 256, 4, 17, 32] window of Y
-    "LongformerQk": ({"X": (2, 256, 4, 32), "Y": (2, 256, 4, 32)}, {"w": 8}),
+    # B=2, heads=4, L=128, D=32, K=15: a [2, 4, 128, 15, 32] gathered key window
+    "NattenQk1d": ({"query": (2, 4, 128, 32), "key": (2, 4, 128, 32)}, {"kernel_size": 15}),
+    # b=2, n=128, h=4, m=32, w=8, dilations 1..4: a [2, 128, 4, 17, 32] window of Y
+    "LongformerQk": ({"X": (2, 128, 4, 32), "Y": (2, 128, 4, 32)}, {"w": 8}),
 }
 
 
