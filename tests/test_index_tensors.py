@@ -6,6 +6,7 @@ kernels."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -316,6 +317,8 @@ def test_csr_segment_sum_of_any_indptr_is_the_kernels_loop(folder):
         module_text(_spec_op("SegmentCsrSum"), "symgrad.toml", "tensorflow"), folder, "csr_any"
     )
     assert "tf.searchsorted" in text_of(module)
+    # in chunks too: a chunk's segments are indptr[s + tile_start], still a binary search
+    assert "tf.searchsorted" in inspect.getsource(module._chunk_compute)
     src = np.random.default_rng(2).standard_normal((11, 3))
     for indptr in ([0, 5, 2, 8, 11, 11], [4, 4, 1, 0, 7, 9]):
         got = module.forward(tf.constant(src), tf.constant(indptr)).numpy()

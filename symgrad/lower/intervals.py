@@ -19,7 +19,7 @@ from __future__ import annotations
 import sympy as sp
 
 from .. import functions as fn
-from .. import ir
+from .. import indexing, ir
 from ..indexing import IOTA
 from ..model import Index
 from .common import _Body
@@ -86,16 +86,16 @@ class Intervals:
         start = sp.expand(low.indices[0])
         if sp.expand(high.indices[0] - start) != 1:
             return None
-        symbols = [x for x in start.free_symbols if isinstance(x, sp.Symbol)]
-        if len(symbols) != 1:
+        symbols = [x for x in start.free_symbols if indexing.is_plain(x)]
+        if len(symbols) != 1 or start.atoms(sp.Indexed):
             return None
         (s,) = symbols
-        shift = start - s
-        if not shift.is_Integer or s == n:
+        shift = sp.expand(start - s)  # a number or int attrs (a chunk's tile_start)
+        if shift.has(s) or s == n:
             return None
-        return mask, name, int(shift), s, n
+        return mask, name, shift, s, n
 
-    def _row_ids(self, body: _Body, table: str, shift: int, s: Index, n: Index):
+    def _row_ids(self, body: _Body, table: str, shift: sp.Expr, s: Index, n: Index):
         """r[n] (int64 over n) and whether it names a segment (0 <= r < |s|)."""
         sorted_ = ir.Call(
             "to_int64", (ir.Call("reshape", (ir.Var(table), ir.List((ir.Lit("-1"),)))),)
@@ -103,19 +103,21 @@ class Intervals:
         rows = ir.Call("range", (ir.Call("to_int64", (ir.Var(self.index_size(body, n)),)),))
         found = ir.Call("searchsorted", (sorted_, rows), (("side", ir.Lit('"right"')),))
         found = ir.Call("to_int64", (found,))  # TF's is int32
-        flat = ir.Var(body.bind(ir.Binary("-", found, ir.Lit(str(1 + shift)))))
+        row = ir.Var(body.bind(ir.Binary("-", found, ir.Lit("1"))))  # t[row] <= n < t[row + 1]
+        flat = ir.Var(body.bind(ir.Binary("-", row, self.position(body, shift, ()))))
         size = ir.Call("to_int64", (ir.Var(self.index_size(body, s)),))
         length = ir.Call("to_int64", (ir.Var(self.axis_size(body, table, 0)),))
-        first = max(0, -shift)  # t[s + a] and t[s + a + 1] inside t
-        last = ir.Binary("-", length, ir.Lit(str(shift + 1)))
-        valid = ir.Call(
+        inside = ir.Call(
             "logical_and",
             (
-                ir.Binary(">=", flat, ir.Lit(str(first))),
-                ir.Call("logical_and", (ir.Binary("<", flat, size), ir.Binary("<", flat, last))),
+                ir.Binary(">=", row, ir.Lit("0")),
+                ir.Binary("<", row, ir.Binary("-", length, ir.Lit("1"))),
             ),
         )
-        return flat, ir.Var(body.bind(valid))
+        named = ir.Call(
+            "logical_and", (ir.Binary(">=", flat, ir.Lit("0")), ir.Binary("<", flat, size))
+        )
+        return flat, ir.Var(body.bind(ir.Call("logical_and", (inside, named))))
 
     def _by_row_ids(self, body, table, shift, s, n, how, rest, summed, out):
         flat, valid = self._row_ids(body, table, shift, s, n)
