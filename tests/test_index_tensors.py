@@ -68,6 +68,14 @@ CASES = {
         ranges={"k": "K"},
         sizes={"k": 3},
     ),
+    "clamped_lookup": Case(
+        "y[b,n,c] = x[b, max(min(idx[b,n] + o, L - 1), 0), c]",
+        {"x": (2, 5, 3)},
+        index_inputs={"idx": ((2, 4), -3, 8)},
+        attrs={"o": 1},
+        lets={"L": "x.shape[1]"},
+        let_values={"L": 5},
+    ),
     "clamp_in_a_condition": Case(
         "y[b,i] = sum(where(max(i - 2, 0) <= j, x[b,j], 0), j)",
         {"x": (3, 6)},
