@@ -44,6 +44,13 @@ CASES = {
         ranges={"s": "lo.shape[0] - 1"},
         sizes={"s": 4},
     ),
+    "batched_segments_in_a_condition": Case(
+        "y[b,s,f] = sum(where(ptr[b,s] <= n < ptr[b, s + 1], x[b,n,f], 0), n)",
+        {"x": (2, 7, 3)},
+        index_inputs={"ptr": ((2, 5), 0, 8, tf.int64)},
+        ranges={"s": "ptr.shape[1] - 1"},
+        sizes={"s": 4},
+    ),
     "nested_lookup": Case(
         "y[p,c] = sum(w[p,v] * a[t[d[p] - 1, v], c], v)",
         {"w": (5, 3), "a": (6, 2)},
