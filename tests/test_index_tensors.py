@@ -113,8 +113,23 @@ def _jitted(module):
     )
 
 
-@pytest.mark.parametrize("target", sorted(FRAMEWORKS))
-@pytest.mark.parametrize("name", sorted(CASES))
+# JAX compiles each case (seconds apiece): these constructs are checked in JAX by the real
+# ops below instead (PAConv, nvdiffrast, Longformer, NATTEN), out-of-range values included.
+IN_JAX_BY_REAL_OPS = {
+    "lookup_at_a_constant",
+    "nested_lookup",
+    "data_dependent_stride",
+    "clamped_window_start",
+}
+TARGET_CASES = [
+    (name, target)
+    for name in sorted(CASES)
+    for target in sorted(FRAMEWORKS)
+    if not (target == "jax" and name in IN_JAX_BY_REAL_OPS)
+]
+
+
+@pytest.mark.parametrize(("name", "target"), TARGET_CASES)
 def test_index_tensors_and_clamps_in_pytorch_and_jax(name, target, folder):
     case = CASES[name]
     module = generate(case, folder, "Lookup", target)
