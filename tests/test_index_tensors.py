@@ -61,9 +61,9 @@ CASES = {
         {"q": (2, 6, 3, 4), "k": (2, 6, 3, 4)},
         index_inputs={"D": ((3,), 1, 4)},
         fd_directions=3,
-        attrs={"w": 1},
+        attrs={"w": 2},
         ranges={"j": "2*w + 1"},
-        sizes={"j": 3},
+        sizes={"j": 5},
     ),
     "clamped_window_start": Case(
         "y[b,i,k] = sum(q[b,i,d] * kk[b, max(min(i - ns, L - K), 0) + k, d], d)",
@@ -114,7 +114,8 @@ def _jitted(module):
 
 
 # JAX compiles each case (seconds apiece): these constructs are checked in JAX by the real
-# ops below instead (PAConv, nvdiffrast, Longformer, NATTEN), out-of-range values included.
+# ops below instead (PAConv, nvdiffrast with tid outside tri, Longformer's windows past
+# the sequence, NATTEN).
 IN_JAX_BY_REAL_OPS = {
     "lookup_at_a_constant",
     "nested_lookup",
@@ -226,7 +227,7 @@ def _linear_vjp(kernel, inputs, k, grad):
 
 def _real_inputs():
     rng = np.random.default_rng(11)
-    u = rng.uniform(0, 1, (2, 3, 4, 4))  # barycentrics (u, v, z, tid) of 2x3x4 pixels
+    u = rng.uniform(0, 1, (2, 7, 6, 4))  # barycentrics (u, v, z, tid) of 2x7x6 pixels
     u[..., 1] *= 1 - u[..., 0]
     return {
         # B=2, npoint=5, K=4, M=3, N=7, O=6
@@ -242,11 +243,12 @@ def _real_inputs():
             [rng.standard_normal((11, 3)), np.array([1, 3, 3, 6, 9, 10])],
             {},
         ),
-        # V=9 vertices, C=2, T=5 triangles; tid 0 (no triangle) and 6 (> T) read zero
+        # V=9 vertices, C=5, T=8 triangles, N=2, H=7, W=6; tid 0 (no triangle) and 9 (> T)
+        # read zero
         "NvdiffrastInterpolate": (
             _interpolate_kernel,
-            [rng.standard_normal((9, 2)), u, rng.integers(0, 9, (5, 3))]
-            + [rng.integers(0, 7, (2, 3, 4))],
+            [rng.standard_normal((9, 5)), u, rng.integers(0, 9, (8, 3))]
+            + [rng.integers(0, 10, (2, 7, 6))],
             {},
         ),
         # B=2, heads=3, L=9, D=4, K=5: windows clamped at both ends
