@@ -10,8 +10,8 @@ An index tensor may be read at any index expression, not only at plain indices:
 Such a *lookup* is an `Indexed` of the index tensor at SymPy positions inside the position
 of the read it feeds. Lowering gathers it like any read at computed positions; a lookup
 outside its tensor makes every read that depends on it out of bounds (zero, adding
-nothing to gradients) and every comparison of it false (symgrad/lower/lookups.py; the
-reference evaluator does the same). An index tensor is also read as a lookup when one of its plain
+nothing to gradients), and a `where` whose condition reads it takes its `otherwise`
+branch there (symgrad/lower/lookups.py; the reference evaluator does the same). An index tensor is also read as a lookup when one of its plain
 indices is sized by `ranges` (`indptr[s]` with `s` over `indptr.shape[0] - 1`), so the
 range may be shorter or longer than the axis.
 

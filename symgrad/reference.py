@@ -112,6 +112,8 @@ class Evaluator:
         # sum(B[b,k], k)`): fine for plain reads and sums, which see the axes themselves,
         # but no grid can be built for them.
         self.ambiguous: set[str] = set()
+        # Where the index tensors read by the condition being evaluated were inside them.
+        self.lookups_valid: list[Dense] = []
 
     def learn_sizes(self, node) -> None:
         if isinstance(node, Access):
@@ -157,7 +159,7 @@ class Evaluator:
     def position(self, node) -> tuple[Dense, Dense | None]:
         """An index expression, and where the index tensors it reads were read inside
         them (None: everywhere). A read at a position whose lookup was outside its index
-        tensor is zero; a comparison of it is false."""
+        tensor is zero; a `where` whose condition reads it takes `otherwise`."""
         if isinstance(node, IndexRef):
             return Dense(tf.range(self.size(node.name), dtype=tf.int64), (node.name,)), None
         if isinstance(node, Num):
@@ -232,19 +234,14 @@ class Evaluator:
                 result = self.combine(result, part, op)
             return result
         if isinstance(node, Compare):
-            valid = [None] * len(node.operands)
             if node.on_indices:
                 operands, valid = zip(*(self.position(o) for o in node.operands), strict=True)
+                self.lookups_valid += [ok for ok in valid if ok is not None]
             else:
                 operands = [self.value(o, free) for o in node.operands]
             result = None
-            for n, (op, left, right) in enumerate(
-                zip(node.ops, operands, operands[1:], strict=False)
-            ):
+            for op, left, right in zip(node.ops, operands, operands[1:], strict=False):
                 link = self.combine(left, right, COMPARE[op])
-                for ok in (valid[n], valid[n + 1]):  # false where a lookup was outside
-                    if ok is not None:
-                        link = self.combine(link, ok, tf.logical_and)
                 result = link if result is None else self.combine(result, link, tf.logical_and)
             return result
         raise TypeError(node)
@@ -279,7 +276,12 @@ class Evaluator:
                 return Dense(FUNCTIONS[node.function](args[0].tensor), args[0].labels)
             return self.combine(args[0], args[1], FUNCTIONS[node.function])
         if isinstance(node, Where):
+            # A where whose condition reads an index tensor outside it takes `otherwise`.
+            outer, self.lookups_valid = self.lookups_valid, []
             cond = self.condition(node.cond, free)
+            for ok in self.lookups_valid:
+                cond = self.combine(cond, ok, tf.logical_and)
+            self.lookups_valid = outer
             then = self.value(node.then, free)
             otherwise = self.value(node.otherwise, free)
             labels = tuple(dict.fromkeys((*cond.labels, *then.labels, *otherwise.labels)))

@@ -51,6 +51,16 @@ CASES = {
         ranges={"s": "ptr.shape[1] - 1"},
         sizes={"s": 4},
     ),
+    # lo[s + 1] past lo at the last s: both wheres take their `otherwise` there, `not` or no
+    # `not` (SymPy turns `not (a > b)` into `a <= b`: the rule is the where's, not the
+    # comparison's)
+    "lookup_outside_in_a_condition": Case(
+        "y[s,f] = sum(where(lo[s + 1] <= n, x[n,f], 0) + where(not (lo[s + 1] > n), x[n,f], 0), n)",
+        {"x": (7, 2)},
+        index_inputs={"lo": ((4,), 0, 8)},
+        ranges={"s": "lo.shape[0]"},
+        sizes={"s": 4},
+    ),
     "nested_lookup": Case(
         "y[p,c] = sum(w[p,v] * a[t[d[p] - 1, v], c], v)",
         {"w": (5, 3), "a": (6, 2)},

@@ -3,9 +3,10 @@
 
 A lookup is a gather of the flattened index tensor at its flat position, as int64. A
 lookup outside its tensor is *invalid*: every read at a position that uses it reads zero
-(adds nothing to gradients), and a comparison that uses it is false. Validity travels in
-`self.lookup_valid`: each lookup appends its mask (aligned to the axes it was asked for),
-and the read or comparison that uses the position collects the masks it caused.
+(adds nothing to gradients), and a condition that uses it is false (its `where` takes the
+`otherwise` branch, `not` or no `not`). Validity travels in `self.lookup_valid`: each
+lookup appends its mask (aligned to the axes it was asked for), and the read or the
+condition that uses the position collects the masks it caused.
 """
 
 from __future__ import annotations

@@ -182,14 +182,21 @@ class Pointwise:
         return result
 
     def condition(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
-        """A condition as a boolean tensor over (a subset of) `target`'s axes."""
+        """A condition as a boolean tensor over (a subset of) `target`'s axes; false
+        wherever an index tensor it reads is read outside (lookups.py)."""
+        compared, valid = self.collect_valid(body, lambda: self.logic(body, cond, target), target)
+        if valid is None:
+            return compared
+        return ir.Call("logical_and", (compared, valid))
+
+    def logic(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
         if cond is sp.true or cond is sp.false:
             return ir.Lit(repr(bool(cond)))
         if isinstance(cond, sp.Not):
-            return ir.Call("logical_not", (self.condition(body, cond.args[0], target),))
+            return ir.Call("logical_not", (self.logic(body, cond.args[0], target),))
         for kind, function in LOGIC.items():
             if isinstance(cond, kind):
-                parts = [self.condition(body, a, target) for a in cond.args]
+                parts = [self.logic(body, a, target) for a in cond.args]
                 parts.sort(key=repr)  # SymPy's argument order is canonical but unstable
                 result = parts[0]
                 for part in parts[1:]:
@@ -197,14 +204,7 @@ class Pointwise:
                 return result
         op = RELATIONS[type(cond)]
         left, right = cond.args
-        compared, valid = self.collect_valid(
-            body,
-            lambda: ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target)),
-            target,
-        )
-        if valid is None:
-            return compared
-        return ir.Call("logical_and", (compared, valid))  # false where a lookup is outside
+        return ir.Binary(op, self.expr(body, left, target), self.expr(body, right, target))
 
     def normalized_logits(self, terms: list[sp.Expr]) -> list[tuple[list[sp.Expr], sp.Expr, tuple]]:
         """In a sum, each `-L` (L = log Σ_m exp(u)) with the terms of its own logits `u`
