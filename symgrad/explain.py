@@ -116,6 +116,21 @@ class _TexExpr(LatexPrinter):
     def _print_minimum(self, expr):
         return rf"\min\left({self._print(expr.args[0])}, {self._print(expr.args[1])}\right)"
 
+    def _print_Max(self, expr):  # an index clamp
+        return rf"\max\left({', '.join(self._print(a) for a in expr.args)}\right)"
+
+    def _print_Min(self, expr):
+        return rf"\min\left({', '.join(self._print(a) for a in expr.args)}\right)"
+
+
+def lookups_note(positions) -> str:
+    """`, or where tri, tid are read outside them` for positions that read index tensors:
+    a lookup outside its index tensor reads zero too (symgrad/lookups.py)."""
+    names = sorted({a.base.label.name for p in positions for a in p.atoms(sp.Indexed)})
+    if not names:
+        return ""
+    return f", or where {', '.join(names)} {'is' if len(names) == 1 else 'are'} read outside"
+
 
 def _tex_name(name: str) -> str:
     """`A` -> `A`; `weights` -> `\\mathit{weights}`; `grad_A` -> `\\bar{A}`."""
@@ -252,7 +267,7 @@ class _Explainer:
         if level.gather is not None:
             gather = level.gather
             right = self.p.tensor(gather.source, [self.p.expr(q) for q in gather.positions])
-            right += f" (0 outside {gather.source})"
+            right += f" (0 outside {gather.source}{lookups_note(gather.positions)})"
         return Equation(self.level_access(level.name), right)
 
     def primed(self, target: str, partials: list[Partial]) -> tuple[sp.Symbol, ...]:
@@ -371,6 +386,7 @@ class _Explainer:
             title = f"Gradient of {name}" + (" (intermediate)" if name in intermediates else "")
             shown = [self.p.index(s) for s in display_indices(self.names.get(name, ()))]
             if name in program.no_gradient:
+                shown = [self.p.index(s) for s in scatter_names(program, name, self.names)]
                 result = Equation(self.p.tensor(grad_name(name), shown), self.p.none)
                 out.append(Section(title, name, result=result))
                 continue

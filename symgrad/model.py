@@ -21,6 +21,7 @@ import sympy as sp
 
 from . import functions as fn
 from . import indexing, internals, lets, splits
+from . import lookups as lookups_
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -540,6 +541,10 @@ class _Builder:
             left = self.position(node.left, scope, lookups)
             right = self.position(node.right, scope, lookups)
             return {"+": left + right, "-": left - right, "*": left * right}[node.op]
+        if isinstance(node, Call):  # an index clamp: min(a, b), max(a, b)
+            return lookups_.clamp(self, node, scope, lookups)
+        if isinstance(node, Access) and lookups_.is_lookup(self, node):
+            return lookups_.lookup(self, node, scope, lookups)
         if isinstance(node, Access):  # an index tensor
             if len(set(node.indices)) != len(node.indices):
                 raise self.fail(
@@ -578,7 +583,7 @@ class _Builder:
                 self.add_dim(position, name, axis)
             elif not internal:
                 self.moving.append((position, name, axis))
-                if not position.atoms(sp.Indexed):
+                if lookups_.affine(position):
                     # Ranges are inferred from reads of inputs only: an internal tensor's
                     # size is known only once it is computed.
                     self.reads.append((position, name, axis))
@@ -1278,7 +1283,7 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
     flags = []
     for axis in level.gather.computed:
         position = level.gather.positions[axis]
-        if position.atoms(sp.Indexed) or level.gather.source in builder.internals:
+        if not lookups_.affine(position) or level.gather.source in builder.internals:
             flags.append(False)
             continue
         if splits.has_split(position):

@@ -31,6 +31,12 @@ class IndexPrinter(StrPrinter):
     def _print_minimum(self, expr):
         return f"min({self._print(expr.args[0])}, {self._print(expr.args[1])})"
 
+    def _print_Max(self, expr):  # an index clamp, as written
+        return f"max({', '.join(self._print(a) for a in expr.args)})"
+
+    def _print_Min(self, expr):
+        return f"min({', '.join(self._print(a) for a in expr.args)})"
+
     def _print_step_eq(self, expr):
         return f"[{self._print(expr.args[0])} == {self._print(expr.args[1])}]"
 
@@ -74,7 +80,13 @@ def axis_names(program: Program) -> dict[str, tuple[str, ...]]:
         names.setdefault(level.name, tuple(i.name for i in level.indices))
         for term in level.terms:
             for access in accesses(term.expr):
-                names.setdefault(access.base.label.name, tuple(i.name for i in access.indices))
+                if all(isinstance(i, sp.Symbol) for i in access.indices):  # not a lookup
+                    names.setdefault(access.base.label.name, tuple(i.name for i in access.indices))
+    for level in levels:  # index tensors read plainly only inside positions
+        for position in level.gather.positions if level.gather is not None else ():
+            for access in position.atoms(sp.Indexed):
+                if all(isinstance(i, sp.Symbol) for i in access.indices):
+                    names.setdefault(access.base.label.name, tuple(i.name for i in access.indices))
     return names
 
 

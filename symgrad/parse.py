@@ -308,6 +308,8 @@ def index_names(node) -> list[str]:
         return index_names(node.operand)
     if isinstance(node, BinOp):
         return index_names(node.left) + index_names(node.right)
+    if isinstance(node, Call):  # an index clamp
+        return [name for arg in node.args for name in index_names(arg)]
     if isinstance(node, Compare):
         return [name for o in node.operands if node.on_indices for name in index_names(o)]
     if isinstance(node, Logic):
@@ -322,6 +324,21 @@ def _lookups(node) -> list[Access]:
         return _lookups(node.operand)
     if isinstance(node, BinOp):
         return _lookups(node.left) + _lookups(node.right)
+    if isinstance(node, Call):  # an index clamp
+        return [a for arg in node.args for a in _lookups(arg)]
+    return []
+
+
+def _plain_indices(node) -> list[str]:
+    """The indices an index expression uses outside index-tensor reads."""
+    if isinstance(node, IndexRef):
+        return [node.name]
+    if isinstance(node, Neg):
+        return _plain_indices(node.operand)
+    if isinstance(node, BinOp):
+        return _plain_indices(node.left) + _plain_indices(node.right)
+    if isinstance(node, Call):
+        return [name for arg in node.args for name in _plain_indices(arg)]
     return []
 
 
@@ -604,7 +621,9 @@ class _Walker:
             )  # `a + b + c` is a flat chain, not nesting
             left = self.index_expr(node.left, depth if chained else depth + 1, inside=inside)
             right = self.index_expr(node.right, depth + 1, inside=inside)
-            if op == "*" and _varies_by_index(left) and _varies_by_index(right):
+            # A data-dependent stride (`D[h] * (j - w)`) is fine: the position is still
+            # one integer per grid point; a product of two indices is not.
+            if op == "*" and _plain_indices(left) and _plain_indices(right):
                 self.fail(
                     "a product of indices is not an affine index expression; "
                     "coefficients must be integers or int attrs",
@@ -618,12 +637,13 @@ class _Walker:
             problem = check_name(name, "tensor")
             if problem:
                 self.fail(problem, node)
+            # An index tensor's own positions are index expressions too: at constants
+            # (`idx[b, n, 0]`), shifted (`indptr[s + 1]`), nested (`tri[tid[p], v]`).
             elements = _slice_elements(node.slice)
-            for element in elements:
-                if not isinstance(element, ast.Name):
-                    self.fail("an index tensor is read with plain indices only", element)
-            positions = tuple(IndexRef(self.index_name(e), e.col_offset) for e in elements)
+            positions = tuple(self.position(e, depth + 1) for e in elements)
             return Access(name, positions, col)
+        if isinstance(node, ast.Call):
+            return self.index_clamp(node, depth, inside=inside)
         if isinstance(node, ast.Tuple):
             self.fail(
                 "a composite index `(i, k)` is a whole axis, on the left or of an input", node
@@ -647,6 +667,18 @@ class _Walker:
                 right,
             )
         return BinOp(op, left, divisor, node.col_offset)
+
+    def index_clamp(self, node: ast.Call, depth: int, *, inside: bool) -> Node:
+        """`min(a, b)` and `max(a, b)` of index expressions: NATTEN's window start
+        `max(min(i - ns, L - K), 0)`."""
+        name = node.func.id if isinstance(node.func, ast.Name) else None
+        if name not in EXTREMA or len(node.args) != 2 or node.keywords:
+            where = "inside brackets" if inside else "in an index comparison"
+            self.fail(
+                f"only min(a, b) and max(a, b) of index expressions are allowed {where}", node
+            )
+        args = tuple(self.index_expr(a, depth + 1, inside=inside) for a in node.args)
+        return Call(name, args, node.col_offset)
 
     # -- conditions -------------------------------------------------------------------
 
@@ -975,10 +1007,6 @@ def _has_reduce(node: Node) -> bool:
     if isinstance(node, Call):
         return any(_has_reduce(arg) for arg in node.args)
     return False
-
-
-def _varies_by_index(node: Node) -> bool:
-    return bool(index_names(node)) or bool(_lookups(node))
 
 
 def _too_big(value: Fraction) -> bool:

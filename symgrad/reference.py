@@ -113,6 +113,8 @@ class Evaluator:
         # sum(B[b,k], k)`): fine for plain reads and sums, which see the axes themselves,
         # but no grid can be built for them.
         self.ambiguous: set[str] = set()
+        # Where the index tensors read by the condition being evaluated were inside them.
+        self.lookups_valid: list[Dense] = []
 
     def learn_sizes(self, node) -> None:
         if isinstance(node, Access):
@@ -155,39 +157,59 @@ class Evaluator:
 
     # -- index expressions: int64 tensors over the indices they use -----------------
 
-    def position(self, node) -> Dense:
+    def position(self, node) -> tuple[Dense, Dense | None]:
+        """An index expression, and where the index tensors it reads were read inside
+        them (None: everywhere). A read at a position whose lookup was outside its index
+        tensor is zero; a `where` whose condition reads it takes `otherwise`."""
         if isinstance(node, IndexRef):
-            return Dense(tf.range(self.size(node.name), dtype=tf.int64), (node.name,))
+            return Dense(tf.range(self.size(node.name), dtype=tf.int64), (node.name,)), None
         if isinstance(node, Num):
             assert node.value.denominator == 1, node
-            return Dense(tf.constant(int(node.value), tf.int64), ())
+            return Dense(tf.constant(int(node.value), tf.int64), ()), None
         if isinstance(node, AttrRef):
             value = self.attrs[node.name]
             assert isinstance(value, int) and not isinstance(value, bool), node.name
-            return Dense(tf.constant(value, tf.int64), ())
+            return Dense(tf.constant(value, tf.int64), ()), None
         if isinstance(node, Neg):
-            inner = self.position(node.operand)
-            return Dense(-inner.tensor, inner.labels)
+            inner, valid = self.position(node.operand)
+            return Dense(-inner.tensor, inner.labels), valid
         if isinstance(node, Group):  # (h, r): row-major, h * |r| + r
-            total = self.position(node.indices[0])
+            total, valid = self.position(node.indices[0])
             for member in node.indices[1:]:
                 size = Dense(tf.constant(self.size(member.name), tf.int64), ())
-                total = self.combine(
-                    self.combine(total, size, tf.multiply), self.position(member), tf.add
-                )
-            return total
-        if isinstance(node, BinOp):
+                part, ok = self.position(member)
+                total = self.combine(self.combine(total, size, tf.multiply), part, tf.add)
+                valid = self.both(valid, ok)
+            return total, valid
+        if isinstance(node, BinOp | Call):
             ops = {"+": tf.add, "-": tf.subtract, "*": tf.multiply}
             ops |= {"//": tf.math.floordiv, "%": tf.math.floormod}
-            return self.combine(self.position(node.left), self.position(node.right), ops[node.op])
-        if isinstance(node, Access):  # an integer index tensor, read at plain indices
-            value = self.read(node)
+            ops |= {"min": tf.minimum, "max": tf.maximum}  # index clamps
+            op = ops[node.op if isinstance(node, BinOp) else node.function]
+            left, right = node.args if isinstance(node, Call) else (node.left, node.right)
+            (a, a_ok), (b, b_ok) = self.position(left), self.position(right)
+            return self.combine(a, b, op), self.both(a_ok, b_ok)
+        if isinstance(node, Access):  # an integer index tensor
+            value, inside = self.gathered(node)
             assert value.tensor.dtype.is_integer, f"{node.tensor} is not an integer tensor"
-            return Dense(tf.cast(value.tensor, tf.int64), value.labels)
+            return Dense(tf.cast(value.tensor, tf.int64), value.labels), inside
         raise TypeError(node)
+
+    def both(self, a: Dense | None, b: Dense | None) -> Dense | None:
+        if a is None or b is None:
+            return a if b is None else b
+        return self.combine(a, b, tf.logical_and)
 
     def read(self, node: Access) -> Dense:
         """`X[positions]` over the grid of the indices the positions use; zero outside X."""
+        values, inside = self.gathered(node)
+        if inside is None:
+            return values
+        tensor = values.tensor
+        return Dense(tf.where(inside.tensor, tensor, tf.zeros_like(tensor)), values.labels)
+
+    def gathered(self, node: Access) -> tuple[Dense, Dense | None]:
+        """`X[positions]` read after clipping, and where the reads were inside X."""
         tensor = self.inputs[node.tensor]
         # A plain read whose index has a range past (or short of) the axis is read like
         # a computed one: zero beyond the axis.
@@ -196,17 +218,20 @@ class Evaluator:
             for i, d in zip(node.indices, tensor.shape, strict=False)
         )
         if node.plain and len(set(node.indices)) == len(node.indices) and fits:
-            return Dense(tensor, node.indices)
+            return Dense(tensor, node.indices), None
         labels = tuple(dict.fromkeys(node.indices))
         coords = []
         inside = tf.ones([self.size(i) for i in labels], tf.bool)
         for axis, position in enumerate(node.positions):
-            where = self.grid(self.position(position), labels)
+            at, valid = self.position(position)
+            where = self.grid(at, labels)
             dim = int(tensor.shape[axis])
             inside = inside & (where >= 0) & (where < dim)
+            if valid is not None:
+                inside = inside & self.grid(valid, labels)
             coords.append(tf.clip_by_value(where, 0, max(dim - 1, 0)))
         values = tf.gather_nd(tensor, tf.stack(coords, axis=-1))
-        return Dense(tf.where(inside, values, tf.zeros_like(values)), labels)
+        return Dense(values, labels), Dense(inside, labels)
 
     # -- conditions: bool tensors over their indices ------------------------------
 
@@ -222,7 +247,8 @@ class Evaluator:
             return result
         if isinstance(node, Compare):
             if node.on_indices:
-                operands = [self.position(o) for o in node.operands]
+                operands, valid = zip(*(self.position(o) for o in node.operands), strict=True)
+                self.lookups_valid += [ok for ok in valid if ok is not None]
             else:
                 operands = [self.value(o, free) for o in node.operands]
             result = None
@@ -262,7 +288,12 @@ class Evaluator:
                 return Dense(FUNCTIONS[node.function](args[0].tensor), args[0].labels)
             return self.combine(args[0], args[1], FUNCTIONS[node.function])
         if isinstance(node, Where):
+            # A where whose condition reads an index tensor outside it takes `otherwise`.
+            outer, self.lookups_valid = self.lookups_valid, []
             cond = self.condition(node.cond, free)
+            for ok in self.lookups_valid:
+                cond = self.combine(cond, ok, tf.logical_and)
+            self.lookups_valid = outer
             then = self.value(node.then, free)
             otherwise = self.value(node.otherwise, free)
             labels = tuple(dict.fromkeys((*cond.labels, *then.labels, *otherwise.labels)))

@@ -306,11 +306,13 @@ MEMORY_CASES = {
 }
 
 
-def _torch_memory(module, xs, attrs):
+def _torch_memory(module, xs, attrs, args=None):
     """(bytes the forward keeps for the backward, peak bytes allocated by a training
-    step's forward and backward). The peak is the running sum of the allocations and
-    frees that torch.profiler records (profile_memory: its "[memory]" events), in the
-    order they happen."""
+    step's forward and backward, differentiating `xs` of the op's `args` (default: `xs`,
+    every input). The peak is the running sum of the allocations and frees that
+    torch.profiler records (profile_memory: its "[memory]" events), in the order they
+    happen."""
+    args = xs if args is None else args
     kept = []
 
     def pack(tensor):
@@ -320,7 +322,7 @@ def _torch_memory(module, xs, attrs):
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            y = module.forward(*xs, **attrs)
+            y = module.forward(*args, **attrs)
         grads = torch.autograd.grad(torch.sin(y).sum(), xs)
         del y, grads
     events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]

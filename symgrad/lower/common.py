@@ -165,7 +165,19 @@ def _word(labels, letters) -> str:
 
 
 def _index_set(e: sp.Expr) -> set[Index]:
-    return {i for a in e.atoms(sp.Indexed) for i in a.indices}
+    return {i for a in e.atoms(sp.Indexed) for i in _position_indices(a)}
+
+
+def _position_indices(access: sp.Indexed) -> list[Index]:
+    """The indices an access reads at: its plain indices, and those inside the index
+    expressions of an index-tensor lookup (`lo[s + 1]`, `tri[tid[p] - 1, v]`)."""
+    found: list[Index] = []
+    for position in access.indices:
+        if isinstance(position, sp.Symbol):
+            found.append(position)
+        else:
+            found += indexing.index_symbols(position)
+    return list(dict.fromkeys(found))
 
 
 def _axes_of(e: sp.Expr, out: tuple[Index, ...], summed: tuple[Index, ...]):
@@ -174,7 +186,7 @@ def _axes_of(e: sp.Expr, out: tuple[Index, ...], summed: tuple[Index, ...]):
     widest = sorted(
         e.atoms(sp.Indexed), key=lambda a: (-len(set(a.indices)), sp.default_sort_key(a))
     )
-    order = [i for a in widest for i in a.indices]
+    order = [i for a in widest for i in _position_indices(a)]
     order += [i for i in (*out, *summed) if i in order]
     return tuple(dict.fromkeys(order))
 

@@ -47,6 +47,9 @@ class Contraction:
         segment = self.segment_term(body, e, summed, out, eyes)
         if segment is not None:
             return [segment]
+        interval = self.interval_term(body, e, summed, out, eyes)
+        if interval is not None:
+            return [interval]
         factors = sp.Mul.make_args(e)
         operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
         for factor in factors:

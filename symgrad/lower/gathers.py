@@ -33,9 +33,13 @@ class Gathers:
         flat: ir.Expr | None = None
         valid: ir.Expr | None = None
         for axis, bounded in zip(computed, gather.bounded, strict=True):
-            position = self.position(body, gather.positions[axis], inner)
+            position, looked_up = self.collect_valid(
+                body, lambda a=axis: self.position(body, gather.positions[a], inner), inner
+            )
             if not _is_simple(position):
                 position = ir.Var(body.bind(position))
+            if looked_up is not None:  # a lookup outside its index tensor reads zero
+                valid = looked_up if valid is None else ir.Call("logical_and", (valid, looked_up))
             if not bounded:
                 size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
                 inside = ir.Call(

@@ -22,12 +22,14 @@ from .common import (
 )
 from .contract import Contraction
 from .gathers import Gathers
+from .intervals import Intervals
 from .kernels import Kernels
+from .lookups import Lookups
 from .pointwise import Pointwise
 from .segments import Segments
 
 
-class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments):
+class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments, Lookups, Intervals):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""
 

@@ -49,6 +49,8 @@ class Pointwise:
             return self.access(body, e, target)
         if isinstance(e, splits.SPLITS):  # c // G, c % G, (h, r) in a position
             return splits.lower(self, body, e, target)
+        if isinstance(e, sp.Min | sp.Max):  # an index clamp
+            return self.clamp(body, e, target)
         if e.is_Integer:
             return ir.Lit(str(int(e)))
         if e.is_number:  # 1/2, pi, sqrt(pi): a Python float takes the tensors' dtype
@@ -64,7 +66,9 @@ class Pointwise:
             if e.name.startswith(lets.VALUE_PREFIX):  # a let, computed at call time
                 body.uses_dtype = True
                 return ir.FloatSize(lets.symbol(e.name.removeprefix(lets.VALUE_PREFIX)).name)
-            return ir.Var(e.name)  # an attr (`_int_s`: an int attr in index arithmetic)
+            if e.name.startswith("_int_"):  # an int attr in index arithmetic
+                return self.position_int(ir.Var(e.name))  # int64 beside index tensors
+            return ir.Var(e.name)  # an attr
         if isinstance(e, sp.Add):  # positive terms first: `x - m`, not `-m + x`
             terms = sorted(e.args, key=lambda t: (t.could_extract_minus_sign(), _print_order(t)))
             groups = self.normalized_logits(terms)
@@ -180,14 +184,21 @@ class Pointwise:
         return result
 
     def condition(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
-        """A condition as a boolean tensor over (a subset of) `target`'s axes."""
+        """A condition as a boolean tensor over (a subset of) `target`'s axes; false
+        wherever an index tensor it reads is read outside (lookups.py)."""
+        compared, valid = self.collect_valid(body, lambda: self.logic(body, cond, target), target)
+        if valid is None:
+            return compared
+        return ir.Call("logical_and", (compared, valid))
+
+    def logic(self, body: _Body, cond: sp.Basic, target: tuple[Index, ...]) -> ir.Expr:
         if cond is sp.true or cond is sp.false:
             return ir.Lit(repr(bool(cond)))
         if isinstance(cond, sp.Not):
-            return ir.Call("logical_not", (self.condition(body, cond.args[0], target),))
+            return ir.Call("logical_not", (self.logic(body, cond.args[0], target),))
         for kind, function in LOGIC.items():
             if isinstance(cond, kind):
-                parts = [self.condition(body, a, target) for a in cond.args]
+                parts = [self.logic(body, a, target) for a in cond.args]
                 parts.sort(key=repr)  # SymPy's argument order is canonical but unstable
                 result = parts[0]
                 for part in parts[1:]:
@@ -311,6 +322,8 @@ class Pointwise:
             size = self.position_int(ir.Var(self.index_size(body, label)))
             operand = ir.Var(body.bind(ir.Call("range", (size,))))
             return self.align(body, operand, labels, target)
+        if name in self.program.index_inputs and self.is_lookup(access):
+            return self.lookup(body, access, target)
         if name in self.program.index_inputs:  # compared and added with tf.range values
             operand = ir.Var(body.bind(ir.Call("to_int64", (ir.Var(name),))))
             return self.align(body, operand, labels, target)

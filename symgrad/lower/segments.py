@@ -77,10 +77,11 @@ class Segments:
         )
         return flat, ir.Var(body.bind(valid))
 
-    def _segment_sum(self, body, rest, ids, v, summed, out):
+    def _segment_sum(self, body, rest, ids, v, summed, out, rows=None):
         """Σ_n where(ids[n..] == v, 1, 0) · local(n, ..) · table(v, ..): the local factors
-        added at row ids[n..], times the factors over v (which read no n)."""
-        n = tuple(ids.indices)
+        added at row ids[n..], times the factors over v (which read no n). `rows`, when
+        given, is (n.., flat ids, their validity) computed otherwise (intervals.py)."""
+        n = tuple(ids.indices) if rows is None else rows[0]
         factors = sp.Mul.make_args(rest)
         table = sp.Mul(*[f for f in factors if v in _index_set(f)])
         local = sp.Mul(*[f for f in factors if v not in _index_set(f)])
@@ -90,9 +91,9 @@ class Segments:
         inner = tuple(i for i in summed if i not in n)
         value, axes = self.contract(body, local, inner, (*n, *others), ())
         data = self.full(body, value, axes, (*n, *others))
-        rows = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
-        data = ir.Call("reshape", (data, rows))
-        flat, valid = self._ids(body, ids, v)
+        shape = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+        data = ir.Call("reshape", (data, shape))
+        flat, valid = self._ids(body, ids, v) if rows is None else rows[1:]
         dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
         count = ir.Var(self.index_size(body, v))
         total = ir.Call("segment_sum", (data, dropped, count))
@@ -103,10 +104,10 @@ class Segments:
         summed_at = sp.IndexedBase(name)[(v, *others)]
         return self.contract(body, table * summed_at, (), out, ())
 
-    def _read_at_ids(self, body, rest, ids, v, summed, out):
+    def _read_at_ids(self, body, rest, ids, v, summed, out, rows=None):
         """Σ_v where(ids[n..] == v, 1, 0) · table(v, ..) · local(n, ..): the table read at
         row ids[n..] (zero where the id is out of range), times the local factors."""
-        n = tuple(ids.indices)
+        n = tuple(ids.indices) if rows is None else rows[0]
         factors = sp.Mul.make_args(rest)
         table = [f for f in factors if v in _index_set(f)]
         local = [f for f in factors if v not in _index_set(f)]
@@ -118,10 +119,10 @@ class Segments:
         others = tuple(dict.fromkeys(i for i in _index_set(table_expr) if i != v))
         others = tuple(sorted(others, key=sp.default_sort_key))
         value, axes = self.contract(body, table_expr, (), (v, *others), ())
-        rows = ir.Var(body.bind(self.full(body, value, axes, (v, *others))))
-        flat, valid = self._ids(body, ids, v)
+        table_rows = ir.Var(body.bind(self.full(body, value, axes, (v, *others))))
+        flat, valid = self._ids(body, ids, v) if rows is None else rows[1:]
         at = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("0")))))
-        read = ir.Call("gather", (rows, at), (("axis", ir.Lit("0")),))
+        read = ir.Call("gather", (table_rows, at), (("axis", ir.Lit("0")),))
         body.uses_dtype = True
         zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
         row = Index("_segment_row")

@@ -43,6 +43,7 @@ NAMES = {
     "reduce_sum": "tf.reduce_sum",
     "reshape": "tf.reshape",
     "rsqrt": "tf.math.rsqrt",
+    "searchsorted": "tf.searchsorted",
     "segment_sum": "tf.math.unsorted_segment_sum",
     "shape": "tf.shape",
     "sigmoid": "tf.sigmoid",
