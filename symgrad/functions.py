@@ -107,6 +107,33 @@ class index_value(sp.Function):
         return sp.Integer(0)
 
 
+class floor(sp.Function):
+    """The largest integer <= x, in the inputs' float dtype. Piecewise constant: its
+    derivative is 0 (so `x - floor(x)`, a sampled read's fraction, has derivative 1)."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0)
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sp.floor(x)
+        return None
+
+
+class floor_index(sp.Function):
+    """floor(x) as an integer position (int64): where a sampled read gathers its lower
+    neighbour. Only inside gather positions, never differentiated; printed `floor(x)`."""
+
+    def _sympystr(self, printer) -> str:
+        return f"floor({printer._print(self.args[0])})"
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0)
+
+
 class select(sp.Function):
     """`where(cond, a, b)`: a where the condition holds, else b.
 
@@ -177,6 +204,7 @@ _UNARY = {
     "sigmoid": sigmoid,
     "softplus": softplus,
     "erf": sp.erf,
+    "floor": floor,
 }
 _BINARY = {"max": maximum, "min": minimum}
 

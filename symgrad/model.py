@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, internals, lets
+from . import indexing, internals, lets, sampling
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -495,6 +495,8 @@ class _Builder:
     # -- computed positions -----------------------------------------------------------
 
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
+        if sampling.is_sampled(node):
+            return sampling.read(self, node, scope)
         if not node.plain:
             return self.gather(node, scope)
         if node.tensor in self.internals:
@@ -563,10 +565,16 @@ class _Builder:
         if all(indexing.is_plain(p) for p in positions) and not internal:
             return self.simplified_access(name, positions)
         written = [scope[i] for i in node.indices]
+        return self.gather_level(name, positions, written, node.col)
+
+    def gather_level(self, name: str, positions: tuple, written: list, col: int) -> sp.Expr:
+        """`name` read at SymPy `positions` (some computed): the gather intermediate over
+        the indices it uses, shared by equal reads."""
+        internal = name in self.internals
         computed, grid = indexing.layout(positions, written)
         for axis, position in enumerate(positions):
             if indexing.is_plain(position) and internal:
-                internals.share_axis(self, position, name, axis, node.col)
+                internals.share_axis(self, position, name, axis, col)
             elif indexing.is_plain(position):  # a plain index takes the axis size
                 self.add_dim(position, name, axis)
             elif not internal:
@@ -982,7 +990,8 @@ def build(op: OpSpec) -> Program:
     equations = []
     for text in op.formulas:
         try:
-            equations.append(parse_equation(text, attrs, int_attrs))
+            floats = frozenset(op.float_positions)
+            equations.append(parse_equation(text, attrs, int_attrs, floats))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None
     # Output indices name one dimension across all equations; a sum in one equation

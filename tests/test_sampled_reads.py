@@ -1,0 +1,296 @@
+"""Sampled reads (issue 18, item 1): a float position inside a value input's brackets reads
+by (multi)linear interpolation, neighbours outside the input read zero. Each op is checked
+in float64, forward and both gradients, in TensorFlow, PyTorch and JAX, against an
+independent reference: PyTorch's own grid_sample (and its autograd), or a NumPy loop
+transcription of the public kernel (torchvision's deform_conv2d bilinear_interpolate,
+ROI Align with zero padding), and against finite differences away from integer positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from harness import load_module
+
+from symgrad.pipeline import module_text
+from symgrad.spec import parse_op
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+
+TARGETS = ("tensorflow", "pytorch", "jax")
+
+GRID_SAMPLE = {
+    "formula": "y[n,c,h,w] = x[n, c, (g[n,h,w,1] + 1) * (H - 1) / 2, "
+    "(g[n,h,w,0] + 1) * (W - 1) / 2]",
+    "let": {"H": "x.shape[2]", "W": "x.shape[3]"},
+}
+DEFORM_CONV = {
+    "formula": "y[b,o,i,j] = sum(w[o,c,u,v] * x[b, c, s*i - p + u + off[b, 2*(u*KW + v), i, j], "
+    "s*j - p + v + off[b, 2*(u*KW + v) + 1, i, j]], c, u, v)",
+    "attrs": {"s": "int", "p": "int"},
+    "let": {"KW": "w.shape[3]"},
+    "inputs": ["x", "w", "off"],
+    "float_positions": ["off"],
+}
+ROI_ALIGN = {
+    "formula": "y[r,c,i,j] = mean(x[bi[r], c, y0[r] + (i + (a + 0.5) / S) * bh[r], "
+    "x0[r] + (j + (q + 0.5) / S) * bw[r]], a, q)",
+    "inputs": ["x", "bi", "y0", "x0", "bh", "bw"],
+    "attrs": {"S": "int", "PH": "int", "PW": "int"},
+    "ranges": {"i": "PH", "j": "PW", "a": "S", "q": "S"},
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("sampled")
+
+
+_modules: dict = {}
+
+
+def module(table: dict, target: str, folder, name: str = "Sampled"):
+    key = (repr(sorted(table.items())), target, name)
+    if key not in _modules:
+        spec = parse_op(name, table, "test.toml")
+        text = module_text(spec, "test.toml", target)
+        stem = f"sampled_{target}_{len(_modules)}"
+        _modules[key] = load_module(text, folder, stem)
+    return _modules[key]
+
+
+def to(target: str, array):
+    if target == "tensorflow":
+        return tf.constant(array)
+    if target == "pytorch":
+        return torch.tensor(array)
+    return jnp.asarray(array)
+
+
+def numpy(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.detach().numpy()
+    return np.asarray(value)
+
+
+def run(table, target, folder, inputs, grad, attrs=None):
+    """forward and vjp of the generated module, as NumPy."""
+    m = module(table, target, folder)
+    args = [to(target, a) for a in inputs]
+    attrs = attrs or {}
+    out = m.forward(*args, **attrs)
+    grads = m.vjp(*args, to(target, grad), **attrs)
+    return numpy(out), [numpy(g) for g in grads]
+
+
+# -- references ---------------------------------------------------------------------------
+
+
+def bilinear(x: np.ndarray, image, h, w) -> np.ndarray:
+    """torchvision's deform_conv2d `bilinear_interpolate` (ops/cpu/deform_conv2d_kernel.cpp),
+    for many points at once: x[image] (all channels, last) at rows h and columns w, the
+    four neighbours of each point weighted by the fractions, each one outside the image
+    (or an image index outside the batch) reading zero."""
+    batch, _, height, width = x.shape
+    h0, w0 = np.floor(h), np.floor(w)
+    lh, lw = h - h0, w - w0
+    total = 0.0
+    for dy, wy in ((0, 1 - lh), (1, lh)):
+        for dx, wx in ((0, 1 - lw), (1, lw)):
+            yy, xx = (h0 + dy).astype(int), (w0 + dx).astype(int)
+            inside = (0 <= yy) & (yy < height) & (0 <= xx) & (xx < width)
+            inside &= (0 <= image) & (image < batch)
+            value = x[
+                np.clip(image, 0, batch - 1),
+                :,
+                np.clip(yy, 0, height - 1),
+                np.clip(xx, 0, width - 1),
+            ]
+            total = total + (wy * wx * inside)[..., None] * value
+    return total
+
+
+def deform_conv_loop(x, w, off, s, p):
+    """torchvision.ops.deform_conv2d (one offset group, no mask, no dilation): offset
+    channel 2*(u*KW + v) moves tap (u, v) along the rows, 2*(u*KW + v) + 1 along columns;
+    y[b, :, i, j] = Σ_{c,u,v} w[:, c, u, v] * x[b, c] at (s*i - p + u + dh, s*j - p + v + dw)."""
+    batch = x.shape[0]
+    _, _, kh, kw = w.shape
+    out_h, out_w = off.shape[2], off.shape[3]
+    b, u, v, i, j = np.meshgrid(
+        range(batch), range(kh), range(kw), range(out_h), range(out_w), indexing="ij"
+    )
+    h = s * i - p + u + off[b, 2 * (u * kw + v), i, j]
+    ww = s * j - p + v + off[b, 2 * (u * kw + v) + 1, i, j]
+    columns = bilinear(x, b, h, ww)  # (b, u, v, i, j, c)
+    return np.einsum("ocuv,buvijc->boij", w, columns)
+
+
+def roi_align_loop(x, bi, y0, x0, bh, bw, S, PH, PW):
+    """ROI Align with a fixed sampling ratio S: bin (i, j) of roi r is the mean of S x S
+    bilinear samples at y0 + (i + (a + 0.5) / S) * bh, x0 + (j + (q + 0.5) / S) * bw, reading
+    zero outside the image (torchvision clamps samples within one pixel of the border to it
+    instead)."""
+    r, i, j, a, q = np.meshgrid(
+        range(len(bi)), range(PH), range(PW), range(S), range(S), indexing="ij"
+    )
+    h = y0[r] + (i + (a + 0.5) / S) * bh[r]
+    w = x0[r] + (j + (q + 0.5) / S) * bw[r]
+    samples = bilinear(x, bi[r], h, w)  # (r, i, j, a, q, c)
+    return samples.mean(axis=(3, 4)).transpose(0, 3, 1, 2)
+
+
+def numpy_vjp(f, inputs, grad, wrt, step=1e-6):
+    """Central differences of sum(grad * f(inputs)) for the inputs at `wrt`."""
+    result = []
+    for k in wrt:
+        g = np.zeros_like(inputs[k])
+        for idx in np.ndindex(inputs[k].shape):
+            plus = [a.copy() for a in inputs]
+            minus = [a.copy() for a in inputs]
+            plus[k][idx] += step
+            minus[k][idx] -= step
+            g[idx] = np.sum(grad * (f(*plus) - f(*minus))) / (2 * step)
+        result.append(g)
+    return result
+
+
+def grid_sample_torch(x, g, grad):
+    xt = torch.tensor(x, requires_grad=True)
+    gt = torch.tensor(g, requires_grad=True)
+    yt = torch.nn.functional.grid_sample(
+        xt, gt, mode="bilinear", padding_mode="zeros", align_corners=True
+    )
+    yt.backward(torch.tensor(grad))
+    return yt.detach().numpy(), xt.grad.numpy(), gt.grad.numpy()
+
+
+# -- grid_sample ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_grid_sample_is_torchs_with_its_gradients(folder, target):
+    """Every index a different size; grid points past the border (|g| up to 1.3) read
+    zero-padded neighbours, as padding_mode="zeros"."""
+    rng = np.random.default_rng(0)
+    n, c, h, w, ho, wo = 2, 3, 5, 4, 6, 7
+    x = rng.standard_normal((n, c, h, w))
+    g = rng.uniform(-1.3, 1.3, (n, ho, wo, 2))
+    grad = rng.standard_normal((n, c, ho, wo))
+    y, (gx, gg) = run(GRID_SAMPLE, target, folder, [x, g], grad)
+    want_y, want_gx, want_gg = grid_sample_torch(x, g, grad)
+    np.testing.assert_allclose(y, want_y, atol=1e-12)
+    np.testing.assert_allclose(gx, want_gx, atol=1e-12)
+    np.testing.assert_allclose(gg, want_gg, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_grid_sample_at_integer_positions_takes_torchs_one_sided_gradient(folder, target):
+    """Grid points exactly on pixels (and on the borders, ±1): the value is the pixel and
+    the grid's gradient the forward difference x[p + 1] - x[p] (zero past the last pixel),
+    as in aten/src/ATen/native/GridSampler.cpp."""
+    rng = np.random.default_rng(1)
+    n, c, h, w, ho, wo = 1, 2, 5, 3, 4, 5
+    x = rng.standard_normal((n, c, h, w))
+    rows = rng.integers(0, h, (n, ho, wo))
+    cols = rng.integers(0, w, (n, ho, wo))
+    g = np.stack([cols / (w - 1) * 2 - 1, rows / (h - 1) * 2 - 1], axis=-1)
+    g[0, 0, 0] = [-1.0, -1.0]
+    g[0, 0, 1] = [1.0, 1.0]
+    grad = rng.standard_normal((n, c, ho, wo))
+    y, (gx, gg) = run(GRID_SAMPLE, target, folder, [x, g], grad)
+    want_y, want_gx, want_gg = grid_sample_torch(x, g, grad)
+    np.testing.assert_allclose(y, want_y, atol=1e-12)
+    np.testing.assert_allclose(gx, want_gx, atol=1e-12)
+    np.testing.assert_allclose(gg, want_gg, atol=1e-12)
+    forward = x[0, :, rows[0] + 1, cols[0]] if False else None  # noqa: F841 (see below)
+    # The row gradient at a pixel p inside: grad * (H-1)/2 * (x[p+1] - x[p]).
+    r, q = rows[0, 1, 2], cols[0, 1, 2]
+    if r + 1 < h:
+        difference = x[0, :, r + 1, q] - x[0, :, r, q]
+        np.testing.assert_allclose(
+            gg[0, 1, 2, 1], np.sum(grad[0, :, 1, 2] * difference) * (h - 1) / 2, atol=1e-12
+        )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_grid_sample_matches_finite_differences(folder, target):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 4, 3))
+    g = rng.uniform(-0.9, 0.9, (1, 2, 3, 2))
+    grad = rng.standard_normal((1, 2, 2, 3))
+    _, (gx, gg) = run(GRID_SAMPLE, target, folder, [x, g], grad)
+
+    def f(x, g):
+        return grid_sample_torch(x, g, np.zeros_like(grad))[0]
+
+    want_gx, want_gg = numpy_vjp(f, [x, g], grad, [0, 1])
+    np.testing.assert_allclose(gx, want_gx, atol=1e-7)
+    np.testing.assert_allclose(gg, want_gg, atol=1e-7)
+
+
+# -- deformable convolution -------------------------------------------------------------------
+
+
+def deform_inputs(seed=3, batch=2, in_c=3, height=7, width=6, out_c=4, kh=3, kw=2, s=2, p=1):
+    rng = np.random.default_rng(seed)
+    out_h = (height + 2 * p - kh) // s + 1
+    out_w = (width + 2 * p - kw) // s + 1
+    x = rng.standard_normal((batch, in_c, height, width))
+    w = rng.standard_normal((out_c, in_c, kh, kw))
+    off = rng.uniform(-2.5, 2.5, (batch, 2 * kh * kw, out_h, out_w))
+    grad = rng.standard_normal((batch, out_c, out_h, out_w))
+    return x, w, off, grad, {"s": s, "p": p}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_deformable_conv_is_torchvisions_loop(folder, target):
+    x, w, off, grad, attrs = deform_inputs()
+    y, grads = run(DEFORM_CONV, target, folder, [x, w, off], grad, attrs)
+
+    def f(x, w, off):
+        return deform_conv_loop(x, w, off, attrs["s"], attrs["p"])
+
+    np.testing.assert_allclose(y, f(x, w, off), atol=1e-12)
+    want = numpy_vjp(f, [x, w, off], grad, [0, 1, 2])
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+# -- ROI Align --------------------------------------------------------------------------------
+
+
+def roi_inputs(seed=4):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 3, 9, 8))
+    bi = np.array([1, 0, 1, 5], dtype=np.int64)  # roi 3 names no image: zeros
+    y0 = np.array([0.3, -1.6, 4.2, 1.0])  # roi 1 starts above the image
+    x0 = np.array([1.1, 2.7, -0.4, 0.5])
+    bh = np.array([1.7, 2.3, 1.9, 1.1])  # roi 2 ends below it
+    bw = np.array([1.3, 0.9, 2.6, 1.4])
+    attrs = {"S": 2, "PH": 3, "PW": 4}
+    grad = rng.standard_normal((4, 3, 3, 4))
+    return [x, bi, y0, x0, bh, bw], grad, attrs
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_roi_align_is_the_loop_with_zero_padding(folder, target):
+    inputs, grad, attrs = roi_inputs()
+    y, grads = run(ROI_ALIGN, target, folder, inputs, grad, attrs)
+    x, bi, y0, x0, bh, bw = inputs
+
+    def f(x, y0, x0, bh, bw):
+        return roi_align_loop(x, bi, y0, x0, bh, bw, **attrs)
+
+    np.testing.assert_allclose(y, f(x, y0, x0, bh, bw), atol=1e-12)
+    assert grads[1] is None  # bi: an index tensor
+    floats = [x, y0, x0, bh, bw]
+    want = numpy_vjp(f, floats, grad, range(5))
+    for got, expected in zip([grads[0], *grads[2:]], want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6)
