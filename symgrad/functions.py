@@ -127,7 +127,7 @@ class floor_index(sp.Function):
     """floor(x) as an integer position (int64): where a sampled read gathers its lower
     neighbour. Only inside gather positions, never differentiated; printed `floor(x)`."""
 
-    def _sympystr(self, printer) -> str:
+    def _symgrad_str(self, printer) -> str:  # notation.IndexPrinter: `floor(x)`
         return f"floor({printer._print(self.args[0])})"
 
     def fdiff(self, argindex=1):

@@ -671,7 +671,12 @@ class _Walker:
                     self.fail(f"{type(op).__name__} is not a comparison a condition can use", node)
                 ops.append(symbol)
             operands = [node.left, *node.comparators]
-            on_indices = any(self.mentions_index(o) for o in operands)
+            # A comparison with a float expression (`h < -floor(-(y0[r] + bh[r]))`) is
+            # between values: an index there is its value, as in arithmetic.
+            floats = any(
+                _is_float_position(o, self.floats, self.attrs - self.int_attrs) for o in operands
+            )
+            on_indices = not floats and any(self.mentions_index(o) for o in operands)
             if on_indices:
                 values = tuple(self.index_expr(o, depth + 1, inside=False) for o in operands)
             else:

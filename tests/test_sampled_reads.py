@@ -8,11 +8,17 @@ ROI Align with zero padding), and against finite differences away from integer p
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import pytest
 import tensorflow as tf
 from harness import load_module
 
+from symgrad.errors import SymgradError
+from symgrad.explain import explain
+from symgrad.model import build
 from symgrad.pipeline import module_text
 from symgrad.spec import parse_op
 
@@ -200,6 +206,7 @@ def test_grid_sample_at_integer_positions_takes_torchs_one_sided_gradient(folder
     x = rng.standard_normal((n, c, h, w))
     rows = rng.integers(0, h, (n, ho, wo))
     cols = rng.integers(0, w, (n, ho, wo))
+    rows[0, 1, 2] = 2  # a pixel inside, checked by hand below
     g = np.stack([cols / (w - 1) * 2 - 1, rows / (h - 1) * 2 - 1], axis=-1)
     g[0, 0, 0] = [-1.0, -1.0]
     g[0, 0, 1] = [1.0, 1.0]
@@ -209,18 +216,16 @@ def test_grid_sample_at_integer_positions_takes_torchs_one_sided_gradient(folder
     np.testing.assert_allclose(y, want_y, atol=1e-12)
     np.testing.assert_allclose(gx, want_gx, atol=1e-12)
     np.testing.assert_allclose(gg, want_gg, atol=1e-12)
-    forward = x[0, :, rows[0] + 1, cols[0]] if False else None  # noqa: F841 (see below)
     # The row gradient at a pixel p inside: grad * (H-1)/2 * (x[p+1] - x[p]).
-    r, q = rows[0, 1, 2], cols[0, 1, 2]
-    if r + 1 < h:
-        difference = x[0, :, r + 1, q] - x[0, :, r, q]
-        np.testing.assert_allclose(
-            gg[0, 1, 2, 1], np.sum(grad[0, :, 1, 2] * difference) * (h - 1) / 2, atol=1e-12
-        )
+    q = cols[0, 1, 2]
+    difference = x[0, :, 3, q] - x[0, :, 2, q]
+    np.testing.assert_allclose(
+        gg[0, 1, 2, 1], np.sum(grad[0, :, 1, 2] * difference) * (h - 1) / 2, atol=1e-12
+    )
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_grid_sample_matches_finite_differences(folder, target):
+def test_grid_sample_matches_finite_differences(folder, target="tensorflow"):
+    """(Every target's gradient is torch's above; this one also against differences.)"""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((1, 2, 4, 3))
     g = rng.uniform(-0.9, 0.9, (1, 2, 3, 2))
@@ -294,3 +299,187 @@ def test_roi_align_is_the_loop_with_zero_padding(folder, target):
     want = numpy_vjp(f, floats, grad, range(5))
     for got, expected in zip([grads[0], *grads[2:]], want, strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+# -- ROI Pool: floor and where ------------------------------------------------------------
+
+ROI_POOL = {
+    "formula": "y[r,c,i,j] = max(where(h >= floor(y0[r] + i * bh[r]) and "
+    "h < -floor(-(y0[r] + (i + 1) * bh[r])) and w >= floor(x0[r] + j * bw[r]) and "
+    "w < -floor(-(x0[r] + (j + 1) * bw[r])), x[bi[r], c, h, w], -inf), h, w)",
+    "inputs": ["x", "bi", "y0", "x0", "bh", "bw"],
+    "attrs": {"PH": "int", "PW": "int"},
+    "ranges": {"i": "PH", "j": "PW"},
+}
+
+
+def roi_pool_loop(x, bi, y0, x0, bh, bw, PH, PW):
+    """torchvision's roi_pool (ops/cpu/roi_pool_kernel.cpp) from the rounded roi start
+    (y0, x0) and the bin sizes: bin (i, j) is the max over rows floor(i*bh) + y0 up to
+    ceil((i + 1)*bh) + y0 (exclusive), clipped to the image, and the same for columns."""
+    height, width = x.shape[2], x.shape[3]
+    y = np.zeros((len(bi), x.shape[1], PH, PW))
+    for r, i, j in itertools.product(range(len(bi)), range(PH), range(PW)):
+        h0 = min(max(math.floor(i * bh[r]) + int(y0[r]), 0), height)
+        h1 = min(max(math.ceil((i + 1) * bh[r]) + int(y0[r]), 0), height)
+        w0 = min(max(math.floor(j * bw[r]) + int(x0[r]), 0), width)
+        w1 = min(max(math.ceil((j + 1) * bw[r]) + int(x0[r]), 0), width)
+        assert h0 < h1 and w0 < w1  # no empty bin here (torchvision gives 0, we -inf)
+        y[r, :, i, j] = x[bi[r], :, h0:h1, w0:w1].max(axis=(1, 2))
+    return y
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_roi_pool_written_with_floor_and_where_is_torchvisions_loop(folder, target):
+    """The bin edges are floors of float expressions in value comparisons with the
+    indices h, w; the gradient goes to each bin's maximum, and floor passes none to the
+    roi coordinates."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 7, 9))
+    bi = np.array([1, 0, 1], dtype=np.int64)
+    y0 = np.array([0.0, 2.0, -1.0])
+    x0 = np.array([1.0, 3.0, 6.0])  # roi 2 runs past the right border
+    bh = np.array([1.6, 1.2, 2.1])
+    bw = np.array([1.3, 2.2, 1.7])
+    attrs = {"PH": 3, "PW": 2}
+    grad = rng.standard_normal((3, 3, 3, 2))
+    y, grads = run(ROI_POOL, target, folder, [x, bi, y0, x0, bh, bw], grad, attrs)
+    np.testing.assert_allclose(y, roi_pool_loop(x, bi, y0, x0, bh, bw, **attrs), atol=1e-12)
+    (want_gx,) = numpy_vjp(lambda x: roi_pool_loop(x, bi, y0, x0, bh, bw, **attrs), [x], grad, [0])
+    np.testing.assert_allclose(grads[0], want_gx, atol=1e-7)
+    assert grads[1] is None
+    for g in grads[2:]:
+        np.testing.assert_array_equal(g, 0)
+
+
+def test_floor_is_a_value_with_zero_gradient(folder):
+    table = {"formula": "y[b,i] = floor(x[b,i]) * x[b,i] + x[b, floor(2.5 * x[b,i])]"}
+    x = np.array([[0.3, 1.7, -0.2, 2.9], [1.0, 0.5, 3.5, -1.5]])
+    grad = np.arange(8.0).reshape(2, 4) - 3
+    y, (gx,) = run(table, "tensorflow", folder, [x], grad)
+    # floor(2.5 x) is an integer: the read is that element (0 outside), with no gradient
+    # through the position.
+    rows = np.floor(2.5 * x).astype(int)
+    inside = (rows >= 0) & (rows < 4)
+    picked = np.where(inside, np.take_along_axis(x, np.clip(rows, 0, 3), 1), 0)
+    np.testing.assert_allclose(y, np.floor(x) * x + picked, atol=1e-12)
+    want = np.floor(x) * grad
+    for b, i in np.ndindex(x.shape):
+        if inside[b, i]:
+            want[b, rows[b, i]] += grad[b, i]
+    np.testing.assert_allclose(gx, want, atol=1e-12)
+
+
+# -- training, unknown dims, explain, refusals ------------------------------------------------
+
+
+def test_a_training_step_in_every_target_is_torchs_grid_sample_step(folder):
+    """loss = Σ y², its gradient by each framework's own machinery through the generated
+    module, one SGD step, the loss after: all equal to the same step through
+    torch.nn.functional.grid_sample."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 5, 4))
+    g = rng.uniform(-1.1, 1.1, (2, 6, 7, 2))
+    lr = 0.05
+
+    def torch_step(f):
+        xt, gt = torch.tensor(x, requires_grad=True), torch.tensor(g, requires_grad=True)
+        loss = f(xt, gt).square().sum()
+        loss.backward()
+        with torch.no_grad():
+            after = f(xt - lr * xt.grad, gt - lr * gt.grad).square().sum()
+        return float(loss.detach()), xt.grad.numpy(), gt.grad.numpy(), float(after)
+
+    want = torch_step(lambda a, b: torch.nn.functional.grid_sample(a, b, "bilinear", "zeros", True))
+    got = {"pytorch": torch_step(module(GRID_SAMPLE, "pytorch", folder).forward)}
+    m = module(GRID_SAMPLE, "tensorflow", folder)
+    xv, gv = tf.Variable(x), tf.Variable(g)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(m.forward(xv, gv)))
+    dx, dg = tape.gradient(loss, [xv, gv])
+    xv.assign_sub(lr * dx)
+    gv.assign_sub(lr * dg)
+    after = tf.reduce_sum(tf.square(m.forward(xv, gv)))
+    got["tensorflow"] = (float(loss), dx.numpy(), dg.numpy(), float(after))
+    m = module(GRID_SAMPLE, "jax", folder)
+
+    def jax_loss(a, b):
+        return jnp.sum(jnp.square(m.forward(a, b)))
+
+    value, (dx, dg) = jax.value_and_grad(jax_loss, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(g))
+    after = jax_loss(jnp.asarray(x) - lr * dx, jnp.asarray(g) - lr * dg)
+    got["jax"] = (float(value), np.asarray(dx), np.asarray(dg), float(after))
+    for target, step in got.items():
+        for a, b in zip(step, want, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-10, err_msg=target)
+
+
+def test_unknown_dims_under_tf_function(folder):
+    """Every size (and the lets H, W) unknown while tracing; two calls, two shapes."""
+    m = module(GRID_SAMPLE, "tensorflow", folder)
+    spec = [tf.TensorSpec([None] * 4, tf.float64), tf.TensorSpec([None, None, None, 2], tf.float64)]
+
+    @tf.function(input_signature=spec)
+    def step(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch([x, g])
+            y = m.forward(x, g)
+            loss = tf.reduce_sum(y * y)
+        return (y, *tape.gradient(loss, [x, g]))
+
+    rng = np.random.default_rng(7)
+    for shape, grid in (((1, 2, 4, 6), (1, 3, 2, 2)), ((2, 1, 3, 5), (2, 4, 3, 2))):
+        x, g = rng.standard_normal(shape), rng.uniform(-1.2, 1.2, grid)
+        y, dx, dg = step(tf.constant(x), tf.constant(g))
+        want_y = grid_sample_torch(x, g, np.zeros(y.shape))[0]
+        _, want_dx, want_dg = grid_sample_torch(x, g, 2 * want_y)
+        np.testing.assert_allclose(y.numpy(), want_y, atol=1e-12)
+        np.testing.assert_allclose(dx.numpy(), want_dx, atol=1e-12)
+        np.testing.assert_allclose(dg.numpy(), want_dg, atol=1e-12)
+
+
+def test_explain_shows_the_corners_and_their_weights():
+    text = explain(build(parse_op("GridSample", GRID_SAMPLE, "test.toml")))
+    # Each position and its fraction are intermediates, each corner a gather at
+    # floor(position) + 0 or 1, and the sample is their weighted sum.
+    assert "_s2[n,h,w] = (H - 1)*(_g1[n,h,w] + 1)/2" in text
+    assert "_s3[n,h,w] = -floor(_s2[n,h,w]) + _s2[n,h,w]" in text
+    assert (
+        "_g10[n,h,w,c] = x[n,c,floor(_s2[n,h,w]) + 1,floor(_s5[n,h,w]) + 1] (0 outside x)" in text
+    )
+    assert "(1 - _s3[n,h,w])*(1 - _s6[n,h,w])*_g7[n,h,w,c]" in text
+    assert "_g10[n,h,w,c]*_s3[n,h,w]*_s6[n,h,w]" in text
+
+
+@pytest.mark.parametrize(
+    ("formula", "message", "caret"),
+    [
+        (
+            "y[b,i] = W[idx[b,i], 0] + idx[b, i / 2]",
+            "tensor 'idx' is an integer index tensor; a float position cannot interpolate it",
+            "idx[b, i / 2]",
+        ),
+        (
+            "y[b,i] = W[b, i / 2] + idx[b, i] * W[b, idx[b,i]]",
+            "tensor 'idx' is used both as an index tensor",
+            "idx[b,i]]",
+        ),
+    ],
+)
+def test_what_cannot_be_sampled_is_refused_with_a_caret(formula, message, caret):
+    table = {"formula": formula, "ranges": {"i": "3"}}
+    with pytest.raises(SymgradError) as error:
+        build(parse_op("Refused", table, "test.toml"))
+    assert message in error.value.message
+    assert error.value.column == formula.index(caret)
+
+
+def test_an_internal_tensor_read_at_a_float_position_is_refused():
+    table = {
+        "formula": ["h[b,i] = x[b,i] * 2", "y[b,i] = h[b, i / 2]"],
+        "outputs": ["y"],
+    }
+    with pytest.raises(SymgradError) as error:
+        build(parse_op("Refused", table, "test.toml"))
+    assert "internal tensor 'h' is read at a float position" in error.value.message
+    assert error.value.column == table["formula"][1].index("h[b, i / 2]")
