@@ -112,6 +112,7 @@ class Program:
     # `let` names and their integer values (over `_int_` attrs, input sizes and earlier
     # lets), in dependency order: generated code computes them at call time
     lets: tuple[tuple[str, sp.Expr], ...] = ()
+    float_positions: tuple[str, ...] = ()  # the spec's `float_positions` (sampling.py)
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -1109,6 +1110,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         index_inputs=index_inputs,
         positive_attrs=tuple(sorted(builder.positive_attrs)),
         lets=let_values,
+        float_positions=builder.op.float_positions,
     )
 
 

@@ -483,3 +483,17 @@ def test_an_internal_tensor_read_at_a_float_position_is_refused():
         build(parse_op("Refused", table, "test.toml"))
     assert "internal tensor 'h' is read at a float position" in error.value.message
     assert error.value.column == table["formula"][1].index("h[b, i / 2]")
+
+
+def test_the_reference_symgrad_check_uses_interpolates_like_torch():
+    """`symgrad check` without a library holds the generated forward against the dense
+    evaluation of the formula (symgrad/reference.py): its interpolation is torch's too."""
+    from symgrad.reference import evaluate_op
+
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 3, 5, 4))
+    g = rng.uniform(-1.3, 1.3, (2, 6, 7, 2))
+    (y,) = evaluate_op(
+        [GRID_SAMPLE["formula"]], {"x": tf.constant(x), "g": tf.constant(g)}, {"H": 5, "W": 4}
+    )
+    np.testing.assert_allclose(y.numpy(), grid_sample_torch(x, g, np.zeros((2, 3, 6, 7)))[0])
