@@ -130,6 +130,9 @@ class floor_index(sp.Function):
     def _symgrad_str(self, printer) -> str:  # notation.IndexPrinter: `floor(x)`
         return f"floor({printer._print(self.args[0])})"
 
+    def _latex(self, printer) -> str:
+        return rf"\left\lfloor{{{printer._print(self.args[0])}}}\right\rfloor"
+
     def fdiff(self, argindex=1):
         return sp.Integer(0)
 

@@ -159,8 +159,8 @@ def _read_indices(program: Program, name: str) -> set[Index]:
 def choose(op: OpSpec, program: Program) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
     temporary is larger than the inputs and outputs) or no index can be tiled."""
-    if op.outputs is not None or op.lets:
-        return None  # internal tensors and lets are not cut into chunks (yet)
+    if op.outputs is not None:
+        return None  # internal tensors are not cut into chunks (yet)
     big = big_sets(program)
     if not big:
         return None
@@ -192,6 +192,8 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     index = min(candidates, key=score)
     name = index.name
     sliced = _sliced(name, reads, op)
+    if _lets_read(op, sliced):
+        return None  # a let sized by an axis the chunk cuts would change with the chunk
     taken = {n for tree in trees for n in _names(tree)} | {a for a, _ in op.attrs}
     start = _fresh(START, taken)
     length = None if sliced else _fresh(LENGTH, taken)
@@ -205,13 +207,21 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     ranges = tuple((k, v) for k, v in op.ranges if k != name)
     if length is not None:
         ranges += ((name, length),)
-    used = {n for text in (*formulas, *(v for _, v in ranges)) for n in _names(ast.parse(text))}
+    texts = (*formulas, *(v for _, v in ranges), *(v for _, v in op.lets))
+    used = {n for text in texts for n in _names(ast.parse(text))}
     attrs = (
         *((a, kind) for a, kind in op.attrs if a in used),
         *((a, "int") for a in (start, length) if a),
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
+
+
+def _lets_read(op: OpSpec, sliced) -> bool:
+    """Whether a `let` reads the size of an input axis the chunk cuts (`x.shape[1]` with
+    x cut along axis 1): its value in the chunk would be the chunk's length."""
+    texts = [text.replace(" ", "") for _, text in op.lets]
+    return any(f"{tensor}.shape[{axis}]" in text for tensor, axis in sliced for text in texts)
 
 
 def _names(tree: ast.AST) -> set[str]:

@@ -497,3 +497,23 @@ def test_the_reference_symgrad_check_uses_interpolates_like_torch():
         [GRID_SAMPLE["formula"]], {"x": tf.constant(x), "g": tf.constant(g)}, {"H": 5, "W": 4}
     )
     np.testing.assert_allclose(y.numpy(), grid_sample_torch(x, g, np.zeros((2, 3, 6, 7)))[0])
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_deformable_conv_runs_in_chunks_under_a_small_budget(tmp_path, target):
+    """The gathered columns (B·C·KH·KW·H·W, four corners) outgrow the inputs: the module
+    tiles the output rows i, and in chunks it is still the loop, forward and gradients."""
+    spec = parse_op("DeformChunks", DEFORM_CONV, "test.toml")
+    m = load_module(module_text(spec, "test.toml", target), tmp_path, f"deform_chunks_{target}")
+    assert "chunks of i" in m.__doc__
+    x, w, off, grad, attrs = deform_inputs(seed=9)
+    whole_y, whole_grads = run(DEFORM_CONV, target, tmp_path, [x, w, off], grad, attrs)
+    m.MAX_TEMP_BYTES = 1024  # one output row per chunk
+    args = [to(target, a) for a in (x, w, off)]
+    assert m._tile_plan(*args, **attrs) is not None
+    y = numpy(m.forward(*args, **attrs))
+    grads = [numpy(g) for g in m.vjp(*args, to(target, grad), **attrs)]
+    np.testing.assert_allclose(y, deform_conv_loop(x, w, off, **attrs), atol=1e-12)
+    np.testing.assert_allclose(y, whole_y, atol=1e-12)
+    for got, want in zip(grads, whole_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-12)
