@@ -485,7 +485,7 @@ def test_an_internal_tensor_read_at_a_float_position_is_refused():
     assert error.value.column == table["formula"][1].index("h[b, i / 2]")
 
 
-def test_the_reference_symgrad_check_uses_interpolates_like_torch():
+def test_symgrad_checks_reference_interpolates_like_torch():
     """`symgrad check` without a library holds the generated forward against the dense
     evaluation of the formula (symgrad/reference.py): its interpolation is torch's too."""
     from symgrad.reference import evaluate_op
@@ -517,3 +517,24 @@ def test_deformable_conv_runs_in_chunks_under_a_small_budget(tmp_path, target):
     np.testing.assert_allclose(y, whole_y, atol=1e-12)
     for got, want in zip(grads, whole_grads, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_non_integer_coefficients_in_brackets_interpolate(folder):
+    """`A[b, 0.5*i]` and `A[b, i + 0.5]` were refused as non-integer index expressions;
+    they are sampled reads: halfway between neighbours, the last one past the end."""
+    a = np.array([[1.0, 3.0, 7.0], [2.0, -2.0, 4.0]])
+    grad = np.arange(1.0, 11.0).reshape(2, 5)
+    table = {"formula": "y[b,i] = A[b, 0.5*i] + A[b, i / 2 + 0.5]", "ranges": {"i": "5"}}
+    y, (ga,) = run(table, "tensorflow", folder, [a], grad)
+    padded = np.pad(a, ((0, 0), (0, 2)))
+    at = np.arange(5) / 2
+    lower, fraction = np.floor(at).astype(int), at - np.floor(at)
+    half = padded[:, lower] * (1 - fraction) + padded[:, lower + 1] * fraction
+    at = at + 0.5
+    lower, fraction = np.floor(at).astype(int), at - np.floor(at)
+    shifted = padded[:, lower] * (1 - fraction) + padded[:, lower + 1] * fraction
+    np.testing.assert_allclose(y, half + shifted, atol=1e-12)
+    (want,) = numpy_vjp(
+        lambda a: run(table, "tensorflow", folder, [a], grad)[0], [a], grad, [0], step=1e-3
+    )
+    np.testing.assert_allclose(ga, want, atol=1e-9)
