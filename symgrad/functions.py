@@ -130,6 +130,12 @@ class floor_index(sp.Function):
     def _symgrad_str(self, printer) -> str:  # notation.IndexPrinter: `floor(x)`
         return f"floor({printer._print(self.args[0])})"
 
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:  # a constant position: the plain integer read it is
+            return sp.floor(x)
+        return None
+
     def _latex(self, printer) -> str:
         return rf"\left\lfloor{{{printer._print(self.args[0])}}}\right\rfloor"
 

@@ -538,3 +538,20 @@ def test_non_integer_coefficients_in_brackets_interpolate(folder):
         lambda a: run(table, "tensorflow", folder, [a], grad)[0], [a], grad, [0], step=1e-3
     )
     np.testing.assert_allclose(ga, want, atol=1e-9)
+
+
+def test_a_constant_float_position_and_a_float_attr_interpolate(folder):
+    """`x[b, 1.5]` (a constant position: it crashed the bounds analysis) and a position
+    scaled by a float attr."""
+    x = np.array([[1.0, 2.0, 4.0], [3.0, 5.0, 9.0]])
+    y, (gx,) = run({"formula": "y[b] = x[b, 1.5]"}, "tensorflow", folder, [x], np.array([1.0, 2.0]))
+    np.testing.assert_allclose(y, [3.0, 7.0])
+    np.testing.assert_allclose(gx, [[0, 0.5, 0.5], [0, 1, 1]])
+    table = {
+        "formula": "y[b,i] = x[b, i * scale]",
+        "attrs": {"scale": "float"},
+        "ranges": {"i": "3"},
+    }
+    y, (gx,) = run(table, "tensorflow", folder, [x], np.ones((2, 3)), {"scale": 0.75})
+    np.testing.assert_allclose(y, [[1.0, 1.75, 3.0], [3.0, 4.5, 7.0]])
+    np.testing.assert_allclose(gx, [[1.25, 1.25, 0.5]] * 2)
