@@ -1057,6 +1057,9 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     for name in op.no_gradient:
         if name not in inputs:
             raise fail(f"`no_gradient` names {name!r}, which is not an input")
+    for name in op.float_positions:
+        if name not in inputs:
+            raise fail(f"`float_positions` names {name!r}, which is not an input")
     index_names = {symbol.name.rstrip("'") for symbol in builder.dims}
     for index, _ in op.sizes:
         if index not in index_names:

@@ -643,7 +643,11 @@ class _Walker:
             elements = _slice_elements(node.slice)
             for element in elements:
                 if not isinstance(element, ast.Name):
-                    self.fail("an index tensor is read with plain indices only", element)
+                    self.fail(
+                        "an index tensor is read with plain indices only (a tensor of float "
+                        "positions, such as offsets, is named in `float_positions`)",
+                        element,
+                    )
             positions = tuple(IndexRef(self.index_name(e), e.col_offset) for e in elements)
             return Access(name, positions, col)
         if isinstance(node, ast.Tuple):

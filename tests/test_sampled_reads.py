@@ -555,3 +555,25 @@ def test_a_constant_float_position_and_a_float_attr_interpolate(folder):
     y, (gx,) = run(table, "tensorflow", folder, [x], np.ones((2, 3)), {"scale": 0.75})
     np.testing.assert_allclose(y, [[1.0, 1.75, 3.0], [3.0, 4.5, 7.0]])
     np.testing.assert_allclose(gx, [[1.25, 1.25, 0.5]] * 2)
+
+
+def test_an_undeclared_offset_tensor_is_an_index_tensor_and_the_error_says_how_to_declare_it():
+    """Deformable conv's offsets read exactly like an index tensor: without
+    `float_positions` the read is refused, naming the key; a name there that is no input
+    is refused too."""
+    table = {key: v for key, v in DEFORM_CONV.items() if key != "float_positions"}
+    with pytest.raises(SymgradError) as error:
+        build(parse_op("Undeclared", table, "test.toml"))
+    assert "`float_positions`" in error.value.message
+    assert DEFORM_CONV["formula"][error.value.column :].startswith("2*(u*KW + v), i, j]")
+    with pytest.raises(SymgradError, match="`float_positions` names 'of', which is not an input"):
+        build(parse_op("Typo", {**GRID_SAMPLE, "float_positions": ["of"]}, "test.toml"))
+
+
+def test_explain_takes_float_positions_as_a_flag(capsys):
+    from symgrad.cli import main
+
+    args = ["explain", DEFORM_CONV["formula"], "--attr", "s=int", "--attr", "p=int"]
+    args += ["--attr", "KW=int", "--float", "off"]
+    assert main(args) == 0
+    assert "_g1[b,u,v,i,j] = off[b,2*KW*u + 2*v,i,j] (0 outside off)" in capsys.readouterr().out
