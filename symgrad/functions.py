@@ -120,6 +120,8 @@ class floor(sp.Function):
     def eval(cls, x):
         if x.is_Number:
             return sp.floor(x)
+        if isinstance(x, floor):  # already an integer
+            return x
         return None
 
 

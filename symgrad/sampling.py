@@ -62,9 +62,12 @@ def read(builder, node: Access, scope: dict) -> sp.Expr:
             # The position and its fraction are intermediates: the 2^k weights and their
             # derivatives read them, and the position's gradient is summed once.
             written = [scope[i] for i in dict.fromkeys(index_names(position))]
-            value = _intermediate(builder, builder.pointwise(position.expr, scope), written)
+            value = builder.pointwise(position.expr, scope)
+            integer = value - fn.floor(value) == 0  # `floor(...)`: one neighbour, exactly
+            value = _intermediate(builder, value, written)
             positions.append(fn.floor_index(value))
-            fractions[axis] = _intermediate(builder, value - fn.floor(value), written)
+            if not integer:
+                fractions[axis] = _intermediate(builder, value - fn.floor(value), written)
         else:
             positions.append(builder.position(position, scope, []))
     written = [scope[i] for i in node.indices]

@@ -354,6 +354,9 @@ def test_roi_pool_written_with_floor_and_where_is_torchvisions_loop(folder, targ
 
 def test_floor_is_a_value_with_zero_gradient(folder):
     table = {"formula": "y[b,i] = floor(x[b,i]) * x[b,i] + x[b, floor(2.5 * x[b,i])]"}
+    program = build(parse_op("FloorRead", table, "test.toml"))
+    gathers = [lv for lv in program.intermediates if lv.gather and lv.gather.source == "x"]
+    assert len(gathers) == 1  # an integer position reads one element, not two corners
     x = np.array([[0.3, 1.7, -0.2, 2.9], [1.0, 0.5, 3.5, -1.5]])
     grad = np.arange(8.0).reshape(2, 4) - 3
     y, (gx,) = run(table, "tensorflow", folder, [x], grad)
