@@ -502,7 +502,7 @@ def test_symgrad_checks_reference_interpolates_like_torch():
     np.testing.assert_allclose(y.numpy(), grid_sample_torch(x, g, np.zeros((2, 3, 6, 7)))[0])
 
 
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_deformable_conv_runs_in_chunks_under_a_small_budget(tmp_path, target):
     """The gathered columns (B·C·KH·KW·H·W, four corners) outgrow the inputs: the module
     tiles the output rows i, and in chunks it is still the loop, forward and gradients."""
