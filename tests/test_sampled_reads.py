@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -580,3 +581,34 @@ def test_explain_takes_float_positions_as_a_flag(capsys):
     args += ["--attr", "KW=int", "--float", "off"]
     assert main(args) == 0
     assert "_g1[b,u,v,i,j] = off[b,2*KW*u + 2*v,i,j] (0 outside off)" in capsys.readouterr().out
+
+
+def test_the_repos_ops_are_the_ones_tested_here():
+    """symgrad.toml's GridSample, DeformConv2d, RoiAlign and RoiPool are the tables above,
+    and the committed PyTorch GridSample module is torch's grid_sample."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from symgrad.spec import load_spec
+
+    root = Path(__file__).resolve().parent.parent
+    ops = {op.name: op for op in load_spec(root / "symgrad.toml").ops}
+    tables = {
+        "GridSample": GRID_SAMPLE,
+        "DeformConv2d": DEFORM_CONV,
+        "RoiAlign": ROI_ALIGN,
+        "RoiPool": ROI_POOL,
+    }
+    for name, table in tables.items():
+        here = replace(parse_op(name, table, "symgrad.toml"), source=ops[name].source)
+        assert here == ops[name], name
+    sys.path.insert(0, str(root))
+    try:
+        committed = importlib.import_module("generated_torch.grid_sample")
+    finally:
+        sys.path.remove(str(root))
+    rng = np.random.default_rng(10)
+    x, g = rng.standard_normal((2, 3, 5, 4)), rng.uniform(-1.2, 1.2, (2, 6, 7, 2))
+    y = committed.forward(torch.tensor(x), torch.tensor(g)).numpy()
+    np.testing.assert_allclose(y, grid_sample_torch(x, g, np.zeros((2, 3, 6, 7)))[0], atol=1e-12)
