@@ -66,6 +66,7 @@ def formula_reference(program: Program, attrs: dict, sizes):
             outputs=outputs,
             sizes=sizes.indices,
             int_attrs=int_attrs | frozenset(lets),
+            floats=frozenset(program.float_positions),
         )
         return [np.asarray(y) for y in found]
 

@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         "explain",
         help="show what the gradient function must return, and why",
         usage="symgrad explain (FORMULA [--attr NAME=TYPE]... [--range INDEX=SIZE]... "
-        "[--inputs A,B,...] [--no-gradient NAME]... | --op NAME [--spec SPEC]) "
+        "[--inputs A,B,...] [--no-gradient NAME]... [--float NAME]... | "
+        "--op NAME [--spec SPEC]) "
         "[--format FORMAT]",
         description="Explain a FORMULA, or the op NAME of a spec: the forward code, then for "
         "each input the partial derivatives (with Kronecker deltas), the contraction with "
@@ -118,6 +119,15 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME",
         help="an input that gets no gradient, as `no_gradient` in a spec (repeatable)",
+    )
+    exp.add_argument(
+        "--float",
+        dest="float_positions",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a tensor of float positions read inside brackets (interpolated), as "
+        "`float_positions` in a spec (repeatable)",
     )
     exp.add_argument("--op", metavar="NAME", help="explain the op NAME of a spec instead")
     exp.add_argument(
@@ -328,6 +338,7 @@ DECLARATION_FLAGS = {
     "ranges": "--range",
     "inputs": "--inputs",
     "no_gradient": "--no-gradient",
+    "float_positions": "--float",
 }
 
 
@@ -343,6 +354,8 @@ def _declarations(args) -> dict:
         table["inputs"] = [name.strip() for name in args.inputs.split(",")]
     if args.no_gradient:
         table["no_gradient"] = list(args.no_gradient)
+    if args.float_positions:
+        table["float_positions"] = list(args.float_positions)
     return table
 
 

@@ -127,6 +127,9 @@ def lookups_note(positions) -> str:
     """`, or where tri, tid are read outside them` for positions that read index tensors:
     a lookup outside its index tensor reads zero too (symgrad/lookups.py)."""
     names = sorted({a.base.label.name for p in positions for a in p.atoms(sp.Indexed)})
+    # A sampled read's positions and fractions (`_s2`) are the op's own intermediates,
+    # read at exactly the indices they are computed over: never outside.
+    names = [name for name in names if not name.startswith("_")]
     if not names:
         return ""
     return f", or where {', '.join(names)} {'is' if len(names) == 1 else 'are'} read outside"

@@ -107,6 +107,44 @@ class index_value(sp.Function):
         return sp.Integer(0)
 
 
+class floor(sp.Function):
+    """The largest integer <= x, in the inputs' float dtype. Piecewise constant: its
+    derivative is 0 (so `x - floor(x)`, a sampled read's fraction, has derivative 1)."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0)
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sp.floor(x)
+        if isinstance(x, floor):  # already an integer
+            return x
+        return None
+
+
+class floor_index(sp.Function):
+    """floor(x) as an integer position (int64): where a sampled read gathers its lower
+    neighbour. Only inside gather positions, never differentiated; printed `floor(x)`."""
+
+    def _symgrad_str(self, printer) -> str:  # notation.IndexPrinter: `floor(x)`
+        return f"floor({printer._print(self.args[0])})"
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:  # a constant position: the plain integer read it is
+            return sp.floor(x)
+        return None
+
+    def _latex(self, printer) -> str:
+        return rf"\left\lfloor{{{printer._print(self.args[0])}}}\right\rfloor"
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(0)
+
+
 class select(sp.Function):
     """`where(cond, a, b)`: a where the condition holds, else b.
 
@@ -177,6 +215,7 @@ _UNARY = {
     "sigmoid": sigmoid,
     "softplus": softplus,
     "erf": sp.erf,
+    "floor": floor,
 }
 _BINARY = {"max": maximum, "min": minimum}
 

@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, internals, lets, splits
+from . import indexing, internals, lets, sampling, splits
 from . import lookups as lookups_
 from .errors import SymgradError
 from .indexing import Gather
@@ -114,6 +114,7 @@ class Program:
     # `let` names and their integer values (over `_int_` attrs, input sizes and earlier
     # lets), in dependency order: generated code computes them at call time
     lets: tuple[tuple[str, sp.Expr], ...] = ()
+    float_positions: tuple[str, ...] = ()  # the spec's `float_positions` (sampling.py)
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -497,6 +498,8 @@ class _Builder:
     # -- computed positions -----------------------------------------------------------
 
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
+        if sampling.is_sampled(node):
+            return sampling.read(self, node, scope)
         if not node.plain or splits.reads_past(self, node):
             return self.gather(node, scope)
         if node.tensor in self.internals:
@@ -575,10 +578,16 @@ class _Builder:
         if all(indexing.is_plain(p) for p in positions) and not internal:
             return self.simplified_access(name, positions)
         written = [scope[i] for i in node.indices]
+        return self.gather_level(name, positions, written, node.col)
+
+    def gather_level(self, name: str, positions: tuple, written: list, col: int) -> sp.Expr:
+        """`name` read at SymPy `positions` (some computed): the gather intermediate over
+        the indices it uses, shared by equal reads."""
+        internal = name in self.internals
         computed, grid = indexing.layout(positions, written)
         for axis, position in enumerate(positions):
             if indexing.is_plain(position) and internal:
-                internals.share_axis(self, position, name, axis, node.col)
+                internals.share_axis(self, position, name, axis, col)
             elif indexing.is_plain(position):  # a plain index takes the axis size
                 self.add_dim(position, name, axis)
             elif not internal:
@@ -994,7 +1003,8 @@ def build(op: OpSpec) -> Program:
     equations = []
     for text in op.formulas:
         try:
-            equations.append(parse_equation(text, attrs, int_attrs))
+            floats = frozenset(op.float_positions)
+            equations.append(parse_equation(text, attrs, int_attrs, floats))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None
     # Output indices name one dimension across all equations; a sum in one equation
@@ -1059,6 +1069,9 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     for name in op.no_gradient:
         if name not in inputs:
             raise fail(f"`no_gradient` names {name!r}, which is not an input")
+    for name in op.float_positions:
+        if name not in inputs:
+            raise fail(f"`float_positions` names {name!r}, which is not an input")
     index_names = {symbol.name.rstrip("'") for symbol in builder.dims}
     for index, _ in op.sizes:
         if index not in index_names:
@@ -1112,6 +1125,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         index_inputs=index_inputs,
         positive_attrs=tuple(sorted(builder.positive_attrs)),
         lets=let_values,
+        float_positions=builder.op.float_positions,
     )
 
 

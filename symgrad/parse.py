@@ -47,6 +47,7 @@ FUNCTIONS: dict[str, int] = {
     "erf": 1,
     "max": 2,
     "min": 2,
+    "floor": 1,  # the largest integer <= x, as a value; its gradient is zero
 }
 REDUCTIONS = ("sum", "mean")
 EXTREMA = ("max", "min")  # `max(x, y)` is elementwise; `max(expr, k, ...)` reduces over k
@@ -271,7 +272,29 @@ class Where:
     col: int
 
 
-Node = Num | Constant | AttrRef | IndexRef | Group | Access | Neg | BinOp | Call | Reduce | Where
+@dataclass(frozen=True)
+class Sampled:
+    """A float position inside a value input's brackets (`(g[n,h,w,1] + 1) * (H - 1) / 2`):
+    a value expression, read by linear interpolation along that axis (sampling.py)."""
+
+    expr: Node
+    col: int
+
+
+Node = (
+    Num
+    | Constant
+    | AttrRef
+    | IndexRef
+    | Group
+    | Access
+    | Neg
+    | BinOp
+    | Call
+    | Reduce
+    | Where
+    | Sampled
+)
 
 
 @dataclass(frozen=True)
@@ -314,6 +337,23 @@ def index_names(node) -> list[str]:
         return [name for o in node.operands if node.on_indices for name in index_names(o)]
     if isinstance(node, Logic):
         return [name for a in node.args for name in index_names(a)]
+    if isinstance(node, Sampled):
+        return _value_index_names(node.expr)
+    return []
+
+
+def _value_index_names(node) -> list[str]:
+    """Index names used anywhere in a value expression, in written order."""
+    if isinstance(node, IndexRef):
+        return [node.name]
+    if isinstance(node, Access | Compare | Logic):
+        return index_names(node)
+    if isinstance(node, Neg):
+        return _value_index_names(node.operand)
+    if isinstance(node, BinOp):
+        return _value_index_names(node.left) + _value_index_names(node.right)
+    if isinstance(node, Call):
+        return [name for a in node.args for name in _value_index_names(a)]
     return []
 
 
@@ -394,8 +434,15 @@ def _printable(text: str) -> str:
 
 
 class _Walker:
-    def __init__(self, text: str, attrs: frozenset[str], int_attrs: frozenset[str]) -> None:
+    def __init__(
+        self,
+        text: str,
+        attrs: frozenset[str],
+        int_attrs: frozenset[str],
+        floats: frozenset[str] = frozenset(),
+    ) -> None:
         self.text = text
+        self.floats = floats  # tensors whose values are float positions (`float_positions`)
         self.attrs = attrs
         self.int_attrs = int_attrs  # attrs that may scale or shift an index
         self.indices: set[str] = set()  # every index name used, for the einsum letter limit
@@ -565,7 +612,8 @@ class _Walker:
     # -- index expressions ----------------------------------------------------------
 
     def position(self, node: ast.AST, depth: int) -> Node:
-        """One position inside an input's brackets: a plain index, or an index expression."""
+        """One position inside an input's brackets: a plain index, an index expression, or
+        a float expression (a sampled read)."""
         if isinstance(node, ast.Name):
             return IndexRef(self.index_name(node), node.col_offset)
         if isinstance(node, ast.Tuple):
@@ -573,6 +621,8 @@ class _Walker:
                 self.fail("a composite index needs two or more indices", node)
             members = tuple(IndexRef(self.index_name(e), e.col_offset) for e in node.elts)
             return Group(members, node.col_offset)
+        if _is_float_position(node, self.floats, self.attrs - self.int_attrs):
+            return Sampled(self.expr(node, depth), node.col_offset)
         return self.index_expr(node, depth, inside=True)
 
     def index_expr(self, node: ast.AST, depth: int, *, inside: bool) -> Node:
@@ -700,7 +750,12 @@ class _Walker:
                     self.fail(f"{type(op).__name__} is not a comparison a condition can use", node)
                 ops.append(symbol)
             operands = [node.left, *node.comparators]
-            on_indices = any(self.mentions_index(o) for o in operands)
+            # A comparison with a float expression (`h < -floor(-(y0[r] + bh[r]))`) is
+            # between values: an index there is its value, as in arithmetic.
+            floats = any(
+                _is_float_position(o, self.floats, self.attrs - self.int_attrs) for o in operands
+            )
+            on_indices = not floats and any(self.mentions_index(o) for o in operands)
             if on_indices:
                 values = tuple(self.index_expr(o, depth + 1, inside=False) for o in operands)
             else:
@@ -855,6 +910,22 @@ def _infinity(node: ast.AST) -> Node | None:
     return Neg(constant, node.col_offset) if negated else constant
 
 
+def _is_float_position(node: ast.AST, floats: frozenset[str], float_attrs) -> bool:
+    """Whether a position is a float expression: it divides (`/`), holds a non-integer
+    number or a float attr, reads a tensor of `float_positions`, or calls `floor`. Other
+    positions are integer index expressions (tensors in them are integer index tensors)."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div):
+            return True
+        if isinstance(n, ast.Constant) and isinstance(n.value, float):
+            return True
+        if isinstance(n, ast.Name) and (n.id in floats or n.id in float_attrs):
+            return True
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) not in EXTREMA:
+            return True  # floor(...), sqrt(...); max/min of indices are integer clamps
+    return False
+
+
 def _bracket_names(tree: ast.AST) -> frozenset[str]:
     """Names used as indices: inside any brackets, or as the indices of a reduction."""
     names: set[str] = set()
@@ -934,6 +1005,7 @@ FLOAT_FUNCTIONS = {
     "erf": math.erf,
     "max": max,
     "min": min,
+    "floor": math.floor,
 }
 
 
@@ -1124,7 +1196,10 @@ def _python_tree(text: str, mode: str, what: str) -> ast.AST:
 
 
 def parse_equation(
-    text: str, attrs: frozenset[str] = frozenset(), int_attrs: frozenset[str] = frozenset()
+    text: str,
+    attrs: frozenset[str] = frozenset(),
+    int_attrs: frozenset[str] = frozenset(),
+    floats: frozenset[str] = frozenset(),
 ) -> Equation:
     """Parse one `out[idx] = expr` formula; raise SymgradError with a column on failure."""
     text = text.strip(" ")
@@ -1133,7 +1208,7 @@ def parse_equation(
         raise SymgradError("formula is empty")
     tree = _python_tree(text, "exec", "formula")
     _check_size(tree)
-    return _Walker(text, attrs, int_attrs).equation(tree)
+    return _Walker(text, attrs, int_attrs, floats).equation(tree)
 
 
 # ----------------------------------------------------------------------------- ranges

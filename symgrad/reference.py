@@ -20,6 +20,7 @@ It imports TensorFlow, so only `symgrad check` and the tests import it: generati
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import tensorflow as tf
@@ -37,6 +38,7 @@ from symgrad.parse import (
     Neg,
     Num,
     Reduce,
+    Sampled,
     Where,
     parse_equation,
 )
@@ -57,6 +59,7 @@ FUNCTIONS = {
     "erf": tf.math.erf,
     "max": tf.maximum,
     "min": tf.minimum,
+    "floor": tf.floor,  # TF's Floor has no gradient: zero
 }
 
 
@@ -126,6 +129,9 @@ class Evaluator:
                         self.ambiguous.add(position.name)
             for lookup in node.lookups:
                 self.learn_sizes(lookup)
+            for position in node.positions:
+                if isinstance(position, Sampled):
+                    self.learn_sizes(position.expr)
         for child in _children(node):
             self.learn_sizes(child)
 
@@ -220,6 +226,8 @@ class Evaluator:
         if node.plain and len(set(node.indices)) == len(node.indices) and fits:
             return Dense(tensor, node.indices), None
         labels = tuple(dict.fromkeys(node.indices))
+        if any(isinstance(p, Sampled) for p in node.positions):
+            return self.interpolate(node, labels)
         coords = []
         inside = tf.ones([self.size(i) for i in labels], tf.bool)
         for axis, position in enumerate(node.positions):
@@ -232,6 +240,43 @@ class Evaluator:
             coords.append(tf.clip_by_value(where, 0, max(dim - 1, 0)))
         values = tf.gather_nd(tensor, tf.stack(coords, axis=-1))
         return Dense(values, labels), Dense(inside, labels)
+
+    def interpolate(self, node: Access, labels) -> tuple[Dense, None]:
+        """A read with float positions: the 2^k neighbours of each point, by the products
+        of the fractions (1 - f or f per float axis); a neighbour outside X reads zero."""
+        tensor = self.inputs[node.tensor]
+        floors, fractions, axes = [], [], []
+        looked_up = tf.ones([self.size(i) for i in labels], tf.bool)
+        for position in node.positions:
+            if isinstance(position, Sampled):
+                at = self.grid(self.value(position.expr, frozenset(labels)), labels)
+                below = tf.floor(at)
+                floors.append(tf.cast(below, tf.int64))
+                fractions.append(at - below)
+                axes.append(True)
+            else:
+                at, valid = self.position(position)
+                floors.append(self.grid(at, labels))
+                if valid is not None:  # an index tensor read outside itself: zero
+                    looked_up = looked_up & self.grid(valid, labels)
+                fractions.append(None)
+                axes.append(False)
+        total = tf.zeros([self.size(i) for i in labels], tensor.dtype)
+        for corner in itertools.product((0, 1), repeat=sum(axes)):
+            steps = iter(corner)
+            coords, weight = [], tf.ones_like(total)
+            inside = looked_up
+            for axis, (where, fraction) in enumerate(zip(floors, fractions, strict=True)):
+                if fraction is not None:
+                    step = next(steps)
+                    where = where + step
+                    weight = weight * (fraction if step else 1 - fraction)
+                dim = int(tensor.shape[axis])
+                inside = inside & (where >= 0) & (where < dim)
+                coords.append(tf.clip_by_value(where, 0, max(dim - 1, 0)))
+            values = tf.gather_nd(tensor, tf.stack(coords, axis=-1))
+            total += weight * tf.where(inside, values, tf.zeros_like(values))
+        return Dense(total, labels), None
 
     # -- conditions: bool tensors over their indices ------------------------------
 
@@ -366,6 +411,7 @@ def evaluate(
     *,
     sizes: dict[str, int] | None = None,
     int_attrs: frozenset[str] | None = None,
+    floats: frozenset[str] = frozenset(),
 ):
     """The output of one equation, densely evaluated (composite axes row-major).
 
@@ -378,7 +424,7 @@ def evaluate(
         int_attrs = frozenset(
             a for a, v in attrs.items() if isinstance(v, int) and not isinstance(v, bool)
         )
-    equation = parse_equation(formula, frozenset(attrs), frozenset(int_attrs))
+    equation = parse_equation(formula, frozenset(attrs), frozenset(int_attrs), floats)
     dtype = next(t.dtype for t in inputs.values() if t.dtype.is_floating)
     evaluator = Evaluator(inputs, attrs, dtype, sizes)
     evaluator.learn_sizes(equation.rhs)
@@ -397,6 +443,7 @@ def evaluate_op(
     outputs=None,
     sizes: dict[str, int] | None = None,
     int_attrs: frozenset[str] | None = None,
+    floats: frozenset[str] = frozenset(),
 ) -> list:
     """The outputs of an op's equations, evaluated in order: each left-hand tensor is
     readable by the equations after it (internal tensors), and only those in `outputs`
@@ -404,7 +451,9 @@ def evaluate_op(
     named = dict(inputs)
     results = []
     for formula in formulas:
-        value = evaluate(formula, named, attrs, sizes=sizes, int_attrs=int_attrs)
+        value = evaluate(
+            formula, named, attrs, sizes=sizes, int_attrs=int_attrs, floats=frozenset(floats)
+        )
         name = formula.split("[", 1)[0].strip()
         named[name] = value
         if outputs is None or name in outputs:

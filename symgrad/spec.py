@@ -36,6 +36,7 @@ OP_KEYS = (
     "max_temp_bytes",
     "outputs",
     "let",
+    "float_positions",
 )
 MAX_SIZE = 2**31
 MAX_OPS = 500
@@ -126,6 +127,10 @@ class OpSpec:
     # Derived integers (name -> integer expression with the grammar of `ranges` over int
     # literals, int attrs, `X.shape[n]` and other lets), usable wherever an int attr is.
     lets: tuple[tuple[str, str], ...] = ()
+    # Inputs that hold float positions (deformable conv's offsets): read inside brackets
+    # they are values, and the read interpolates (sampling.py). Other tensors inside
+    # brackets are integer index tensors unless the position divides or has a float.
+    float_positions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,6 +294,9 @@ def _op_spec(
     lets = _int_expressions(
         table, "let", lambda let: f"let {let!r}", 'such as "(k - 1) // 2"', where
     )
+    float_positions = ()
+    if "float_positions" in table:
+        float_positions = _string_list(table["float_positions"], "float_positions", where)
     return OpSpec(
         name,
         formulas,
@@ -301,6 +309,7 @@ def _op_spec(
         budget,
         outputs,
         tuple(lets),
+        float_positions,
     )
 
 

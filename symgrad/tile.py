@@ -196,6 +196,8 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     index = min(candidates, key=score)
     name = index.name
     sliced = _sliced(name, reads, op)
+    if _lets_read(op, sliced):
+        return None  # a let sized by an axis the chunk cuts would change with the chunk
     taken = {n for tree in trees for n in _names(tree)} | {a for a, _ in op.attrs}
     start = _fresh(START, taken)
     length = None if sliced else _fresh(LENGTH, taken)
@@ -217,6 +219,13 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
+
+
+def _lets_read(op: OpSpec, sliced) -> bool:
+    """Whether a `let` reads the size of an input axis the chunk cuts (`x.shape[1]` with
+    x cut along axis 1): its value in the chunk would be the chunk's length."""
+    texts = [text.replace(" ", "") for _, text in op.lets]
+    return any(f"{tensor}.shape[{axis}]" in text for tensor, axis in sliced for text in texts)
 
 
 def _names(tree: ast.AST) -> set[str]:

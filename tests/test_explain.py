@@ -342,8 +342,8 @@ def test_explain_help_has_one_usage_line_and_explains_each_option(capsys):
     text = capsys.readouterr().out
     assert text.startswith(
         "usage: symgrad explain (FORMULA [--attr NAME=TYPE]... [--range INDEX=SIZE]... "
-        "[--inputs A,B,...] [--no-gradient NAME]... | --op NAME [--spec SPEC]) "
-        "[--format FORMAT]\n"
+        "[--inputs A,B,...] [--no-gradient NAME]... [--float NAME]... | "
+        "--op NAME [--spec SPEC]) [--format FORMAT]\n"
     )
     for option in (
         "FORMULA",
@@ -351,6 +351,7 @@ def test_explain_help_has_one_usage_line_and_explains_each_option(capsys):
         "--range INDEX=SIZE",
         "--inputs A,B,...",
         "--no-gradient NAME",
+        "--float NAME",
         "--op NAME",
         "--spec SPEC",
         "--format FORMAT",

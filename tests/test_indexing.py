@@ -647,8 +647,8 @@ REFUSALS = [
     # (formula, shapes, ranges, words the message must contain, text at the caret)
     ("y[b,2*i] = x[b,i]", {"x": (2, 3)}, {}, ["index", "plain"], "2*i"),
     ("y[b,i] = A[b, i*k]", {"A": (2, 3)}, {}, ["product of indices"], "i*k"),
-    ("y[b,i] = A[b, 0.5*i]", {"A": (2, 3)}, {}, ["integers", "0.5"], "0.5"),
-    ("y[b,i] = A[b, i + 0.5]", {"A": (2, 3)}, {}, ["integers", "0.5"], "0.5"),
+    # (`A[b, 0.5*i]` is a sampled read now: tests/test_sampled_reads.py)
+    ("y[b,i] = A[b, i ** 2]", {"A": (2, 3)}, {}, ["operator", "**"], "i ** 2"),
     ("y[b,i] = W[ids[b,i]] * ids[b,i]", {"W": (5,), "ids": (2, 3)}, {}, ["ids"], "ids"),
     ("y[b,i] = sum(A[b, i+k], k)", {"A": (2, 5)}, {}, ["'k'", "range"], None),
 ]

@@ -57,6 +57,15 @@ TILED = {
         ranges={"t": "x.shape[2]"},
         sizes={"t": 11},
     ),
+    "lightconv_with_a_let": Case(
+        # fairseq's lightconv with its padding derived from the filter by a let.
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - P], k)",
+        {"x": (2, 3, 11), "w": (3, 4)},
+        lets={"P": "(w.shape[1] - 1) // 2"},
+        let_values={"P": 1},
+        ranges={"t": "x.shape[2]"},
+        sizes={"t": 11},
+    ),
     "dilated_conv": Case(
         "y[b,i,o] = sum(x[b, s*i + d*k - p, c] * w[k,c,o], k, c)",
         {"x": (2, 14, 3), "w": (3, 3, 4)},
@@ -91,6 +100,21 @@ def test_a_tiled_module_is_exact_everywhere(name, tmp_path):
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
     assert module._tile_plan(*tensors, **case.attrs) is not None
     check(replace(case, fd_directions=case.fd_directions or 4), module)
+
+
+def test_a_let_that_reads_an_axis_the_chunk_cuts_is_not_tiled(tmp_path):
+    """`N = x.shape[1]` with x cut along axis 1 (the tiled index i) would be the chunk's
+    length inside the chunk: such an op stays whole, and exact at any budget."""
+    case = Case(
+        "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j) / N",
+        {"x": (2, 13, 3), "z": (2, 11, 3)},
+        lets={"N": "x.shape[1]"},
+        let_values={"N": 13},
+    )
+    assert not _tiled(case)
+    module = generate(case, tmp_path, prefix="LetCut")
+    module.MAX_TEMP_BYTES = 512
+    check(case, module)
 
 
 CORPORA = {

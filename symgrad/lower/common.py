@@ -43,6 +43,7 @@ UNARY = {
     sp.erf: "erf",
     fn.sigmoid: "sigmoid",
     fn.softplus: "softplus",
+    fn.floor: "floor",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .. import ir, lets, patterns
+from .. import ir, lets, patterns, sampling
 from ..derive import Backward, Contribution, Scatter, fresh_indices, grad_name
 from ..model import Index, Level, Program
 from ..notation import gradient_lines
@@ -49,6 +49,8 @@ class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments, Lookups, Inter
         self.preferred = _preferred_letters(program, self.backward)
         # Gathers that are exactly a convolution with the one term reading them.
         self.convolutions = patterns.convolutions(program)
+        # Whether gathers read at sampled (float, floored) positions: int64 positions.
+        self.sampled = sampling.samples(program)
         # Set while lowering the operands of one elementwise op whose broadcast patterns
         # TF merges into few enough groups: no operand needs tiling.
         self.broadcast_safe = False
@@ -85,7 +87,7 @@ class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments, Lookups, Inter
     def position_int(self, size: ir.Expr) -> ir.Expr:
         """A size as an integer of the positions' dtype: int64 when index tensors take
         part (an int64 id must not wrap around in int32 arithmetic), else as it is."""
-        if not self.program.index_inputs:
+        if not self.program.index_inputs and not self.sampled:
             return size
         return ir.Call("to_int64", (size,))
 

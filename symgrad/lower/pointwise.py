@@ -156,6 +156,9 @@ class Pointwise:
                     self.value(body, otherwise, target),
                 ),
             )
+        if isinstance(e, fn.floor_index):  # a sampled read's lower neighbour (sampling.py)
+            floor = ir.Call("floor", (_tensor_argument(body, self.expr(body, e.args[0], target)),))
+            return ir.Call("to_int64", (floor,))
         if isinstance(e, fn.index_value):  # 0, 1, ... in the inputs' float dtype
             body.uses_dtype = True
             return ir.Call("cast", (self.expr(body, e.args[0], target), ir.Var("dtype")))

@@ -56,6 +56,7 @@ NAMES = {
     "square": "jnp.square",
     "squeeze": "jnp.squeeze",
     "tan": "jnp.tan",
+    "floor": "jnp.floor",
     "tanh": "jnp.tanh",
     "tile": "jnp.tile",
     "transpose": "jnp.transpose",

@@ -50,6 +50,7 @@ ELEMENTWISE = {
     "sqrt": "torch.sqrt",
     "square": "torch.square",
     "tan": "torch.tan",
+    "floor": "torch.floor",
     "tanh": "torch.tanh",
     "zeros_like": "torch.zeros_like",
 }

@@ -58,6 +58,7 @@ NAMES = {
     "square": "tf.square",
     "squeeze": "tf.squeeze",
     "tan": "tf.tan",
+    "floor": "tf.floor",
     "tanh": "tf.tanh",
     "tile": "tf.tile",
     "transpose": "tf.transpose",

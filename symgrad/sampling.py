@@ -1,0 +1,100 @@
+"""Sampled reads: a float position inside a value input's brackets reads by linear
+interpolation along that axis, several such axes multilinearly (bilinear in 2-D).
+
+`x[n, c, P, Q]` with float positions P and Q is rewritten into the sum over the 2^k
+corners of the cell around (P, Q):
+
+    Σ_{a,b ∈ {0,1}} w_a(P) · w_b(Q) · x[n, c, floor(P) + a, floor(Q) + b]
+    w_0(P) = 1 - (P - floor(P)),  w_1(P) = P - floor(P)
+
+Each corner is an ordinary gather at integer, data-dependent positions (`floor_index`,
+int64), so a neighbour outside the axis reads zero and gets no gradient (grid_sample's
+`padding_mode="zeros"`); the weighted sum is one intermediate over the indices it uses.
+Nothing else is new: SymPy differentiates the weights (floor has derivative zero, so
+the fraction's derivative is 1), which gives the gradient of every float input of the
+position -- the difference of the neighbours times the incoming gradient -- and the
+gradient of `x` is the corners' scatter-add of the weights times the incoming gradient.
+
+At an integer position (fraction 0) the value is x at that position and the derivative
+along the axis is the forward difference x[p + 1] - x[p]: the one-sided convention of
+PyTorch's grid_sampler backward (aten/src/ATen/native/GridSampler.cpp, which also takes
+`floor` for the north-west corner and the difference of the east and west neighbours).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import sympy as sp
+
+from . import functions as fn
+from .parse import Access, Sampled, index_names
+
+
+def is_sampled(node: Access) -> bool:
+    """Whether a read has a float position (it interpolates)."""
+    return any(isinstance(p, Sampled) for p in node.positions)
+
+
+def read(builder, node: Access, scope: dict) -> sp.Expr:
+    """The interpolated read as an intermediate of the model `builder` (model._Builder)."""
+    from .model import Term
+
+    name = node.tensor
+    if name in builder.internals:
+        raise builder.fail(
+            f"internal tensor {name!r} is read at a float position; only inputs can be "
+            "sampled (interpolated)",
+            node.col,
+        )
+    if name in builder.index_inputs:
+        raise builder.fail(
+            f"tensor {name!r} is an integer index tensor; a float position cannot "
+            "interpolate it (only value inputs can be sampled)",
+            node.col,
+        )
+    builder.value_inputs.setdefault(name, node.col)
+    builder.register(name, len(node.positions), node.col)
+    positions: list[sp.Expr] = []
+    fractions: dict[int, sp.Expr] = {}
+    for axis, position in enumerate(node.positions):
+        if isinstance(position, Sampled):
+            # The position and its fraction are intermediates: the 2^k weights and their
+            # derivatives read them, and the position's gradient is summed once.
+            written = [scope[i] for i in dict.fromkeys(index_names(position))]
+            value = builder.pointwise(position.expr, scope)
+            integer = value - fn.floor(value) == 0  # `floor(...)`: one neighbour, exactly
+            value = _intermediate(builder, value, written)
+            positions.append(fn.floor_index(value))
+            if not integer:
+                fractions[axis] = _intermediate(builder, value - fn.floor(value), written)
+        else:
+            positions.append(builder.position(position, scope, []))
+    written = [scope[i] for i in node.indices]
+    total = sp.Integer(0)
+    for corner in itertools.product((0, 1), repeat=len(fractions)):
+        at = list(positions)
+        weight = sp.Integer(1)
+        for (axis, fraction), step in zip(fractions.items(), corner, strict=True):
+            at[axis] = positions[axis] + step
+            weight *= fraction if step else 1 - fraction
+        total += weight * builder.gather_level(name, tuple(at), written, node.col)
+    return builder.lift([Term(total, ())], written)
+
+
+def _intermediate(builder, value: sp.Expr, written: list) -> sp.Expr:
+    """`value` as an intermediate over its indices (a read or a constant stays as it is)."""
+    from .model import Term
+
+    if isinstance(value, sp.Indexed) or not value.atoms(sp.Indexed):
+        return value
+    return builder.lift([Term(value, ())], written)
+
+
+def samples(program) -> bool:
+    """Whether some gather of the program reads at a sampled (floor) position: its
+    positions are int64."""
+    return any(
+        level.gather is not None and any(p.has(fn.floor_index) for p in level.gather.positions)
+        for level in program.intermediates
+    )
