@@ -206,6 +206,13 @@ def reshapes(level) -> bool:
     return all(isinstance(gather.positions[n], Composite) for n in gather.computed)
 
 
+def is_split(position: ast.AST) -> bool:
+    """Whether a read's position (a Python syntax tree) is `a // d`, `a % d` or `(h, r)`."""
+    if isinstance(position, ast.Tuple):
+        return True
+    return isinstance(position, ast.BinOp) and isinstance(position.op, ast.FloorDiv | ast.Mod)
+
+
 def in_group(name: str, reads) -> bool:
     """Whether an index is a member of a composite read (`x[b, (h, r)]`) in `reads`, the
     positions (Python syntax trees) of each input's reads."""

@@ -248,9 +248,10 @@ def _reads(trees: list[ast.AST], inputs: set[str]) -> dict[str, list[list[ast.AS
 
 
 def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
-    """Whether some read computes a position from `name` (`x[b, i + u - r]`)."""
+    """Whether some read computes a position from `name` (`x[b, i + u - r]`; a split
+    read `w[c // G]` or a composite `x[(h, r)]` is no window)."""
     return any(
-        name in _names(p) and not isinstance(p, ast.Name)
+        name in _names(p) and not isinstance(p, ast.Name) and not splits.is_split(p)
         for positions_list in reads.values()
         for positions in positions_list
         for p in positions

@@ -427,6 +427,8 @@ def test_ops_with_lets_are_tiled_and_equal_the_untiled(target, monkeypatch):
     for name, shapes in LET_OPS.items():
         module = importlib.import_module(f"{PACKAGES[target]}.{name}")
         assert "_tiled_compute" in module.__doc__, name
+        if name.startswith("lightconv"):  # along the window's long axis, not c in c // G
+            assert "chunks of t" in " ".join(module.__doc__.split()), name
         inputs = [to_tensor(rng.standard_normal(s)) for s in shapes]
         y = to_numpy(module.forward(*inputs))
         grad = to_tensor(rng.standard_normal(y.shape))
