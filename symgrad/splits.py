@@ -43,6 +43,10 @@ class FloorDiv(sp.Function):
 
     _sympystr = _symgrad_str
 
+    def _latex(self, printer) -> str:
+        a, d = (printer._print(x) for x in self.args)
+        return rf"\left\lfloor {a} / {d} \right\rfloor"
+
 
 class Mod(sp.Function):
     """`a % d` (Python's: in [0, d) for d > 0) of an index expression and a positive d."""
@@ -61,6 +65,10 @@ class Mod(sp.Function):
 
     _sympystr = _symgrad_str
 
+    def _latex(self, printer) -> str:
+        a, d = (printer._print(x) for x in self.args)
+        return rf"\left({a} \bmod {d}\right)"
+
 
 class Composite(sp.Function):
     """`(h, r)`: the row-major position `h*R + r` of plain indices, R the size of r."""
@@ -71,6 +79,9 @@ class Composite(sp.Function):
         return f"({', '.join(printer._print(a) for a in self.args)})"
 
     _sympystr = _symgrad_str
+
+    def _latex(self, printer) -> str:
+        return rf"\left({', '.join(printer._print(a) for a in self.args)}\right)"
 
 
 class Ranged(sp.Function):
@@ -83,6 +94,7 @@ class Ranged(sp.Function):
         return printer._print(self.args[0])
 
     _sympystr = _symgrad_str
+    _latex = _symgrad_str
 
 
 SPLITS = (FloorDiv, Mod, Composite, Ranged)
