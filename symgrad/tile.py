@@ -260,7 +260,10 @@ def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
 
 def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tuple:
     """Inputs every read of which puts `name` plainly at one axis and nowhere else, and
-    whose size on that axis no range or let reads (the chunk would see the cut size)."""
+    whose size on that axis no range or let reads (the chunk would see the cut size). An
+    index with an explicit range may run past the axes it reads: nothing is cut."""
+    if name in dict(op.ranges):
+        return ()
     found = []
     for tensor, positions_list in sorted(reads.items()):
         axes = set()

@@ -442,3 +442,26 @@ def test_ops_with_lets_are_tiled_and_equal_the_untiled(target, monkeypatch):
             np.testing.assert_allclose(to_numpy(got), want, rtol=1e-12, atol=1e-12)
         if target == "pytorch":
             assert len(chunks) > 2, name
+
+
+@pytest.mark.parametrize("target", sorted(TO))
+def test_a_range_past_the_axis_of_the_tiled_index_is_never_cut(target, folder, monkeypatch):
+    """z runs past x's axis 1 and is tiled: x is read at shifted positions, never cut to a
+    chunk that would lie beyond it."""
+    case = Case(
+        "y[b,z] = sum(exp(x[b,z] * v[b,k]), k)",
+        {"x": (2, 5), "v": (2, 3)},
+        ranges={"z": "9"},
+        sizes={"z": 9},
+    )
+    module = generate(case, folder, "PastTiled", target)
+    to_tensor, to_numpy = TO[target]
+    rng = np.random.default_rng(9)
+    x, v = rng.standard_normal((2, 5)), rng.standard_normal((2, 3))
+    padded = np.concatenate([x, np.zeros((2, 4))], axis=1)
+    want = np.exp(padded[:, :, None] * v[:, None, :]).sum(axis=2)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 64)
+    np.testing.assert_allclose(to_numpy(module.forward(to_tensor(x), to_tensor(v))), want)
+    grad_x, _ = module.vjp(to_tensor(x), to_tensor(v), to_tensor(np.ones((2, 9))))
+    want_x = (np.exp(x[:, :, None] * v[:, None, :]) * v[:, None, :]).sum(axis=2)
+    np.testing.assert_allclose(to_numpy(grad_x), want_x, rtol=1e-12)
