@@ -208,6 +208,44 @@ def bounded(position: sp.Expr, size: sp.Expr, extents: dict, inferred: set) -> b
     return False
 
 
+# ----------------------------------------------------------------------------- check
+
+
+def check_sizes(program, indices: dict[str, int], ints: dict[str, int]) -> dict:
+    """Sizes `symgrad check` gives axes read at split positions, from the sizes of the
+    indices they split (name -> size) and int attrs (`_int_G` -> value): `(h, r)` the
+    product, `c % G` G, `c // G` the rows c reads, and for a let G (not known before the
+    sizes are) the smallest divisor > 1 of c's size, so that c's size over it is whole."""
+    found: dict = {}
+    for level in program.intermediates:
+        gather = level.gather
+        if gather is None:
+            continue
+        for axis in gather.computed:
+            size = _check_size(gather.positions[axis], indices, ints)
+            if size is not None:
+                found.setdefault((gather.source, axis), size)
+    return found
+
+
+def _check_size(position: sp.Expr, indices: dict[str, int], ints: dict[str, int]) -> int | None:
+    if isinstance(position, Composite):
+        sizes = [indices.get(m.name) for m in position.args]
+        return None if None in sizes else int(sp.Mul(*sizes))
+    if not isinstance(position, FloorDiv | Mod) or not indexing.is_plain(position.args[0]):
+        return None
+    total = indices.get(position.args[0].name)
+    divisor = position.args[1].xreplace({sp.Symbol(k, integer=True): v for k, v in ints.items()})
+    if total is None:
+        return None
+    if divisor.is_Integer and divisor > 0:
+        d = int(divisor)
+        return d if isinstance(position, Mod) else -(-total // d)
+    if isinstance(position, Mod):
+        return None
+    return next(d for d in range(2, total + 1) if total % d == 0) if total > 1 else 1
+
+
 # ----------------------------------------------------------------------------- tiling
 
 
