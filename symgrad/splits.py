@@ -183,6 +183,23 @@ def _determined(position: sp.Expr, size: sp.Expr, sized: dict):
             yield a, size * d
 
 
+def unsized_hint(symbol: sp.Symbol, reads) -> str | None:
+    """For an index no read sizes that is split by one: what would size it."""
+    for position, source, axis in reads:
+        if isinstance(position, Composite) and symbol in position.args:
+            names = ", ".join(m.name for m in position.args)
+            return (
+                f"or size all but one of ({names}) elsewhere: axis {axis} of {source} is "
+                f"their product, which gives the last"
+            )
+        if isinstance(position, FloorDiv | Mod) and symbol in position.free_symbols:
+            return (
+                f'e.g. ranges = {{ {symbol.name} = "..." }}, or read it plainly elsewhere: '
+                f"{position} says only which row of {source} (axis {axis}) it reads"
+            )
+    return None
+
+
 class ExactDiv(sp.Function):
     """`a / b` for sizes that must divide exactly (a composite axis): checked when the op
     is called, `a // b` in code."""

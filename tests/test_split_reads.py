@@ -345,9 +345,11 @@ def test_split_reads_that_cannot_be_lowered_are_refused_with_a_caret():
     _caret_at(by_index, "k]")
     unknown = _refused("y[b,h,r] = x[b, (h, r)]")  # neither member has a size
     assert "output index 'h' has no range" in str(unknown)
+    assert "size all but one of (h, r) elsewhere: axis 1 of x is their product" in str(unknown)
     _caret_at(unknown, "h, r)")
     remainder = _refused("y[b,c] = x[b, c % 3]")  # c's size cannot come from c % 3
     assert "output index 'c' has no range" in str(remainder)
+    assert "c % 3 says only which row of x (axis 1) it reads" in str(remainder)
     _caret_at(remainder, "c % 3")
     inside = _refused("y[b,i] = x[b, (b, i) + 1]")
     assert "a composite index `(i, k)` is a whole axis" in str(inside)
