@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import sympy as sp
 
-from . import indexing
+from . import indexing, splits
 from .emit import intact
 from .errors import SymgradError
 from .folders import spec_source
@@ -107,8 +107,10 @@ def plan_sizes(
             chosen = [given[axis] for axis in members if axis in given]
             for axis in members:
                 size_of[axis] = given.get(axis, chosen[0] if chosen else start + n)
-        planned = {t: tuple(size_of[(t, a)] for a in range(ranks[t])) for t in program.inputs}
         indices = {i.name: size for i, size in size_of.items() if isinstance(i, sp.Symbol)}
+        for axis, size in splits.check_sizes(program, indices, ints).items():
+            size_of[axis] = given.get(axis, size)  # an axis read at c // G, c % G, (h, r)
+        planned = {t: tuple(size_of[(t, a)] for a in range(ranks[t])) for t in program.inputs}
         values = {
             **{
                 indexing.shape_symbol(t, a).name: s

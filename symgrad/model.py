@@ -1275,8 +1275,11 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
             f"{kind} {_base(symbol)!r} has no range: no input axis is read at it plainly"
             f"{'' if symbol in output_indices else ' and it is summed'}; give it one in "
             f"`ranges`, "
-            + range_example(
-                symbol, _base(symbol), builder.moving, sized, list(builder.value_inputs)
+            + (
+                splits.unsized_hint(symbol, builder.reads)
+                or range_example(
+                    symbol, _base(symbol), builder.moving, sized, list(builder.value_inputs)
+                )
             ),
             where=op.source,
             formula=text,

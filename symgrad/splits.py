@@ -43,6 +43,10 @@ class FloorDiv(sp.Function):
 
     _sympystr = _symgrad_str
 
+    def _latex(self, printer) -> str:
+        a, d = (printer._print(x) for x in self.args)
+        return rf"\left\lfloor {a} / {d} \right\rfloor"
+
 
 class Mod(sp.Function):
     """`a % d` (Python's: in [0, d) for d > 0) of an index expression and a positive d."""
@@ -61,6 +65,10 @@ class Mod(sp.Function):
 
     _sympystr = _symgrad_str
 
+    def _latex(self, printer) -> str:
+        a, d = (printer._print(x) for x in self.args)
+        return rf"\left({a} \bmod {d}\right)"
+
 
 class Composite(sp.Function):
     """`(h, r)`: the row-major position `h*R + r` of plain indices, R the size of r."""
@@ -71,6 +79,9 @@ class Composite(sp.Function):
         return f"({', '.join(printer._print(a) for a in self.args)})"
 
     _sympystr = _symgrad_str
+
+    def _latex(self, printer) -> str:
+        return rf"\left({', '.join(printer._print(a) for a in self.args)}\right)"
 
 
 class Ranged(sp.Function):
@@ -83,6 +94,7 @@ class Ranged(sp.Function):
         return printer._print(self.args[0])
 
     _sympystr = _symgrad_str
+    _latex = _symgrad_str
 
 
 SPLITS = (FloorDiv, Mod, Composite, Ranged)
@@ -171,6 +183,23 @@ def _determined(position: sp.Expr, size: sp.Expr, sized: dict):
             yield a, size * d
 
 
+def unsized_hint(symbol: sp.Symbol, reads) -> str | None:
+    """For an index no read sizes that is split by one: what would size it."""
+    for position, source, axis in reads:
+        if isinstance(position, Composite) and symbol in position.args:
+            names = ", ".join(m.name for m in position.args)
+            return (
+                f"or size all but one of ({names}) elsewhere: axis {axis} of {source} is "
+                f"their product, which gives the last"
+            )
+        if isinstance(position, FloorDiv | Mod) and symbol in position.free_symbols:
+            return (
+                f'e.g. ranges = {{ {symbol.name} = "..." }}, or read it plainly elsewhere: '
+                f"{position} says only which row of {source} (axis {axis}) it reads"
+            )
+    return None
+
+
 class ExactDiv(sp.Function):
     """`a / b` for sizes that must divide exactly (a composite axis): checked when the op
     is called, `a // b` in code."""
@@ -196,6 +225,44 @@ def bounded(position: sp.Expr, size: sp.Expr, extents: dict, inferred: set) -> b
     return False
 
 
+# ----------------------------------------------------------------------------- check
+
+
+def check_sizes(program, indices: dict[str, int], ints: dict[str, int]) -> dict:
+    """Sizes `symgrad check` gives axes read at split positions, from the sizes of the
+    indices they split (name -> size) and int attrs (`_int_G` -> value): `(h, r)` the
+    product, `c % G` G, `c // G` the rows c reads, and for a let G (not known before the
+    sizes are) the smallest divisor > 1 of c's size, so that c's size over it is whole."""
+    found: dict = {}
+    for level in program.intermediates:
+        gather = level.gather
+        if gather is None:
+            continue
+        for axis in gather.computed:
+            size = _check_size(gather.positions[axis], indices, ints)
+            if size is not None:
+                found.setdefault((gather.source, axis), size)
+    return found
+
+
+def _check_size(position: sp.Expr, indices: dict[str, int], ints: dict[str, int]) -> int | None:
+    if isinstance(position, Composite):
+        sizes = [indices.get(m.name) for m in position.args]
+        return None if None in sizes else int(sp.Mul(*sizes))
+    if not isinstance(position, FloorDiv | Mod) or not indexing.is_plain(position.args[0]):
+        return None
+    total = indices.get(position.args[0].name)
+    divisor = position.args[1].xreplace({sp.Symbol(k, integer=True): v for k, v in ints.items()})
+    if total is None:
+        return None
+    if divisor.is_Integer and divisor > 0:
+        d = int(divisor)
+        return d if isinstance(position, Mod) else -(-total // d)
+    if isinstance(position, Mod):
+        return None
+    return next(d for d in range(2, total + 1) if total % d == 0) if total > 1 else 1
+
+
 # ----------------------------------------------------------------------------- tiling
 
 
@@ -204,6 +271,13 @@ def reshapes(level) -> bool:
     its source's elements, reshaped (no larger than the input)."""
     gather = level.gather
     return all(isinstance(gather.positions[n], Composite) for n in gather.computed)
+
+
+def is_split(position: ast.AST) -> bool:
+    """Whether a read's position (a Python syntax tree) is `a // d`, `a % d` or `(h, r)`."""
+    if isinstance(position, ast.Tuple):
+        return True
+    return isinstance(position, ast.BinOp) and isinstance(position.op, ast.FloorDiv | ast.Mod)
 
 
 def in_group(name: str, reads) -> bool:

@@ -257,9 +257,10 @@ def _reads(trees: list[ast.AST], inputs: set[str]) -> dict[str, list[list[ast.AS
 
 
 def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
-    """Whether some read computes a position from `name` (`x[b, i + u - r]`)."""
+    """Whether some read computes a position from `name` (`x[b, i + u - r]`; a split
+    read `w[c // G]` or a composite `x[(h, r)]` is no window)."""
     return any(
-        name in _names(p) and not isinstance(p, ast.Name)
+        name in _names(p) and not isinstance(p, ast.Name) and not splits.is_split(p)
         for positions_list in reads.values()
         for positions in positions_list
         for p in positions
@@ -268,7 +269,10 @@ def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
 
 def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tuple:
     """Inputs every read of which puts `name` plainly at one axis and nowhere else, and
-    whose size on that axis no range or let reads (the chunk would see the cut size)."""
+    whose size on that axis no range or let reads (the chunk would see the cut size). An
+    index with an explicit range may run past the axes it reads: nothing is cut."""
+    if name in dict(op.ranges):
+        return ()
     found = []
     for tensor, positions_list in sorted(reads.items()):
         axes = set()

@@ -345,9 +345,11 @@ def test_split_reads_that_cannot_be_lowered_are_refused_with_a_caret():
     _caret_at(by_index, "k]")
     unknown = _refused("y[b,h,r] = x[b, (h, r)]")  # neither member has a size
     assert "output index 'h' has no range" in str(unknown)
+    assert "size all but one of (h, r) elsewhere: axis 1 of x is their product" in str(unknown)
     _caret_at(unknown, "h, r)")
     remainder = _refused("y[b,c] = x[b, c % 3]")  # c's size cannot come from c % 3
     assert "output index 'c' has no range" in str(remainder)
+    assert "c % 3 says only which row of x (axis 1) it reads" in str(remainder)
     _caret_at(remainder, "c % 3")
     inside = _refused("y[b,i] = x[b, (b, i) + 1]")
     assert "a composite index `(i, k)` is a whole axis" in str(inside)
@@ -427,6 +429,8 @@ def test_ops_with_lets_are_tiled_and_equal_the_untiled(target, monkeypatch):
     for name, shapes in LET_OPS.items():
         module = importlib.import_module(f"{PACKAGES[target]}.{name}")
         assert "_tiled_compute" in module.__doc__, name
+        if name.startswith("lightconv"):  # along the window's long axis, not c in c // G
+            assert "chunks of t" in " ".join(module.__doc__.split()), name
         inputs = [to_tensor(rng.standard_normal(s)) for s in shapes]
         y = to_numpy(module.forward(*inputs))
         grad = to_tensor(rng.standard_normal(y.shape))
@@ -440,3 +444,26 @@ def test_ops_with_lets_are_tiled_and_equal_the_untiled(target, monkeypatch):
             np.testing.assert_allclose(to_numpy(got), want, rtol=1e-12, atol=1e-12)
         if target == "pytorch":
             assert len(chunks) > 2, name
+
+
+@pytest.mark.parametrize("target", sorted(TO))
+def test_a_range_past_the_axis_of_the_tiled_index_is_never_cut(target, folder, monkeypatch):
+    """z runs past x's axis 1 and is tiled: x is read at shifted positions, never cut to a
+    chunk that would lie beyond it."""
+    case = Case(
+        "y[b,z] = sum(exp(x[b,z] * v[b,k]), k)",
+        {"x": (2, 5), "v": (2, 3)},
+        ranges={"z": "9"},
+        sizes={"z": 9},
+    )
+    module = generate(case, folder, "PastTiled", target)
+    to_tensor, to_numpy = TO[target]
+    rng = np.random.default_rng(9)
+    x, v = rng.standard_normal((2, 5)), rng.standard_normal((2, 3))
+    padded = np.concatenate([x, np.zeros((2, 4))], axis=1)
+    want = np.exp(padded[:, :, None] * v[:, None, :]).sum(axis=2)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 64)
+    np.testing.assert_allclose(to_numpy(module.forward(to_tensor(x), to_tensor(v))), want)
+    grad_x, _ = module.vjp(to_tensor(x), to_tensor(v), to_tensor(np.ones((2, 9))))
+    want_x = (np.exp(x[:, :, None] * v[:, None, :]) * v[:, None, :]).sum(axis=2)
+    np.testing.assert_allclose(to_numpy(grad_x), want_x, rtol=1e-12)
