@@ -81,6 +81,16 @@ CASES = {
         ),
         {"x": (13,), "w": (3,)},
     ),
+    # RWKV-4's WKV, its internal numerator and denominator [B, T, C] built from a
+    # [B, T, T, C] sum: w, u (c=3), k, v (b=2, t=7, c=3); tiled along t, and each chunk
+    # computes the internal tensors over its own positions of t
+    "rwkv": Tiled(
+        _repo_op("RwkvWkv"),
+        {"w": (3,), "u": (3,), "k": (2, 7, 3), "v": (2, 7, 3)},
+    ),
+    # fairseq's lightconv with its padding a let of the filter's width: w (c=3, k=5),
+    # x (b=2, c=3, t=11); tiled along t, positions t + tile_start, the let read unchanged
+    "lightconv_same": Tiled(_repo_op("LightconvSame"), {"w": (3, 5), "x": (2, 3, 11)}),
     # A Gaussian (RBF) kernel sum over a second point set: tiled along i
     "rbf_sum": Tiled(
         OpSpec(
@@ -303,6 +313,10 @@ MEMORY_CASES = {
     "chamfer": ({"x": (2, 700, 3), "z": (2, 500, 3)}, {}),
     # a [2, 20, 7, 24, 7, 8] gathered window (r = 3)
     "correlation": ({"f1": (2, 20, 24, 8), "f2": (2, 20, 24, 8)}, {"r": 3}),
+    # [2, 300, 300, 16] causal sums behind the internal tensors a and d
+    "rwkv": ({"w": (16,), "u": (16,), "k": (2, 300, 16), "v": (2, 300, 16)}, {}),
+    # a [3, 16, 500, 31] gathered window (K = 31, padding a let)
+    "lightconv_same": ({"w": (16, 31), "x": (3, 16, 500)}, {}),
 }
 
 

@@ -57,6 +57,30 @@ TILED = {
         ranges={"t": "x.shape[2]"},
         sizes={"t": 11},
     ),
+    "lightconv_same": Case(
+        # symgrad.toml's LightconvSame: the padding a let of the filter's width
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - P], k)",
+        {"x": (2, 3, 11), "w": (3, 5)},
+        lets={"P": "(w.shape[1] - 1) // 2"},
+        let_values={"P": 2},
+        ranges={"t": "x.shape[2]"},
+        sizes={"t": 11},
+    ),
+    "rwkv": Case(
+        # RWKV-4's WKV: internal tensors a, d over [b,t,c], each a causal sum over i
+        [
+            "a[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]) * v[b,i,c], 0), i)",
+            "d[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]), 0), i)",
+            (
+                "y[b,t,c] = (a[b,t,c] + exp(u[c] + k[b,t,c]) * v[b,t,c]) / "
+                "(d[b,t,c] + exp(u[c] + k[b,t,c]))"
+            ),
+        ],
+        {"w": (3,), "u": (3,), "k": (2, 7, 3), "v": (2, 7, 3)},
+        inputs=("w", "u", "k", "v"),
+        outputs=("y",),
+        sizes={"t": 7},
+    ),
     "dilated_conv": Case(
         "y[b,i,o] = sum(x[b, s*i + d*k - p, c] * w[k,c,o], k, c)",
         {"x": (2, 14, 3), "w": (3, 3, 4)},
@@ -202,7 +226,7 @@ import json, sys
 import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
-from generated import chamfer_distance, correlation, strided_conv1d
+from generated import chamfer_distance, correlation, lightconv_same, rwkv_wkv, strided_conv1d
 
 rng = np.random.default_rng(0)
 f = lambda *s: tf.constant(rng.normal(size=s).astype(np.float32))
@@ -228,6 +252,8 @@ for module, args, attrs in [
     (correlation, [f(2, 24, 32, 16), f(2, 24, 32, 16)], {{"r": 4}}),
     (chamfer_distance, [f(2, 1024, 3), f(2, 1536, 3)], {{}}),
     (strided_conv1d, [f(2, 2048, 16), f(9, 16, 16)], {{"s": 1, "d": 2, "p": 8}}),
+    (rwkv_wkv, [f(32), f(32), f(2, 512, 32), f(2, 512, 32)], {{}}),
+    (lightconv_same, [f(32, 31), f(2, 32, 2048)], {{}}),
 ]:
     y = module.forward(*args, **attrs)
     io = sum(a.numpy().nbytes for a in args) + y.numpy().nbytes
