@@ -523,6 +523,32 @@ def test_jax_wrap_uses_the_tiled_gradient(modules, monkeypatch, budget_of):
 
 
 @pytest.mark.parametrize("target", ["pytorch", "jax"])
+def test_tiled_chamfer_splits_ties_equally(target, modules, budget_of):
+    """Every point of x is equally near two copies of a point of z: in chunks of one
+    position, the two copies get equal gradients, which add up to the gradient of the
+    single point without its copy (the tie mask is per chunk, and still splits)."""
+    module = modules("chamfer", target)
+    rng = np.random.default_rng(4)
+    x, p = rng.standard_normal((2, 11, 3)), rng.standard_normal((2, 4, 3))
+    z = np.concatenate([p, p], axis=1)  # j = 8: j and j + 4 tie for every i
+    cotangent = rng.standard_normal((2, 11))
+    array = torch.tensor if target == "pytorch" else jnp.asarray
+
+    def vjp(*arrays):
+        return [np.asarray(g) for g in module.vjp(*(array(a) for a in arrays))]
+
+    single_x, single = vjp(x, p, cotangent)
+    budget_of(module, 1024)
+    n, c = module._tile_plan(array(x), array(z))
+    assert c < n == 11
+    grad_x, grad_z = vjp(x, z, cotangent)
+    np.testing.assert_allclose(grad_x, single_x, rtol=0, atol=TOL)
+    np.testing.assert_array_equal(grad_z[:, :4], grad_z[:, 4:])
+    np.testing.assert_allclose(grad_z[:, :4] + grad_z[:, 4:], single, rtol=0, atol=TOL)
+    assert np.abs(single).max() > 0.1
+
+
+@pytest.mark.parametrize("target", ["pytorch", "jax"])
 def test_every_module_exposes_max_temp_bytes(target, modules):
     """MAX_TEMP_BYTES is in every module (the spec's default: 16 MiB), tiled or not."""
     for name in ("chamfer", "rbf_sum"):

@@ -182,6 +182,30 @@ def test_below_the_budget_the_module_runs_todays_code(tmp_path):
     assert module._tile_plan(*tensors) is None
 
 
+def test_tiled_chamfer_splits_ties_equally(tmp_path):
+    """Every point of x is equally near two copies of a point of z: in chunks, through
+    vjp and the registered gradient, the copies get equal gradients that add up to the
+    single point's (the tie mask is per chunk and still splits)."""
+    module = generate(TILED["chamfer"], tmp_path, prefix="Ties")
+    rng = np.random.default_rng(4)
+    x, p = rng.standard_normal((2, 13, 3)), rng.standard_normal((2, 5, 3))
+    z = np.concatenate([p, p], axis=1)  # j = 10: j and j + 5 tie for every i
+    cotangent = tf.constant(rng.standard_normal((2, 13)))
+    single_x, single = module.vjp(tf.constant(x), tf.constant(p), cotangent)
+    module.MAX_TEMP_BYTES = 512
+    xs = [tf.constant(x), tf.constant(z)]
+    n, c = module._tile_plan(*xs)
+    assert c < n == 13
+    with tf.GradientTape() as tape:
+        tape.watch(xs)
+        y = module.forward(*xs)
+    for grad_x, grad_z in (module.vjp(*xs, cotangent), tape.gradient(y, xs, cotangent)):
+        np.testing.assert_allclose(grad_x, single_x, rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(grad_z[:, :5], grad_z[:, 5:])
+        np.testing.assert_allclose(grad_z[:, :5] + grad_z[:, 5:], single, rtol=0, atol=1e-12)
+    assert np.abs(single).max() > 0.1
+
+
 def test_unknown_sizes_and_xla_tile_too(tmp_path):
     case = TILED["correlation"]
     module = generate(case, tmp_path, prefix="TiledGraph")
