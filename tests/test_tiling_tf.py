@@ -206,18 +206,26 @@ def test_tiled_chamfer_splits_ties_equally(tmp_path):
     assert np.abs(single).max() > 0.1
 
 
-def test_unknown_sizes_and_xla_tile_too(tmp_path):
-    case = TILED["correlation"]
+@pytest.mark.parametrize("name", ["correlation", "rwkv", "lightconv_same"])
+def test_unknown_sizes_and_xla_tile_too(name, tmp_path):
+    """In chunks, under tf.function with unknown sizes and under XLA: windows, internal
+    tensors (RWKV) and lets (lightconv's padding)."""
+    case = TILED[name]
     module = generate(case, tmp_path, prefix="TiledGraph")
-    module.MAX_TEMP_BYTES = 512
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
-    grad = tf.constant(np.random.default_rng(3).standard_normal((2, 5, 6, 3, 3)))
     module.MAX_TEMP_BYTES = 2**40
-    want = module.vjp(*tensors, grad, r=1)
+    shape = module.forward(*tensors, **case.attrs).shape
+    grad = tf.constant(np.random.default_rng(3).standard_normal(shape))
+    want = module.vjp(*tensors, grad, **case.attrs)
     module.MAX_TEMP_BYTES = 512
-    spec = [tf.TensorSpec([None] * 4, tf.float64)] * 2
-    unknown = tf.function(lambda a, b: module.vjp(a, b, grad, r=1), input_signature=spec)
-    compiled = tf.function(lambda a, b: module.vjp(a, b, grad, r=1), jit_compile=True)
+    assert module._tile_plan(*tensors, **case.attrs) is not None
+    spec = [tf.TensorSpec([None] * len(t.shape), t.dtype) for t in tensors]
+
+    def vjp(*a):
+        return module.vjp(*a, grad, **case.attrs)
+
+    unknown = tf.function(vjp, input_signature=spec)
+    compiled = tf.function(vjp, jit_compile=True)
     for run in (unknown, compiled):
         for got, expected in zip(run(*tensors), want, strict=True):
             np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
