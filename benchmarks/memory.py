@@ -24,7 +24,7 @@ thread to be scheduled (a PyTorch Chamfer chunk of [8, 85, 1536] took 190 ms wit
 threads and 11 ms with 1, under a load of 4.4 on 2 cores), which a loop of chunks pays
 once per operation and an untiled step only a few times.
 
-Writes `memory.json` beside this file and prints a table.
+Updates `memory.json` beside this file (per op and target) and prints a table.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ sys.path.insert(0, {folder!r})
 target, name, shapes, attrs = {target!r}, {name!r}, {shapes!r}, {attrs!r}
 module = __import__(name)
 rng = np.random.default_rng(0)
-arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes.values()]
+arrays = [rng.standard_normal(shapes[n]).astype(np.float32) for n in module.INPUTS]
 io = sum(a.nbytes for a in arrays)
 result = {{}}
 
@@ -172,7 +172,8 @@ def main() -> None:
     THREADS["threads"] = options.threads
     targets = options.targets.split(",")
     ops = options.ops.split(",")
-    results: dict = {}
+    path = HERE / "memory.json"  # updated per op and target: a partial run keeps the rest
+    results: dict = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
         for target in targets:
             new = Path(tmp) / f"new_{target}"
@@ -197,7 +198,7 @@ def main() -> None:
                 now = measure(new, target, op)
                 results.setdefault(op, {})[target] = {"baseline": old, "tiled": now}
                 print(_row(op, target, old, now), flush=True)
-    (HERE / "memory.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 
 
 def _row(op: str, target: str, old: dict, now: dict) -> str:
