@@ -12,8 +12,10 @@ keeps each chunk's temporaries under the budget (see the templates' `_tiled_*`).
 The chunk is derived from the op's own formula text, so it goes through every stage like
 any op: inputs that read `t` plainly on one axis (and nowhere else) are cut to the chunk
 along that axis; every other use of `t` (inside brackets, in conditions) becomes
-`t + start`, an int attr of the chunk. The chunk's gradient is then exact by the same
-derivation as the op's, and out-of-range reads still read zero.
+`t + start`, an int attr of the chunk. Internal tensors computed along `t` are computed
+over the chunk's positions and read there unmoved; lets are computed by the chunk from
+the same inputs. The chunk's gradient is then exact by the same derivation as the op's,
+and out-of-range reads still read zero.
 """
 
 from __future__ import annotations
@@ -66,21 +68,31 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
             found += [
                 _indices_of(f, allowed) for f in _materialized(term.expr, program.index_inputs)
             ]
-    small = [tuple(sorted(_read_indices(program, name), key=str)) for name in program.inputs]
-    small += [o.level.indices for o in program.outputs]
-    key = _size_key(program)
-    small_sizes = [Counter(key(i) for i in other) for other in small]
+    small = _no_larger(program)
     big: list[tuple[Index, ...]] = []
     for indices in found:
         s = set(indices)
-        sizes = Counter(key(i) for i in s)
-        if any(sizes <= other for other in small_sizes):
+        if small(s):
             continue  # no larger than an input or output (the same sizes, other names)
         if any(s <= set(other) for other in big):
             continue
         big = [b for b in big if not set(b) <= s]
         big.append(tuple(indices))
     return big
+
+
+def _no_larger(program: Program):
+    """`small(indices)`: whether a tensor over these indices is no larger than one of the
+    program's inputs or outputs (the same sizes, perhaps under other names)."""
+    key = _size_key(program)
+    sizes = [_input_sizes(program, name, key) for name in program.inputs]
+    sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
+
+    def small(indices) -> bool:
+        counted = Counter(key(i) for i in set(indices))
+        return any(counted <= other for other in sizes)
+
+    return small
 
 
 def _materialized(expr: sp.Expr, ids: tuple[str, ...]) -> list[sp.Expr]:
@@ -125,9 +137,22 @@ def _on_indices(condition: sp.Expr) -> bool:
 
 
 def _size_key(program: Program):
-    """An index's size, as something to compare: the first input axis it reads, or its
-    extent; two indices with the same key have the same size."""
-    axes = {index: sources[0] for index, sources in program.dims if sources}
+    """An index's size, as something to compare: the first of the input axes that have
+    its size (axes an index reads together have one size: `k` and `l` both read `A`'s
+    axis 2), or its extent; two indices with the same key have the same size."""
+    first: dict[tuple[str, int], tuple[str, int]] = {}  # an input axis -> its class's first
+
+    def find(source):
+        while first.get(source, source) != source:
+            source = first[source]
+        return source
+
+    for _, sources in program.dims:
+        for source in sources[1:]:
+            a, b = find(sources[0]), find(source)
+            if a != b:
+                first[max(a, b)] = min(a, b)
+    axes = {index: find(sources[0]) for index, sources in program.dims if sources}
     extents = dict(program.extents)
 
     def key(index: Index):
@@ -143,26 +168,17 @@ def _indices_of(expr: sp.Expr, allowed: set[Index]) -> tuple[Index, ...]:
     return tuple(sorted(expr.free_symbols & allowed, key=sp.default_sort_key))
 
 
-def _read_indices(program: Program, name: str) -> set[Index]:
-    """Every index symbol the reads of one input use."""
-    found: set[Index] = set()
-    levels = [*program.intermediates, *(o.level for o in program.outputs)]
-    for level in levels:
-        if level.gather is not None and level.gather.source == name and splits.reshapes(level):
-            found |= set(level.indices)  # a composite read holds the input, reshaped
-        for term in level.terms:
-            for access in accesses(term.expr):
-                if access.base.label.name == name:
-                    for position in access.indices:
-                        found |= {s for s in position.free_symbols if isinstance(s, sp.Symbol)}
-    return found
+def _input_sizes(program: Program, name: str, key) -> Counter:
+    """An input's axes as size keys: an axis that some index reads plainly has that
+    index's key. (Not the indices its reads use: `k[b,i,c]` and `k[b,t,c]` together use
+    four indices, but `k` has three axes.)"""
+    canonical = {source: key(index) for index, sources in program.dims for source in sources}
+    return Counter(canonical.get((name, axis), (name, axis)) for axis in range(program.rank(name)))
 
 
 def choose(op: OpSpec, program: Program) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
     temporary is larger than the inputs and outputs) or no index can be tiled."""
-    if op.outputs is not None:
-        return None  # internal tensors are not cut into chunks (yet)
     big = big_sets(program)
     if not big:
         return None
@@ -173,7 +189,9 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     candidates = [
         index
         for index in program.outputs[0].level.indices
-        if all(index in f for f in free) and all(index in b for b in big)
+        if all(index in f for f in free)
+        and all(index in b for b in big)
+        and _cut_internals(index.name, trees, op) is not None
     ]
     reads = _reads(trees, set(program.inputs))
     # An index inside a composite read `x[b, (h, r)]` cannot be moved by an offset.
@@ -182,10 +200,13 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         return None
     ranged = dict(op.ranges)
 
+    small = _no_larger(program)
+
     def score(index: Index) -> tuple:
         sliced = _sliced(index.name, reads, op)
         return (
-            -sum(index in b for b in big),
+            # a chunk of one position larger than the inputs would outgrow the bound
+            sum(not small(set(b) - {index}) for b in big),
             program.outputs[0].level.indices.index(index) == 0,  # a batch axis: few chunks
             not _in_positions(index.name, reads),  # a window's centre: a long axis
             not any(axis > 0 for _, axis in sliced),  # a cut input, not at its batch axis
@@ -196,12 +217,10 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     index = min(candidates, key=score)
     name = index.name
     sliced = _sliced(name, reads, op)
-    if _lets_read(op, sliced):
-        return None  # a let sized by an axis the chunk cuts would change with the chunk
-    taken = {n for tree in trees for n in _names(tree)} | {a for a, _ in op.attrs}
+    taken = {n for tree in trees for n in _names(tree)} | {a for a, _ in (*op.attrs, *op.lets)}
     start = _fresh(START, taken)
     length = None if sliced else _fresh(LENGTH, taken)
-    cut = {n for n, _ in sliced}
+    cut = {n for n, _ in sliced} | _cut_internals(name, trees, op)
     offset = _Offset(name, start, cut)
     formulas = tuple(
         ast.unparse(offset.visit(ast.parse(t.strip(" "), mode="exec"))) for t in op.formulas
@@ -212,20 +231,13 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     if length is not None:
         ranges += ((name, length),)
     texts = (*formulas, *(v for _, v in ranges), *(v for _, v in op.lets))
-    used = {n for text in texts for n in _names(ast.parse(text))}
+    used = {n for text in texts for n in _names(ast.parse(text.strip(" ")))}
     attrs = (
         *((a, kind) for a, kind in op.attrs if a in used),
         *((a, "int") for a in (start, length) if a),
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
-
-
-def _lets_read(op: OpSpec, sliced) -> bool:
-    """Whether a `let` reads the size of an input axis the chunk cuts (`x.shape[1]` with
-    x cut along axis 1): its value in the chunk would be the chunk's length."""
-    texts = [text.replace(" ", "") for _, text in op.lets]
-    return any(f"{tensor}.shape[{axis}]" in text for tensor, axis in sliced for text in texts)
 
 
 def _names(tree: ast.AST) -> set[str]:
@@ -254,6 +266,41 @@ def _reads(trees: list[ast.AST], inputs: set[str]) -> dict[str, list[list[ast.AS
                 elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
                 found.setdefault(node.value.id, []).append(list(elts))
     return found
+
+
+def _cut_internals(name: str, trees: list[ast.AST], op: OpSpec) -> set[str] | None:
+    """The internal tensors the chunk computes over its own positions only (those whose
+    equation has `name` on its left), or None when `name` cannot be the chunk's index:
+    an equation uses `name` without computing along it, or a later equation reads such
+    an internal tensor other than at plain `name` on its axis (it would need positions
+    outside the chunk). A cut internal tensor is read unmoved: chunk positions."""
+    outputs = set(op.outputs or ())
+    axes: dict[str, int] = {}
+    for tree in trees:
+        (assign,) = tree.body
+        (target,) = assign.targets
+        elts = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+        plain = [a for a, p in enumerate(elts) if isinstance(p, ast.Name) and p.id == name]
+        if len(plain) != 1:
+            if name in _names(assign.value) or plain:
+                return None
+            continue
+        tensor = target.value.id
+        if op.outputs is not None and tensor not in outputs:
+            axes[tensor] = plain[0]
+    for tree in trees:
+        for node in ast.walk(tree.body[0].value):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in axes
+            ):
+                elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                at = [a for a, p in enumerate(elts) if name in _names(p)]
+                axis = axes[node.value.id]
+                if at != [axis] or not isinstance(elts[axis], ast.Name):
+                    return None
+    return set(axes)
 
 
 def _in_positions(name: str, reads: dict[str, list[list[ast.AST]]]) -> bool:
@@ -286,7 +333,7 @@ def _sliced(name: str, reads: dict[str, list[list[ast.AST]]], op: OpSpec) -> tup
         if not axes or len(axes) != 1:
             continue
         (axis,) = axes
-        sizes = (*op.ranges, *op.lets)
+        sizes = (*op.ranges, *op.lets)  # a chunk's cut input would change their values
         if any(f"{tensor}.shape[{axis}]" in text.replace(" ", "") for _, text in sizes):
             continue
         found.append((tensor, axis))

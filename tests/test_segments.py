@@ -39,6 +39,25 @@ CASES = {
         sizes={"v": 6},
         index_inputs={"seg": ((2, 5), -2, 8)},
     ),
+    # ids per batch (torch_scatter's batched scatter over dim 1): segments are (b, v)
+    # pairs; ids out of range (-1, 5 >= V) add nothing
+    "batched_segment_sum": Case(
+        "y[b,v,f] = sum(where(seg[b,n] == v, x[b,n,f], 0), n)",
+        {"x": (2, 7, 3)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"seg": ((2, 7), -1, 6)},
+    ),
+    # batched ids on their second axis, a nonlinearity, V from an attr
+    "batched_segment_sum_tanh": Case(
+        "y[b,v,f] = sum(where(seg[n,b] == v, tanh(x[b,n,f]), 0), n)",
+        {"x": (3, 6, 2)},
+        attrs={"V": 5},
+        ranges={"v": "V"},
+        sizes={"v": 5},
+        index_inputs={"seg": ((6, 3), 0, 6)},
+    ),
 }
 
 

@@ -66,6 +66,30 @@ TILED = {
         ranges={"t": "x.shape[2]"},
         sizes={"t": 11},
     ),
+    "lightconv_same": Case(
+        # symgrad.toml's LightconvSame: the padding a let of the filter's width
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - P], k)",
+        {"x": (2, 3, 11), "w": (3, 5)},
+        lets={"P": "(w.shape[1] - 1) // 2"},
+        let_values={"P": 2},
+        ranges={"t": "x.shape[2]"},
+        sizes={"t": 11},
+    ),
+    "rwkv": Case(
+        # RWKV-4's WKV: internal tensors a, d over [b,t,c], each a causal sum over i
+        [
+            "a[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]) * v[b,i,c], 0), i)",
+            "d[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]), 0), i)",
+            (
+                "y[b,t,c] = (a[b,t,c] + exp(u[c] + k[b,t,c]) * v[b,t,c]) / "
+                "(d[b,t,c] + exp(u[c] + k[b,t,c]))"
+            ),
+        ],
+        {"w": (3,), "u": (3,), "k": (2, 7, 3), "v": (2, 7, 3)},
+        inputs=("w", "u", "k", "v"),
+        outputs=("y",),
+        sizes={"t": 7},
+    ),
     "dilated_conv": Case(
         "y[b,i,o] = sum(x[b, s*i + d*k - p, c] * w[k,c,o], k, c)",
         {"x": (2, 14, 3), "w": (3, 3, 4)},
@@ -102,18 +126,21 @@ def test_a_tiled_module_is_exact_everywhere(name, tmp_path):
     check(replace(case, fd_directions=case.fd_directions or 4), module)
 
 
-def test_a_let_that_reads_an_axis_the_chunk_cuts_is_not_tiled(tmp_path):
+def test_a_let_that_reads_an_axis_of_the_tiled_index_keeps_its_value(tmp_path):
     """`N = x.shape[1]` with x cut along axis 1 (the tiled index i) would be the chunk's
-    length inside the chunk: such an op stays whole, and exact at any budget."""
+    length inside the chunk: x is not cut but read at the chunk's shifted positions, so N
+    keeps its value, and the op is exact at any budget."""
     case = Case(
         "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j) / N",
         {"x": (2, 13, 3), "z": (2, 11, 3)},
         lets={"N": "x.shape[1]"},
         let_values={"N": 13},
     )
-    assert not _tiled(case)
+    assert _tiled(case)
     module = generate(case, tmp_path, prefix="LetCut")
     module.MAX_TEMP_BYTES = 512
+    tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
+    assert module._tile_plan(*tensors) is not None
     check(case, module)
 
 
@@ -182,18 +209,50 @@ def test_below_the_budget_the_module_runs_todays_code(tmp_path):
     assert module._tile_plan(*tensors) is None
 
 
-def test_unknown_sizes_and_xla_tile_too(tmp_path):
-    case = TILED["correlation"]
+def test_tiled_chamfer_splits_ties_equally(tmp_path):
+    """Every point of x is equally near two copies of a point of z: in chunks, through
+    vjp and the registered gradient, the copies get equal gradients that add up to the
+    single point's (the tie mask is per chunk and still splits)."""
+    module = generate(TILED["chamfer"], tmp_path, prefix="Ties")
+    rng = np.random.default_rng(4)
+    x, p = rng.standard_normal((2, 13, 3)), rng.standard_normal((2, 5, 3))
+    z = np.concatenate([p, p], axis=1)  # j = 10: j and j + 5 tie for every i
+    cotangent = tf.constant(rng.standard_normal((2, 13)))
+    single_x, single = module.vjp(tf.constant(x), tf.constant(p), cotangent)
+    module.MAX_TEMP_BYTES = 512
+    xs = [tf.constant(x), tf.constant(z)]
+    n, c = module._tile_plan(*xs)
+    assert c < n == 13
+    with tf.GradientTape() as tape:
+        tape.watch(xs)
+        y = module.forward(*xs)
+    for grad_x, grad_z in (module.vjp(*xs, cotangent), tape.gradient(y, xs, cotangent)):
+        np.testing.assert_allclose(grad_x, single_x, rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(grad_z[:, :5], grad_z[:, 5:])
+        np.testing.assert_allclose(grad_z[:, :5] + grad_z[:, 5:], single, rtol=0, atol=1e-12)
+    assert np.abs(single).max() > 0.1
+
+
+@pytest.mark.parametrize("name", ["correlation", "rwkv", "lightconv_same"])
+def test_unknown_sizes_and_xla_tile_too(name, tmp_path):
+    """In chunks, under tf.function with unknown sizes and under XLA: windows, internal
+    tensors (RWKV) and lets (lightconv's padding)."""
+    case = TILED[name]
     module = generate(case, tmp_path, prefix="TiledGraph")
-    module.MAX_TEMP_BYTES = 512
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
-    grad = tf.constant(np.random.default_rng(3).standard_normal((2, 5, 6, 3, 3)))
     module.MAX_TEMP_BYTES = 2**40
-    want = module.vjp(*tensors, grad, r=1)
+    shape = module.forward(*tensors, **case.attrs).shape
+    grad = tf.constant(np.random.default_rng(3).standard_normal(shape))
+    want = module.vjp(*tensors, grad, **case.attrs)
     module.MAX_TEMP_BYTES = 512
-    spec = [tf.TensorSpec([None] * 4, tf.float64)] * 2
-    unknown = tf.function(lambda a, b: module.vjp(a, b, grad, r=1), input_signature=spec)
-    compiled = tf.function(lambda a, b: module.vjp(a, b, grad, r=1), jit_compile=True)
+    assert module._tile_plan(*tensors, **case.attrs) is not None
+    spec = [tf.TensorSpec([None] * len(t.shape), t.dtype) for t in tensors]
+
+    def vjp(*a):
+        return module.vjp(*a, grad, **case.attrs)
+
+    unknown = tf.function(vjp, input_signature=spec)
+    compiled = tf.function(vjp, jit_compile=True)
     for run in (unknown, compiled):
         for got, expected in zip(run(*tensors), want, strict=True):
             np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
@@ -226,7 +285,7 @@ import json, sys
 import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
-from generated import chamfer_distance, correlation, strided_conv1d
+from generated import chamfer_distance, correlation, lightconv_same, rwkv_wkv, strided_conv1d
 
 rng = np.random.default_rng(0)
 f = lambda *s: tf.constant(rng.normal(size=s).astype(np.float32))
@@ -252,6 +311,8 @@ for module, args, attrs in [
     (correlation, [f(2, 24, 32, 16), f(2, 24, 32, 16)], {{"r": 4}}),
     (chamfer_distance, [f(2, 1024, 3), f(2, 1536, 3)], {{}}),
     (strided_conv1d, [f(2, 2048, 16), f(9, 16, 16)], {{"s": 1, "d": 2, "p": 8}}),
+    (rwkv_wkv, [f(32), f(32), f(2, 512, 32), f(2, 512, 32)], {{}}),
+    (lightconv_same, [f(32, 31), f(2, 32, 2048)], {{}}),
 ]:
     y = module.forward(*args, **attrs)
     io = sum(a.numpy().nbytes for a in args) + y.numpy().nbytes

@@ -5,6 +5,10 @@ x: N·V·F work and an N x V x F tensor. It is a segment sum: each row n of the 
 term added at row seg[n] of the result (O(N·F)). Its gradient has the same mask with the
 roles swapped, `Σ_v where(seg[n] == v, 1, 0) · grad_y[v,f]`: a read of grad_y at row
 seg[n]. Ids outside [0, V) match no v: they add nothing and read zero.
+
+Batched ids, `where(seg[b,n] == v, ..)` with `b` free (`y[b,v,f]`): the segments are the
+(b, v) pairs, row `b·V + seg[b,n]` of a [B·V, ..] sum, reshaped to [B, V, ..]; the
+gradient reads grad_y[b, v, f] at that row likewise.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ class Segments:
         mask, ids, v = found
         n = tuple(ids.indices)
         rest = mask.args[1] * sp.Mul(*[f for f in sp.Mul.make_args(e) if f is not mask])
+        if v in n:
+            return None
         if v in summed:
             return self._read_at_ids(body, rest, ids, v, summed, out)
-        if v in out and set(n) <= set(summed):
+        if v in out and set(n) <= {*summed, *out}:
             return self._segment_sum(body, rest, ids, v, summed, out)
         return None
 
@@ -64,13 +70,34 @@ class Segments:
             return None
         return mask, left, right.indices[0]
 
-    def _ids(self, body: _Body, ids: sp.Indexed, v: Index) -> tuple[ir.Expr, ir.Expr]:
-        """The ids as a flat vector, and whether each lies in [0, |v|)."""
-        flat = ir.Call(
-            "reshape", (ir.Var(body.tensors[ids.base.label.name]), ir.List((ir.Lit("-1"),)))
-        )
-        flat = ir.Var(body.bind(ir.Call("to_int64", (flat,))))
+    def _ids(
+        self, body: _Body, ids: sp.Indexed, v: Index, batch: tuple[Index, ...] = ()
+    ) -> tuple[ir.Expr, ir.Expr]:
+        """The ids as a flat vector, and whether each lies in [0, |v|); with `batch`
+        (indices of the ids that stay free), each id is `linear(batch)·|v| + id`: the
+        row of its (batch.., v) segment."""
+        raw = ir.Call("to_int64", (ir.Var(body.tensors[ids.base.label.name]),))
         size = self.position_int(ir.Var(self.index_size(body, v)))
+        if batch:
+            raw = ir.Var(body.bind(raw))
+            n = tuple(ids.indices)
+            offset: ir.Expr | None = None
+            stride: ir.Expr = ir.Lit("1")
+            for b in reversed(batch):
+                count = ir.Call(
+                    "to_int64", (ir.Call("range", (ir.Var(self.index_size(body, b)),)),)
+                )
+                term = self.align(body, ir.Binary("*", count, stride), (b,), n)
+                offset = term if offset is None else ir.Binary("+", offset, term)
+                stride = ir.Binary("*", stride, self.position_int(ir.Var(self.index_size(body, b))))
+            valid = ir.Call(
+                "logical_and", (ir.Binary(">=", raw, ir.Lit("0")), ir.Binary("<", raw, size))
+            )
+            valid = ir.Call("reshape", (valid, ir.List((ir.Lit("-1"),))))
+            rows = ir.Binary("+", ir.Binary("*", offset, size), raw)
+            flat = ir.Var(body.bind(ir.Call("reshape", (rows, ir.List((ir.Lit("-1"),))))))
+            return flat, ir.Var(body.bind(valid))
+        flat = ir.Var(body.bind(ir.Call("reshape", (raw, ir.List((ir.Lit("-1"),))))))
         valid = ir.Call(
             "logical_and",
             (ir.Binary(">=", flat, ir.Lit("0")), ir.Binary("<", flat, size)),
@@ -82,26 +109,34 @@ class Segments:
         added at row ids[n..], times the factors over v (which read no n). `rows`, when
         given, is (n.., flat ids, their validity) computed otherwise (intervals.py)."""
         n = tuple(ids.indices) if rows is None else rows[0]
+        # ids axes that stay free: (b, v) segments (not with rows computed otherwise)
+        batch = tuple(i for i in n if i in out) if rows is None else ()
         factors = sp.Mul.make_args(rest)
         table = sp.Mul(*[f for f in factors if v in _index_set(f)])
         local = sp.Mul(*[f for f in factors if v not in _index_set(f)])
         if not _index_set(table) <= {*out}:
             return None
-        others = tuple(i for i in out if i != v and i in _index_set(local))
+        others = tuple(i for i in out if i != v and i not in n and i in _index_set(local))
         inner = tuple(i for i in summed if i not in n)
         value, axes = self.contract(body, local, inner, (*n, *others), ())
         data = self.full(body, value, axes, (*n, *others))
         shape = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
         data = ir.Call("reshape", (data, shape))
-        flat, valid = self._ids(body, ids, v) if rows is None else rows[1:]
+        flat, valid = self._ids(body, ids, v, batch) if rows is None else rows[1:]
         dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
-        count = ir.Var(self.index_size(body, v))
+        count: ir.Expr = ir.Var(self.index_size(body, v))
+        for b in batch:
+            count = ir.Binary("*", ir.Var(self.index_size(body, b)), count)
         total = ir.Call("segment_sum", (data, dropped, count))
+        if batch:
+            sizes = (*batch, v, *others)
+            shape = ir.List(tuple(ir.Var(self.index_size(body, i)) for i in sizes))
+            total = ir.Call("reshape", (total, shape))
         if table == 1:
-            return total, (v, *others)
+            return total, (*batch, v, *others)
         name = body.bind(total)
         body.tensors[name] = name
-        summed_at = sp.IndexedBase(name)[(v, *others)]
+        summed_at = sp.IndexedBase(name)[(*batch, v, *others)]
         return self.contract(body, table * summed_at, (), out, ())
 
     def _read_at_ids(self, body, rest, ids, v, summed, out, rows=None):
@@ -111,16 +146,23 @@ class Segments:
         factors = sp.Mul.make_args(rest)
         table = [f for f in factors if v in _index_set(f)]
         local = [f for f in factors if v not in _index_set(f)]
-        if any(set(n) & _index_set(f) for f in table):
-            return None
+        table_expr = sp.Mul(*table)
+        batch = tuple(i for i in n if i in _index_set(table_expr))  # rows per (b, v)
+        if batch and rows is not None:
+            return None  # rows computed otherwise (intervals.py) are not per (b, v)
+        if set(batch) & set(summed) or len(batch) == len(n):
+            return None  # a table over every ids index: as large as the mask
         if any(set(summed) & _index_set(f) - {v} for f in table):
             return None  # the table would be summed over an index the local part has
-        table_expr = sp.Mul(*table)
-        others = tuple(dict.fromkeys(i for i in _index_set(table_expr) if i != v))
-        others = tuple(sorted(others, key=sp.default_sort_key))
-        value, axes = self.contract(body, table_expr, (), (v, *others), ())
-        table_rows = ir.Var(body.bind(self.full(body, value, axes, (v, *others))))
-        flat, valid = self._ids(body, ids, v) if rows is None else rows[1:]
+        others = tuple(i for i in _index_set(table_expr) if i != v and i not in batch)
+        others = tuple(sorted(dict.fromkeys(others), key=sp.default_sort_key))
+        value, axes = self.contract(body, table_expr, (), (*batch, v, *others), ())
+        table_rows = self.full(body, value, axes, (*batch, v, *others))
+        if batch:
+            sizes = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+            table_rows = ir.Call("reshape", (table_rows, sizes))
+        table_rows = ir.Var(body.bind(table_rows))
+        flat, valid = self._ids(body, ids, v, batch) if rows is None else rows[1:]
         at = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("0")))))
         read = ir.Call("gather", (table_rows, at), (("axis", ir.Lit("0")),))
         body.uses_dtype = True
