@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from frameworks import FRAMEWORKS, _enable_x64
 from harness import load_module
 
 from symgrad.pipeline import module_text
@@ -144,34 +145,13 @@ def inputs_for(shapes, seed=0):
     return found
 
 
-class Adapter:
-    def __init__(self, target):
-        self.target = target
-
-    def tensor(self, x):
-        if self.target == "tensorflow":
-            import tensorflow as tf
-
-            return tf.constant(x)
-        if self.target == "pytorch":
-            import torch
-
-            return torch.tensor(x)
-        import jax.numpy as jnp
-
-        return jnp.asarray(x)
-
-    def numpy(self, x):
-        if self.target == "pytorch":
-            return x.detach().numpy()
-        return np.asarray(x)
-
-
 _MODULES = {}
 
 
 def module_for(case, target, folder):
     key = (case, target)
+    if target == "jax":
+        _enable_x64()
     if key not in _MODULES:
         spec = CASES[case][0]
         text = module_text(spec, "test", target)
@@ -203,7 +183,7 @@ def test_forward_and_gradient_match_loop(case, target, folder):
     module = module_for(case, target, folder)
     names = module.INPUTS
     values = inputs_for(shapes)
-    fw = Adapter(target)
+    fw = FRAMEWORKS[target]
     args = [fw.tensor(values[n]) for n in names]
     want = ref(*[values[n] for n in names])
     got = module.forward(*args)
