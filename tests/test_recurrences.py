@@ -11,6 +11,7 @@ import pytest
 from frameworks import FRAMEWORKS, _enable_x64
 from harness import load_module
 
+from symgrad.errors import SymgradError
 from symgrad.pipeline import module_text
 from symgrad.spec import OpSpec
 
@@ -349,3 +350,60 @@ def test_jax_jit_vmap_and_grad_of_the_backward(folder):
     eps = 1e-6
     fd = (first(a + eps * v) - first(a - eps * v)) / (2 * eps)
     np.testing.assert_allclose(hvp, fd, rtol=1e-5, atol=1e-8)
+
+
+def test_selective_scan_training_step_memory_is_bounded(folder):
+    """Mamba's internal state h[b,d,n,t] is N times the inputs; the forward keeps its
+    inputs and one window of states per chunk of about sqrt(L) positions, and a training
+    step's peak allocation (torch.profiler's memory events) stays under 4x the inputs and
+    outputs -- below the bytes of h over the whole sequence."""
+    import torch
+    from test_tiling import _torch_memory
+
+    module = module_for("selective_scan", "pytorch", folder)
+    b, d, n, length = 1, 8, 32, 144
+    shapes = {
+        "delta": (b, d, length),
+        "A": (d, n),
+        "B": (b, n, length),
+        "x": (b, d, length),
+        "C": (b, n, length),
+        "D": (d,),
+    }
+    values = inputs_for(shapes)
+    xs = [torch.tensor(values[k], dtype=torch.float32, requires_grad=True) for k in module.INPUTS]
+    inputs = sum(x.numel() for x in xs) * 4
+    outputs = b * d * length * 4
+    state = b * d * n * 4
+    kept, peak = _torch_memory(module, xs, {})
+    assert kept <= inputs + 2 * 12 * state  # 12 chunks of 12 positions: one window each
+    assert peak < 4 * (inputs + outputs)
+    assert peak < state * length  # h over the whole sequence would not fit
+
+
+@pytest.mark.parametrize(
+    ("formula", "message", "caret"),
+    [
+        ("h[b,t] = x[b,t] * h[b,t]", "reads itself at the same position", "h[b,t]"),
+        (
+            "R[i,j] = D[i,j] + R[i-1,j-1]",
+            "along two indices",
+            "R[i-1,j-1]",
+        ),
+        (
+            "R[i,j] = D[i,j] + R[i-1,j] + R[i,j-1]",
+            "cannot be ordered as one scan",
+            "R[i-1,j]",
+        ),
+        ("h[t] = x[t] + h[t-1] + h[t+1]", "both before and after", "h[t-1]"),
+        ("h[t] = x[t] + h[t-1-k] * a[k] + h[k]", "along", "h[k]"),
+        ("h[b,t] = x[b,t-1] + h[b,t-1]", "computed from the scan index", "x[b,t-1]"),
+        ("h[b,t] = t * h[b,t-1] + x[b,t]", "used as a value", "t * h"),
+    ],
+)
+def test_refusals_point_at_the_read(formula, message, caret):
+    with pytest.raises(SymgradError) as found:
+        module_text(op_spec("Bad", formula), "test", "tensorflow")
+    error = found.value
+    assert message in error.message
+    assert error.column == formula.rindex(caret), error.render()
