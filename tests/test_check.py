@@ -298,7 +298,7 @@ def test_without_a_library_every_op_of_this_repo_passes(tmp_path):
     result = symgrad("check", "--json", cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert len({op["op"] for op in report["ops"]}) == 23
+    assert len({op["op"] for op in report["ops"]}) == 26
     for op in report["ops"]:
         found = {c["check"]: c["passed"] for c in op["checks"]}
         assert found == {"forward": True, "gradient": True}, op
