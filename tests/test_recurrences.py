@@ -445,3 +445,17 @@ def test_check_runs_the_recurrences_against_a_loop(tmp_path):
     report = run(spec, tmp_path / "generated")
     for op in report.ops:
         assert [r.passed for r in op.results] == [True, True], op
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_lfilter_matches_scipy(target, folder):
+    """The spec's Lfilter is scipy.signal.lfilter([1], [1, *a], x) along the last axis
+    (torchaudio's lfilter with b = [1] and a[0] = 1), and a loop where SciPy is absent."""
+    signal = pytest.importorskip("scipy.signal")
+    module = module_for("lfilter", target, folder)
+    fw = FRAMEWORKS[target]
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 11))
+    a = np.array([-0.5, 0.2, 0.1])
+    got = fw.numpy(module.forward(fw.tensor(x), fw.tensor(a)))
+    np.testing.assert_allclose(got, signal.lfilter([1.0], [1.0, *a], x, axis=-1), rtol=1e-12)
