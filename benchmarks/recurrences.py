@@ -199,7 +199,12 @@ def measure(target: str, op: str, impl: str, length: int) -> dict:
     )
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=3600
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
     )
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1][:200]}
