@@ -67,7 +67,28 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
     """The step's sizes (distinct per index), and a distinct length for the scan index."""
     found = plan(op)
     scan = found.scan
-    step = plan_sizes(build(found.body), attrs)
+    program = build(found.body)
+    step = plan_sizes(program, attrs)
+    # The past states have the state's shape (the step alone does not know it: an RNN's
+    # h_lag1[b,e] is summed over e against W[d,e]).
+    cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
+
+    def size(name: str, axis: int) -> int:
+        at = cut[name]
+        return step.shapes[name][axis - (at is not None and axis > at)]
+
+    state = tuple(size(n, a) for n, a in scan.state_axes)
+    depth = scan.depth + sum(c * (size(n, a) - 1) for c, n, a in scan.depth_sizes)
+    fixed = {}
+    for read in scan.body.reads + (scan.init.reads if scan.init else ()):
+        if read.kind == "lag":
+            fixed[read.name] = state
+        elif read.kind == "window":
+            fixed[read.name] = (depth, *state)
+    if fixed:
+        step = plan_sizes(
+            program, attrs, shapes={n: s for n, s in fixed.items() if n in program.inputs}
+        )
     length = max([*step.indices.values(), 4]) + 1
     shapes = {}
     for name, axis in zip(scan.inputs, scan.cut_axes, strict=True):

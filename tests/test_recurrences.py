@@ -84,7 +84,36 @@ def selective_scan_ref(delta, A, B, x, C, D):
     return (y,)
 
 
+def rnn_ref(W, x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        past = h[:, t - 1] if t > 0 else np.zeros_like(x[:, 0])
+        h[:, t] = np.tanh(np.einsum("de,be->bd", W, past) + x[:, t])
+    return (h,)
+
+
+def two_lags_ref(x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = (
+            x[:, t] + (0.5 * h[:, t - 1] if t > 0 else 0) - (0.25 * h[:, t - 2] if t > 1 else 0)
+        )
+    return (h,)
+
+
 CASES = {
+    # the past state read along another index (summed against a matrix): regression for
+    # a refusal as "two indices"
+    "rnn": (
+        op_spec("Rnn", "h[b,t,d] = tanh(sum(W[d,e] * h[b,t-1,e], e) + x[b,t,d])"),
+        {"W": (3, 3), "x": (2, 6, 3)},
+        rnn_ref,
+    ),
+    "two_lags": (
+        op_spec("TwoLags", "h[b,t] = x[b,t] + 0.5 * h[b,t-1] - 0.25 * h[b,t-2]"),
+        {"x": (3, 7)},
+        two_lags_ref,
+    ),
     "linear": (
         op_spec("LinearRec", "h[b,t,d] = a[b,t,d] * h[b,t-1,d] + x[b,t,d]"),
         {"a": (2, 7, 3), "x": (2, 7, 3)},
