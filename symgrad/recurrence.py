@@ -162,6 +162,8 @@ def text(node, swap=lambda access: None) -> str:
         return body if v.denominator == 1 and v >= 0 else f"({body})"
     if isinstance(node, Constant | AttrRef | IndexRef):
         return node.name
+    if isinstance(node, _Raw):
+        return node.source
     if isinstance(node, Access):
         found = swap(node)
         if found is not None:
@@ -452,23 +454,15 @@ def plan(op: OpSpec) -> Plan:
         raise a.fail(f"the scan index {a.index!r} takes its size from an input, not a range", 0)
 
     rhs, init_rhs = eq.rhs, None
-    if (
-        isinstance(rhs, Where)
-        and isinstance(rhs.cond, Compare)
-        and rhs.cond.ops == ("==",)
-        and isinstance(rhs.cond.operands[0], IndexRef)
-        and rhs.cond.operands[0].name == a.index
-        and isinstance(rhs.cond.operands[1], Num)
-        and rhs.cond.operands[1].value == 0
-        and not a.self_reads(Equation(eq.output, eq.groups, rhs.then, eq.text, 0))
-    ):
+    if _conditions_on(rhs, a.index):  # where(t == 0, h0[b,d], ...): the first position
         if a.reverse:
             raise a.fail(
-                "a reverse recurrence starts at the last position; where(t == 0, ...) "
-                "names the first",
-                rhs.col,
+                f"a reverse recurrence starts at the last position; a condition on "
+                f"{a.index!r} names positions from the first",
+                _conditions_on(rhs, a.index)[0].col,
             )
-        rhs, init_rhs = rhs.otherwise, rhs.then
+        init_rhs = _decide(rhs, a, first=True)
+        rhs = _decide(rhs, a, first=False)
 
     later = a.equations[1:]
     outputs = op.outputs or tuple(e.output for e in a.equations)
@@ -599,6 +593,123 @@ def plan(op: OpSpec) -> Plan:
         max_temp_bytes=op.max_temp_bytes,
     )
     return Plan(scan, body_spec, init_spec)
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """A condition already written as formula text (`text` prints it as it is)."""
+
+    source: str
+    col: int = 0
+
+
+def _conditions_on(node, index: str) -> list[Compare]:
+    """The comparisons between index expressions that involve `index`."""
+    if isinstance(node, Compare):
+        return [node] if node.on_indices and index in index_names(node) else []
+    if isinstance(node, Logic):
+        return [c for arg in node.args for c in _conditions_on(arg, index)]
+    if isinstance(node, Where):
+        return [
+            *_conditions_on(node.cond, index),
+            *_conditions_on(node.then, index),
+            *_conditions_on(node.otherwise, index),
+        ]
+    if isinstance(node, Neg):
+        return _conditions_on(node.operand, index)
+    if isinstance(node, BinOp):
+        return _conditions_on(node.left, index) + _conditions_on(node.right, index)
+    if isinstance(node, Call):
+        return [c for arg in node.args for c in _conditions_on(arg, index)]
+    if isinstance(node, Reduce):
+        return _conditions_on(node.body, index)
+    return []
+
+
+_RELATIONS = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
+
+
+def _decide(node, a: _Analysis, *, first: bool):
+    """`node` at the first position of the scan index (`first`) or at every later one:
+    each condition on the index decided there (True/False) or, at the first position,
+    left on the other indices. SymgradError where a later position does not decide it."""
+    t = a.index
+
+    def condition(c):
+        if isinstance(c, Compare) and c.on_indices and t in index_names(c):
+            symbols = {}
+
+            def fail(message, col):
+                return a.fail(message, col)
+
+            values = [_symbolic(o, fail) for o in c.operands]
+            for v in values:
+                for s in v.free_symbols:
+                    symbols[s] = sp.Symbol(s.name, integer=True, nonnegative=True)
+            step = sp.Symbol("_later", integer=True, nonnegative=True)
+            position = sp.Integer(0) if first else step + 1
+            symbols[sp.Symbol(t, integer=True)] = position
+            values = [v.xreplace(symbols) for v in values]
+            results = [
+                _RELATIONS[op](left, right)
+                for op, left, right in zip(c.ops, values, values[1:], strict=False)
+            ]
+            if all(r is sp.true for r in results):
+                return True
+            if any(r is sp.false for r in results):
+                return False
+            if first:
+                kept = [_relation_text(r) for r in results if r is not sp.true]
+                return _Raw(" and ".join(kept), c.col)
+            raise a.fail(
+                f"this condition on the scan index {t!r} does not hold the same at every "
+                f"position after the first; a recurrence's conditions on {t} pick out "
+                f"{t} == 0 only",
+                c.col,
+            )
+        if isinstance(c, Logic):
+            parts = [condition(arg) for arg in c.args]
+            if c.op == "not":
+                return (
+                    (not parts[0])
+                    if isinstance(parts[0], bool)
+                    else Logic("not", tuple(parts), c.col)
+                )
+            decided = [p for p in parts if isinstance(p, bool)]
+            rest = tuple(p for p in parts if not isinstance(p, bool))
+            if c.op == "and" and False in decided or c.op == "or" and True in decided:
+                return c.op == "or"
+            if not rest:
+                return c.op == "and"
+            return rest[0] if len(rest) == 1 else Logic(c.op, rest, c.col)
+        return c
+
+    def walk(n):
+        if isinstance(n, Where):
+            cond = condition(n.cond)
+            if cond is True:
+                return walk(n.then)
+            if cond is False:
+                return walk(n.otherwise)
+            return Where(cond, walk(n.then), walk(n.otherwise), n.col)
+        if isinstance(n, Neg):
+            return Neg(walk(n.operand), n.col)
+        if isinstance(n, BinOp):
+            return BinOp(n.op, walk(n.left), walk(n.right), n.col)
+        if isinstance(n, Call):
+            return Call(n.function, tuple(walk(arg) for arg in n.args), n.col)
+        if isinstance(n, Reduce):
+            return Reduce(n.kind, walk(n.body), n.indices, n.col)
+        return n
+
+    return walk(node)
+
+
+def _relation_text(relation) -> str:
+    """A SymPy comparison of index expressions as formula text (`j == 0`)."""
+    ops = {sp.Eq: "==", sp.Ne: "!=", sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">="}
+    op = next(o for kind, o in ops.items() if isinstance(relation, kind))
+    return f"({_index_text(relation.lhs)} {op} {_index_text(relation.rhs)})"
 
 
 def _rest(eq: Equation, index: str) -> list[str]:
