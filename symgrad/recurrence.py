@@ -154,12 +154,22 @@ def _index_text(expr: sp.Expr) -> str:
 # ----------------------------------------------------------------------------- text
 
 
+def _precedence(node) -> int:
+    """How tightly a node binds when written back (Python's order)."""
+    if isinstance(node, BinOp):
+        return {"+": 1, "-": 1, "*": 2, "/": 2, "**": 4}[node.op]
+    if isinstance(node, Neg):
+        return 3
+    if isinstance(node, Num) and node.value < 0 and node.value.denominator == 1:
+        return 3  # written -3, like a negation
+    return 5
+
+
 def text(node, swap=lambda access: None) -> str:
     """A formula node written back as formula text; `swap` may rewrite accesses."""
     if isinstance(node, Num):
         v = node.value
-        body = str(v.numerator) if v.denominator == 1 else f"{v.numerator}/{v.denominator}"
-        return body if v.denominator == 1 and v >= 0 else f"({body})"
+        return str(v.numerator) if v.denominator == 1 else f"({v.numerator}/{v.denominator})"
     if isinstance(node, Constant | AttrRef | IndexRef):
         return node.name
     if isinstance(node, _Raw):
@@ -170,9 +180,18 @@ def text(node, swap=lambda access: None) -> str:
             return found
         return f"{node.tensor}[{', '.join(text(p, swap) for p in node.positions)}]"
     if isinstance(node, Neg):
-        return f"(-{text(node.operand, swap)})"
+        inner = text(node.operand, swap)
+        return f"-{inner}" if _precedence(node.operand) >= 3 else f"-({inner})"
     if isinstance(node, BinOp):
-        return f"({text(node.left, swap)} {node.op} {text(node.right, swap)})"
+        mine = _precedence(node)
+        left, right = text(node.left, swap), text(node.right, swap)
+        if _precedence(node.left) < mine or (node.op == "**" and _precedence(node.left) <= mine):
+            left = f"({left})"
+        if _precedence(node.right) < mine or (node.op in "-/" and _precedence(node.right) <= mine):
+            right = f"({right})"
+        if node.op == "**" and _precedence(node.right) < 5:
+            right = f"({text(node.right, swap)})"
+        return f"{left} {node.op} {right}"
     if isinstance(node, Call):
         return f"{node.function}({', '.join(text(a, swap) for a in node.args)})"
     if isinstance(node, Reduce):
