@@ -262,7 +262,16 @@ class _Analysis:
             ]
             # axes read at a shift of their own index; others may read another index
             # (an RNN's h[b,t-1,e] summed over e)
-            differ = [k for k in differ if lhs[k] in index_names(access.positions[k])]
+            shifted = [k for k in differ if lhs[k] in index_names(access.positions[k])]
+            if differ and not shifted:
+                raise self.fail(
+                    f"{self.state!r} is read at other indices "
+                    f"({', '.join(text(access.positions[k]) for k in differ)}) but at no shift "
+                    "of its own: a recurrence reads its own tensor at earlier (or later) "
+                    "positions of one of its indices, as h[b,t-1]",
+                    access.col,
+                )
+            differ = shifted
             if not differ:
                 raise self.fail(
                     f"{self.state!r} reads itself at the same position: a recurrence reads "

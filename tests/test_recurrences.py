@@ -452,7 +452,7 @@ def test_selective_scan_training_step_memory_is_bounded(folder):
             "R[i-1,j]",
         ),
         ("h[t] = x[t] + h[t-1] + h[t+1]", "both before and after", "h[t-1]"),
-        ("h[t] = x[t] + h[t-1-k] * a[k] + h[k]", "along", "h[k]"),
+        ("h[t] = x[t] + h[t-1-k] * a[k] + h[k]", "at no shift of its own", "h[k]"),
         ("h[b,t] = x[b,t-1] + h[b,t-1]", "computed from the scan index", "x[b,t-1]"),
         ("h[b,t] = t * h[b,t-1] + x[b,t]", "used as a value", "t * h"),
     ],
