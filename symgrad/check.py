@@ -30,13 +30,13 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import sympy as sp
 
-from . import indexing, splits
+from . import indexing, recurrence, splits
 from .emit import intact
 from .errors import SymgradError
 from .folders import spec_source
@@ -762,21 +762,29 @@ def run(
     reports = []
     for n, op in enumerate(chosen):
         module = framework.import_module(out / f"{snake_case(op.name)}.py", op)
-        program = build(op)
+        recurrent = recurrence.is_recurrence(op)
+        from . import check_recurrence  # it reads this module's sizes
+
+        program = check_recurrence.program(op) if recurrent else build(op)
         defaults = loaded.defaults(op, program) if loaded else {}
         settings = attr_settings(program, op, given, defaults)
         for label, attrs in settings:
             if loaded is not None:
                 attrs = [_held(loaded, op, name, value, how) for name, value, how in attrs]
             values = {name: value for name, value, _ in attrs}
-            sizes = plan_sizes(
-                program,
-                values,
-                shapes=shapes_given.get(op.name, {}),
-                sizes=sizes_given.get(op.name, {}),
-            )
+            if recurrent:
+                sizes = check_recurrence.sizes(op, values)
+            else:
+                sizes = plan_sizes(
+                    program,
+                    values,
+                    shapes=shapes_given.get(op.name, {}),
+                    sizes=sizes_given.get(op.name, {}),
+                )
             if loaded is None:
                 checked = framework.generated(program, module, values, sizes)
+                if recurrent:  # the formula's forward: a loop over the positions
+                    checked = replace(checked, reference=check_recurrence.reference(op, values))
             else:
                 checked = loaded.target(op, program, module, values, dtype)
             rng = np.random.default_rng([seed, n])

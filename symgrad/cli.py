@@ -17,7 +17,7 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__
+from . import __version__, recurrence
 from .emit import diff, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
@@ -328,6 +328,11 @@ def _explain(args) -> int:
         return EXIT_OK
     else:
         raise SymgradError("explain needs a FORMULA or --op NAME")
+    if recurrence.is_recurrence(op):  # the recurrence, its step, and its adjoint
+        from .explain_recurrence import explain_recurrence
+
+        sys.stdout.write(explain_recurrence(op, args.format))
+        return EXIT_OK
     sys.stdout.write(explain(build(op), args.format))
     return EXIT_OK
 

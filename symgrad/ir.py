@@ -411,3 +411,65 @@ def prune(
             needed |= names_in(step.value)
     kept.reverse()
     return Block(tuple(kept), wanted)
+
+
+# ----------------------------------------------------------------------------- scans
+
+
+@dataclass(frozen=True)
+class ScanRead:
+    """One input of a scan's step: an op input (cut to the step's position along `axis`,
+    or whole when `axis` is None), the state `lag` steps back (`kind="lag"`), or the
+    window of the last states, newest first (`kind="window"`)."""
+
+    kind: str  # "input" | "lag" | "window"
+    name: str  # the step's name for it (an op input keeps its own)
+    axis: int | None = None
+    lag: int = 0
+
+
+@dataclass(frozen=True)
+class ScanStep:
+    """A step of a scan: an op over one position, its functions `{prefix}_compute` and
+    `{prefix}_backward` (derived and lowered like any op's) embedded in the module."""
+
+    prefix: str
+    reads: tuple[ScanRead, ...]  # per step input, in the step's input order
+    outputs: tuple[str, ...]  # the state first, then outputs computed at the same position
+    output_axes: tuple[int, ...]  # per step output, the axis of the scan index in the op's
+    attrs: tuple[str, ...]  # the op attrs the step takes
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A sequential scan along index `index`: a module computing a recurrence.
+
+    Forward: the state before the start is zero; at each position the step (`init` at the
+    first position when given, else `body`) reads the cut inputs and the past states and
+    gives the state and the outputs at that position. Backward: the adjoint recurrence
+    in the other direction, each step's derived vector-Jacobian product passing the
+    gradient of the past states back.
+    """
+
+    op: str
+    source: str
+    formulas: tuple[str, ...]
+    index: str
+    reverse: bool  # the state reads later positions: the scan runs from the end
+    inputs: tuple[str, ...]
+    ranks: tuple[int, ...]
+    cut_axes: tuple[int | None, ...]  # per input, the axis of `index` (None: read whole)
+    attrs: tuple[Attr, ...]
+    no_gradient: tuple[str, ...]
+    outputs: tuple[str, ...]  # the op's outputs, in order
+    state: str
+    internal: bool  # the state is not an output
+    state_axes: tuple[tuple[str, int], ...]  # per state axis, an input axis of its size
+    length: tuple[str, int]  # the input axis whose size is the number of positions
+    depth: int  # the window's depth: this plus coefficient * (size - 1) per depth_sizes
+    depth_sizes: tuple[tuple[int, str, int], ...]
+    body: ScanStep
+    init: ScanStep | None
+    max_temp_bytes: int = 16 * 2**20
+    gradient_lines: tuple[str, ...] = ()  # the step's gradients in index notation
+    step_formulas: tuple[str, ...] = ()

@@ -13,7 +13,7 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, tile
+from . import ir, recurrence, scan_render, tile
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -73,6 +73,8 @@ def stamp(text: str) -> str:
 
 def module_text(op: OpSpec, source_name: str, target: str = "tensorflow") -> str:
     """One op's module for a target: compile, render, format, validate, stamp."""
+    if recurrence.is_recurrence(op):  # a scan around its steps (`scan_render`)
+        return scan_render.module_text(op, source_name, target)
     module = compile_op(op)
     name = f"{snake_case(op.name)}.py"
     source = render(module, target)

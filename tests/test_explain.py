@@ -289,10 +289,12 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
     module = (REPO_SPEC.parent / "generated" / f"{snake_case(op)}.py").read_text("utf-8")
     # explain prints sizes self-contained; modules read them through their `_dim` helper.
     module = re.sub(r"_dim\((\w+), (\d+)\)", r"tf.shape(\1)[\2]", module)
+    # A recurrence's module computes its step in `_step_compute`, which explain shows.
+    name = "_step_compute" if "def _step_compute(" in module else "_compute"
     compute = next(
         node
         for node in _as_explained(ast.parse(module)).body
-        if isinstance(node, ast.FunctionDef) and node.name == "_compute"
+        if isinstance(node, ast.FunctionDef) and node.name == name
     )
     # The template's own lines: attrs cast to the dtype, int attrs kept for index arithmetic.
     attrs = {a.arg for a in compute.args.kwonlyargs}

@@ -1,0 +1,165 @@
+"""`symgrad check` for recurrences: sizes and the formula's forward of an op whose
+equation reads its own tensor at earlier positions.
+
+The formula's forward is a plain loop over the positions of the scan index, each position
+a dense evaluation of the step's equations (`reference.evaluate_op`, sharing nothing
+with lowering or with the generated scan), the past states read from what the loop
+computed before (zero before the start). The gradient check is the usual adjoint test
+against central differences of the generated forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .check import Sizes, plan_sizes
+from .model import build
+from .recurrence import plan
+from .spec import OpSpec
+
+
+@dataclass(frozen=True)
+class _Index:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Level:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Output:
+    level: _Level
+    groups: tuple[tuple[_Index, ...], ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """What `check` reads of a program, for a recurrence op (which has no `model.Program`:
+    its step has)."""
+
+    inputs: tuple[str, ...]
+    no_gradient: tuple[str, ...]
+    outputs: tuple[_Output, ...]
+    attrs: tuple[tuple[str, str], ...]
+    source: str
+    index_inputs: tuple[str, ...] = ()
+
+
+def program(op: OpSpec) -> Program:
+    found = plan(op)
+    scan = found.scan
+    step = build(found.body)
+    axes = dict(zip(scan.body.outputs, scan.body.output_axes, strict=True))
+    outputs = []
+    for name in scan.outputs:
+        out = next(o for o in step.outputs if o.level.name == name)
+        groups = [(_Index(g[0].name.rstrip("'")),) for g in out.groups]
+        groups.insert(axes[name], (_Index(scan.index),))
+        outputs.append(_Output(_Level(name), tuple(groups)))
+    return Program(scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source)
+
+
+def sizes(op: OpSpec, attrs: dict) -> Sizes:
+    """The step's sizes (distinct per index), and a distinct length for the scan index."""
+    found = plan(op)
+    scan = found.scan
+    program = build(found.body)
+    step = plan_sizes(program, attrs)
+    # The past states have the state's shape (the step alone does not know it: an RNN's
+    # h_lag1[b,e] is summed over e against W[d,e]).
+    cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
+
+    def size(name: str, axis: int) -> int:
+        at = cut[name]
+        return step.shapes[name][axis - (at is not None and axis > at)]
+
+    state = tuple(size(n, a) for n, a in scan.state_axes)
+    depth = scan.depth + sum(c * (size(n, a) - 1) for c, n, a in scan.depth_sizes)
+    fixed = {}
+    for read in scan.body.reads + (scan.init.reads if scan.init else ()):
+        if read.kind == "lag":
+            fixed[read.name] = state
+        elif read.kind == "window":
+            fixed[read.name] = (depth, *state)
+    if fixed:
+        step = plan_sizes(
+            program, attrs, shapes={n: s for n, s in fixed.items() if n in program.inputs}
+        )
+    length = max([*step.indices.values(), 4]) + 1
+    shapes = {}
+    for name, axis in zip(scan.inputs, scan.cut_axes, strict=True):
+        shape = list(step.shapes[name])
+        if axis is not None:
+            shape.insert(axis, length)
+        shapes[name] = tuple(shape)
+    return Sizes(shapes, {**step.indices, scan.index: length})
+
+
+def reference(op: OpSpec, attrs: dict):
+    """The formula's forward as a loop of dense step evaluations, in NumPy."""
+    import tensorflow as tf
+
+    from .reference import evaluate_op
+
+    found = plan(op)
+    scan = found.scan
+    int_attrs = frozenset(n for n, kind in op.attrs if kind == "int")
+    steps = [(found.body, scan.body), (found.init, scan.init)]
+
+    def run(arrays):
+        named = dict(zip(scan.inputs, arrays, strict=True))
+        length = named[scan.length[0]].shape[scan.length[1]]
+        order = range(length - 1, -1, -1) if scan.reverse else range(length)
+        states: list = []  # in scan order
+        results: dict[str, list] = {name: [] for name in scan.body.outputs}
+        for count, t in enumerate(order):
+            spec, step = steps[1] if count == 0 and scan.init is not None else steps[0]
+            given = {}
+            for read in step.reads:
+                if read.kind == "input":
+                    value = named[read.name]
+                    given[read.name] = value if read.axis is None else np.take(value, t, read.axis)
+                elif read.kind == "lag":
+                    given[read.name] = _past(states, read.lag, arrays, scan)
+                else:
+                    depth = _depth(scan, named)
+                    given[read.name] = np.stack(
+                        [_past(states, j + 1, arrays, scan) for j in range(depth)]
+                    )
+            tensors = {n: tf.constant(v) for n, v in given.items()}
+            outputs = evaluate_op(
+                spec.formulas,
+                tensors,
+                {n: attrs[n] for n in step.attrs},
+                outputs=set(step.outputs),
+                int_attrs=int_attrs,
+            )
+            for name, value in zip(step.outputs, outputs, strict=True):
+                results[name].append(np.asarray(value))
+            states.append(results[scan.state][-1])
+        placed = []
+        for name in scan.outputs:
+            stack = np.stack(results[name]) if results[name] else None
+            if scan.reverse:
+                stack = stack[::-1]
+            axis = scan.body.output_axes[scan.body.outputs.index(name)]
+            placed.append(np.moveaxis(stack, 0, axis))
+        return placed
+
+    return run
+
+
+def _past(states: list, lag: int, arrays, scan) -> np.ndarray:
+    if lag <= len(states):
+        return states[-lag]
+    named = dict(zip(scan.inputs, arrays, strict=True))
+    shape = tuple(named[n].shape[a] for n, a in scan.state_axes)
+    return np.zeros(shape, arrays[0].dtype)
+
+
+def _depth(scan, named) -> int:
+    return scan.depth + sum(c * (named[n].shape[a] - 1) for c, n, a in scan.depth_sizes)

@@ -1,0 +1,782 @@
+"""Recurrences: an equation that reads its own left-hand tensor at earlier positions
+along one index (the scan index), e.g. `h[b,t,d] = a[b,t,d] * h[b,t-1,d] + x[b,t,d]`.
+
+Such an op is a sequential scan over its step: the equation at one position `t`, with
+the scan index cut out of every tensor. Its step is an ordinary symgrad op, so its forward
+and its gradient are derived like every other op's:
+
+- the tensors read at `t` become their slices at `t` (`a[b,t,d]` -> `a[b,d]`);
+- the reads of the recurrent tensor `e` steps back become reads of the past states: a
+  constant lag `e` reads `h_lag<e>[b,d]`, a lag that depends on a summed index
+  (`y[b,t-1-k]`, lfilter's order k) reads the window of the last states, newest first
+  (`y_past[k, b]`); reads before the start read zero;
+- `where(t == 0, h0[b,d], ...)` makes the first position its own step (the init step);
+- equations after the recurrence that read the recurrent tensor at `t` (Mamba's
+  `y[b,d,t] = sum(C[b,n,t] * h[b,d,n,t], n) + ...`) are computed inside the step, so an
+  internal state (`outputs = ["y"]`) is never held over the whole sequence.
+
+The gradient is the adjoint recurrence, run in the other direction: at each position the
+step's derived vector-Jacobian product takes dL/dh[t] (from the direct uses plus what
+later steps passed back) and gives the gradients of the step's inputs; its gradient
+with respect to the past states is what it passes back to the earlier positions.
+
+A read at a later position (`h[b,t+1,d]`) makes a reverse recurrence: the same scan over
+the reversed sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import sympy as sp
+
+from . import ir
+from .errors import SymgradError
+from .parse import (
+    Access,
+    AttrRef,
+    BinOp,
+    Call,
+    Compare,
+    Constant,
+    Equation,
+    IndexRef,
+    Logic,
+    Neg,
+    Node,
+    Num,
+    Reduce,
+    Where,
+    index_names,
+    parse_equation,
+)
+from .spec import OpSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recurrence op split into its scan (`ir.Scan`) and the step ops it runs."""
+
+    scan: ir.Scan
+    body: OpSpec
+    init: OpSpec | None
+
+
+def _equations(op: OpSpec) -> list[Equation]:
+    attrs = frozenset(n for n, _ in op.attrs) | frozenset(n for n, _ in op.lets)
+    int_attrs = frozenset(n for n, k in op.attrs if k == "int") | frozenset(n for n, _ in op.lets)
+    found = []
+    for text in op.formulas:
+        try:
+            found.append(parse_equation(text, attrs, int_attrs))
+        except SymgradError as exc:
+            raise exc.located(op.source, text) from None
+    return found
+
+
+def _accesses(node) -> list[Access]:
+    """Every tensor access in a formula, in written order (index tensors inside brackets
+    included)."""
+    if isinstance(node, Access):
+        return [node, *(a for p in node.positions for a in _accesses(p))]
+    if isinstance(node, Neg):
+        return _accesses(node.operand)
+    if isinstance(node, BinOp):
+        return _accesses(node.left) + _accesses(node.right)
+    if isinstance(node, Call):
+        return [a for arg in node.args for a in _accesses(arg)]
+    if isinstance(node, Reduce):
+        return _accesses(node.body)
+    if isinstance(node, Compare):
+        return [a for o in node.operands for a in _accesses(o)]
+    if isinstance(node, Logic):
+        return [a for arg in node.args for a in _accesses(arg)]
+    if isinstance(node, Where):
+        return _accesses(node.cond) + _accesses(node.then) + _accesses(node.otherwise)
+    return []
+
+
+def _value_indices(node, inside: bool = False) -> list[IndexRef]:
+    """Index names used as values or in comparisons (outside any brackets)."""
+    if isinstance(node, IndexRef):
+        return [] if inside else [node]
+    if isinstance(node, Access):
+        return []
+    if isinstance(node, Neg):
+        return _value_indices(node.operand)
+    if isinstance(node, BinOp):
+        return _value_indices(node.left) + _value_indices(node.right)
+    if isinstance(node, Call):
+        return [i for arg in node.args for i in _value_indices(arg)]
+    if isinstance(node, Reduce):
+        return _value_indices(node.body)
+    if isinstance(node, Compare):
+        return [i for o in node.operands for i in _value_indices(o)]
+    if isinstance(node, Logic):
+        return [i for arg in node.args for i in _value_indices(arg)]
+    if isinstance(node, Where):
+        return (
+            _value_indices(node.cond) + _value_indices(node.then) + _value_indices(node.otherwise)
+        )
+    return []
+
+
+def reads_itself(equation: Equation) -> bool:
+    return any(a.tensor == equation.output for a in _accesses(equation.rhs))
+
+
+def is_recurrence(op: OpSpec) -> bool:
+    """Whether an op has an equation that reads its own left-hand tensor."""
+    return any(reads_itself(e) for e in _equations(op))
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def _symbolic(node: Node, fail) -> sp.Expr:
+    """An integer index expression as SymPy (indices and int attrs as symbols)."""
+    if isinstance(node, IndexRef | AttrRef):
+        return sp.Symbol(node.name, integer=True)
+    if isinstance(node, Num):
+        return sp.Rational(node.value.numerator, node.value.denominator)
+    if isinstance(node, Neg):
+        return -_symbolic(node.operand, fail)
+    if isinstance(node, BinOp) and node.op in "+-*":
+        left, right = _symbolic(node.left, fail), _symbolic(node.right, fail)
+        return {"+": left + right, "-": left - right, "*": left * right}[node.op]
+    raise fail("a recurrence reads positions that are sums of indices and integers", node.col)
+
+
+def _index_text(expr: sp.Expr) -> str:
+    return str(sp.expand(expr)).replace(" ", "")
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _precedence(node) -> int:
+    """How tightly a node binds when written back (Python's order)."""
+    if isinstance(node, BinOp):
+        return {"+": 1, "-": 1, "*": 2, "/": 2, "**": 4}[node.op]
+    if isinstance(node, Neg):
+        return 3
+    if isinstance(node, Num) and node.value < 0 and node.value.denominator == 1:
+        return 3  # written -3, like a negation
+    return 5
+
+
+def text(node, swap=lambda access: None) -> str:
+    """A formula node written back as formula text; `swap` may rewrite accesses."""
+    if isinstance(node, Num):
+        v = node.value
+        return str(v.numerator) if v.denominator == 1 else f"({v.numerator}/{v.denominator})"
+    if isinstance(node, Constant | AttrRef | IndexRef):
+        return node.name
+    if isinstance(node, _Raw):
+        return node.source
+    if isinstance(node, Access):
+        found = swap(node)
+        if found is not None:
+            return found
+        return f"{node.tensor}[{', '.join(text(p, swap) for p in node.positions)}]"
+    if isinstance(node, Neg):
+        inner = text(node.operand, swap)
+        return f"-{inner}" if _precedence(node.operand) >= 3 else f"-({inner})"
+    if isinstance(node, BinOp):
+        mine = _precedence(node)
+        left, right = text(node.left, swap), text(node.right, swap)
+        if _precedence(node.left) < mine or (node.op == "**" and _precedence(node.left) <= mine):
+            left = f"({left})"
+        if _precedence(node.right) < mine or (node.op in "-/" and _precedence(node.right) <= mine):
+            right = f"({right})"
+        if node.op == "**" and _precedence(node.right) < 5:
+            right = f"({text(node.right, swap)})"
+        return f"{left} {node.op} {right}"
+    if isinstance(node, Call):
+        return f"{node.function}({', '.join(text(a, swap) for a in node.args)})"
+    if isinstance(node, Reduce):
+        return f"{node.kind}({text(node.body, swap)}, {', '.join(node.indices)})"
+    if isinstance(node, Compare):
+        parts = [text(node.operands[0], swap)]
+        for op, operand in zip(node.ops, node.operands[1:], strict=True):
+            parts += [op, text(operand, swap)]
+        return f"({' '.join(parts)})"
+    if isinstance(node, Logic):
+        if node.op == "not":
+            return f"(not {text(node.args[0], swap)})"
+        return "(" + f" {node.op} ".join(text(a, swap) for a in node.args) + ")"
+    if isinstance(node, Where):
+        return (
+            f"where({text(node.cond, swap)}, {text(node.then, swap)}, {text(node.otherwise, swap)})"
+        )
+    raise TypeError(f"not a formula node: {node!r}")  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+class _Analysis:
+    def __init__(self, op: OpSpec) -> None:
+        self.op = op
+        self.equations = _equations(op)
+        recurrent = [e for e in self.equations if reads_itself(e)]
+        self.eq = recurrent[0]
+        if len(recurrent) > 1:
+            raise self.fail(
+                "an op has at most one recurrent equation (one that reads its own tensor)",
+                recurrent[1].output_col,
+                recurrent[1],
+            )
+        self.state = self.eq.output
+        self.cuts: dict[str, int | None] = {}  # op input -> axis cut at the step, or None
+        self.lags: set[int] = set()
+        self.window_reads = False
+        self.depth_sizes: list[tuple[int, str, int]] = []
+        self.depth_const = 0
+
+    def fail(self, message: str, col: int | None, equation: Equation | None = None):
+        equation = equation or self.eq
+        return SymgradError(message, where=self.op.source, formula=equation.text, column=col)
+
+    # -- the scan index and direction ------------------------------------------------
+
+    def scan_axis(self) -> None:
+        eq = self.eq
+        if any(len(g) > 1 for g in eq.groups):
+            raise self.fail("a recurrent tensor has one index per axis", eq.output_col)
+        lhs = eq.output_indices
+        if len(set(lhs)) != len(lhs):
+            raise self.fail("a recurrent tensor is not written on a diagonal", eq.output_col)
+        axes: set[int] = set()
+        for access in self.self_reads(eq):
+            if len(access.positions) != len(lhs):
+                raise self.fail(
+                    f"{self.state!r} has {len(lhs)} axes but is read with "
+                    f"{len(access.positions)} indices here",
+                    access.col,
+                )
+            differ = [
+                k
+                for k, (p, i) in enumerate(zip(access.positions, lhs, strict=True))
+                if not (isinstance(p, IndexRef) and p.name == i)
+            ]
+            # axes read at a shift of their own index; others may read another index
+            # (an RNN's h[b,t-1,e] summed over e)
+            shifted = [k for k in differ if lhs[k] in index_names(access.positions[k])]
+            if differ and not shifted:
+                raise self.fail(
+                    f"{self.state!r} is read at other indices "
+                    f"({', '.join(text(access.positions[k]) for k in differ)}) but at no shift "
+                    "of its own: a recurrence reads its own tensor at earlier (or later) "
+                    "positions of one of its indices, as h[b,t-1]",
+                    access.col,
+                )
+            differ = shifted
+            if not differ:
+                raise self.fail(
+                    f"{self.state!r} reads itself at the same position: a recurrence reads "
+                    "its own tensor only at earlier (or only at later) positions of one index",
+                    access.col,
+                )
+            if len(differ) > 1:
+                raise self.fail(
+                    f"{self.state!r} reads itself at other positions along two indices "
+                    f"({', '.join(lhs[k] for k in differ)}); a recurrence runs along one",
+                    access.col,
+                )
+            axes.add(differ[0])
+        if len(axes) > 1:
+            first = self.self_reads(eq)[0]
+            raise self.fail(
+                f"{self.state!r} reads itself at earlier positions along two indices "
+                f"({', '.join(lhs[k] for k in sorted(axes))}), which cannot be ordered as one "
+                "scan",
+                first.col,
+            )
+        self.axis = axes.pop()
+        self.index = lhs[self.axis]
+
+    def self_reads(self, eq: Equation) -> list[Access]:
+        return [a for a in _accesses(eq.rhs) if a.tensor == self.state]
+
+    def lag_of(self, access: Access) -> sp.Expr:
+        """e with the read at t - e (forward) or t + e (reverse); checked affine."""
+        t = sp.Symbol(self.index, integer=True)
+
+        def fail(message, col):
+            return self.fail(message, col)
+
+        position = _symbolic(access.positions[self.axis], fail)
+        if sp.expand(position).coeff(t) != 1 or sp.expand(position - t).has(t):
+            raise self.fail(
+                f"{self.state!r} is read at a position along {self.index!r} that is not "
+                f"{self.index} plus or minus an offset",
+                access.col,
+            )
+        return sp.expand(t - position)
+
+    def direction(self) -> None:
+        signs = set()
+        for access in self.self_reads(self.eq):
+            lag = self.lag_of(access)
+            const = lag.subs({s: 0 for s in lag.free_symbols})
+            coefficients = [lag.coeff(s) for s in lag.free_symbols]
+            if const == 0 and not coefficients:
+                raise self.fail("reads itself at the same position", access.col)
+            if const >= 1 and all(c >= 0 for c in coefficients):
+                signs.add(1)
+            elif const <= -1 and all(c <= 0 for c in coefficients):
+                signs.add(-1)
+            else:
+                raise self.fail(
+                    f"{self.state!r} is read at {self.index} - ({lag}), which is not always "
+                    f"before (or always after) {self.index}: the recurrence cannot be ordered",
+                    access.col,
+                )
+        if len(signs) > 1:
+            raise self.fail(
+                f"{self.state!r} is read both before and after {self.index}: the recurrence "
+                "cannot be ordered",
+                self.self_reads(self.eq)[0].col,
+            )
+        self.reverse = signs == {-1}
+
+    # -- sizes --------------------------------------------------------------------------
+
+    def plain_source(self, index: str) -> tuple[str, int] | None:
+        """An op input axis that `index` reads plainly, in any equation."""
+        for eq in self.equations:
+            for access in _accesses(eq.rhs):
+                if access.tensor == self.state or access.tensor in self.defined:
+                    continue
+                for axis, p in enumerate(access.positions):
+                    if isinstance(p, IndexRef) and p.name == index:
+                        return access.tensor, axis
+        return None
+
+    def sized(self, index: str, col: int, eq: Equation | None = None) -> tuple[str, int]:
+        found = self.plain_source(index)
+        if found is None:
+            raise self.fail(
+                f"index {index!r} of a recurrence must be read plainly by some input axis "
+                "(it sizes the scan's state)",
+                col,
+                eq,
+            )
+        return found
+
+    # -- rewriting a formula into its step -----------------------------------------------
+
+    def cut(self, eq: Equation, index: str, node: Access) -> None:
+        """Record how input `node.tensor` is read along the scan index `index`."""
+        axes = [
+            k
+            for k, p in enumerate(node.positions)
+            if index in index_names(p)
+            if not (isinstance(p, IndexRef) and p.name == index)
+        ]
+        if axes:
+            raise self.fail(
+                f"{node.tensor!r} is read at a position computed from the scan index "
+                f"{index!r}; a recurrence reads its inputs at {index} itself",
+                node.col,
+                eq,
+            )
+        plain = [
+            k for k, p in enumerate(node.positions) if isinstance(p, IndexRef) and p.name == index
+        ]
+        if len(plain) > 1:
+            raise self.fail(f"{node.tensor!r} is read on a diagonal of {index!r}", node.col, eq)
+        axis = plain[0] if plain else None
+        if node.tensor in self.cuts and self.cuts[node.tensor] != axis:
+            raise self.fail(
+                f"{node.tensor!r} is read both at {index} and elsewhere along another axis; "
+                "a recurrence reads each input at the scan position along one axis, or whole",
+                node.col,
+                eq,
+            )
+        self.cuts[node.tensor] = axis
+
+    def step_text(self, eq: Equation, rhs: Node, index: str, state_now: str | None) -> str:
+        """`eq` at one position of `index`: cut inputs, past states, the state now."""
+        for ref in _value_indices(rhs):
+            if ref.name == index:
+                raise self.fail(
+                    f"the scan index {index!r} is used as a value; a recurrence may use it "
+                    f"only as where({index} == 0, initial, ...)",
+                    ref.col,
+                    eq,
+                )
+
+        def swap(node: Access) -> str | None:
+            if node.lookups:
+                raise self.fail("a recurrence reads no index tensors", node.col, eq)
+            rest = [text(p) for k, p in enumerate(node.positions) if k != self.axis]
+            if node.tensor == self.state and eq is self.eq:
+                lag = self.lag_of(node)
+                lag = -lag if self.reverse else lag
+                if not lag.free_symbols:
+                    self.lags.add(int(lag))
+                    return f"{self.lag_name(int(lag))}[{', '.join(rest)}]"
+                self.window_reads = True
+                return f"{self.window_name}[{_index_text(lag - 1)}, {', '.join(rest)}]"
+            if node.tensor == self.state:  # a later equation, at the position now
+                p = node.positions[self.axis]
+                if not (isinstance(p, IndexRef) and p.name == index):
+                    raise self.fail(
+                        f"{self.state!r} is read here at another position than {index}; an "
+                        "equation after a recurrence reads its state at the same position",
+                        node.col,
+                        eq,
+                    )
+                return f"{state_now}[{', '.join(rest)}]"
+            if node.tensor in self.defined:
+                raise self.fail(
+                    f"{node.tensor!r} is computed by another equation; in a recurrence op, "
+                    "later equations read only the recurrent tensor and inputs",
+                    node.col,
+                    eq,
+                )
+            self.cut(eq, index, node)
+            axis = self.cuts[node.tensor]
+            kept = [text(p) for k, p in enumerate(node.positions) if k != axis]
+            return f"{node.tensor}[{', '.join(kept)}]"
+
+        body = text(rhs, swap)
+        return body
+
+    def lag_name(self, lag: int) -> str:
+        return self.fresh(f"{self.state}_lag{lag}")
+
+    @property
+    def window_name(self) -> str:
+        return self.fresh(f"{self.state}_past")
+
+    def fresh(self, name: str) -> str:
+        while name in self.taken:
+            name += "_"
+        return name
+
+
+def _lhs(eq: Equation, drop: str) -> str:
+    return f"{eq.output}[{', '.join(i for i in eq.output_indices if i != drop)}]"
+
+
+def plan(op: OpSpec) -> Plan:
+    """The scan and the step ops of a recurrence op. SymgradError on what cannot be
+    ordered or is not supported."""
+    a = _Analysis(op)
+    a.defined = {e.output for e in a.equations}
+    a.taken = (
+        {acc.tensor for e in a.equations for acc in _accesses(e.rhs)}
+        | a.defined
+        | {n for n, _ in op.attrs}
+        | {n for n, _ in op.lets}
+    )
+    a.scan_axis()
+    a.direction()
+    eq = a.eq
+    if a.equations.index(eq) != 0:
+        raise a.fail("a recurrence op's recurrent equation comes first", eq.output_col)
+    if any(name == a.index for name, _ in op.ranges):
+        raise a.fail(f"the scan index {a.index!r} takes its size from an input, not a range", 0)
+
+    rhs, init_rhs = eq.rhs, None
+    if _conditions_on(rhs, a.index):  # where(t == 0, h0[b,d], ...): the first position
+        if a.reverse:
+            raise a.fail(
+                f"a reverse recurrence starts at the last position; a condition on "
+                f"{a.index!r} names positions from the first",
+                _conditions_on(rhs, a.index)[0].col,
+            )
+        init_rhs = _decide(rhs, a, first=True)
+        rhs = _decide(rhs, a, first=False)
+
+    later = a.equations[1:]
+    outputs = op.outputs or tuple(e.output for e in a.equations)
+    internal = a.state not in outputs
+    for e in later:
+        if e.output not in outputs:
+            raise a.fail(
+                "in a recurrence op, only the recurrent tensor may be internal",
+                e.output_col,
+                e,
+            )
+        if not a.self_reads(e):
+            raise a.fail(
+                f"in a recurrence op, every later equation reads {a.state!r} at the scan "
+                "position (ops without it are separate ops)",
+                e.output_col,
+                e,
+            )
+    fused = bool(later)
+    now = a.fresh(f"{a.state}_now") if fused else None
+
+    def later_index(e: Equation) -> str:
+        p = a.self_reads(e)[0].positions[a.axis]
+        if not (isinstance(p, IndexRef) and p.name in e.output_indices):
+            raise a.fail(
+                f"{a.state!r} is read here at another position than the scan position",
+                a.self_reads(e)[0].col,
+                e,
+            )
+        return p.name
+
+    def step(rhs_node: Node, name: str) -> tuple[OpSpec, ir.ScanStep]:
+        a.cuts_before = dict(a.cuts)
+        state_text = a.step_text(eq, rhs_node, a.index, None)
+        formulas = []
+        if fused:
+            formulas += [f"{now}[{', '.join(_rest(eq, a.index))}] = {state_text}"]
+            formulas += [f"{_lhs(eq, a.index)} = {now}[{', '.join(_rest(eq, a.index))}]"]
+        else:
+            formulas += [f"{_lhs(eq, a.index)} = {state_text}"]
+        step_outputs = [a.state]
+        axes = [a.axis]
+        for e in later:
+            u = later_index(e)
+            formulas.append(f"{_lhs(e, u)} = {a.step_text(e, e.rhs, u, now)}")
+            step_outputs.append(e.output)
+            axes.append(e.output_indices.index(u))
+        used = _used_names(formulas)
+        reads: list[ir.ScanRead] = []
+        op_inputs = _op_inputs(op, a)
+        for n in op_inputs:
+            if n in used:
+                reads.append(ir.ScanRead("input", n, a.cuts.get(n)))
+        for lag in sorted(a.lags):
+            if a.lag_name(lag) in used:
+                reads.append(ir.ScanRead("lag", a.lag_name(lag), None, lag))
+        if a.window_reads and a.window_name in used:
+            reads.append(ir.ScanRead("window", a.window_name))
+        attrs = tuple((n, k) for n, k in op.attrs if n in used)
+        spec = OpSpec(
+            name=f"{op.name}{name}",
+            formulas=tuple(formulas),
+            inputs=tuple(r.name for r in reads),
+            attrs=attrs,
+            no_gradient=tuple(n for n in op.no_gradient if n in used),
+            source=op.source,
+            sizes=tuple((i, s) for i, s in op.sizes if i != a.index),
+            ranges=op.ranges,
+            max_temp_bytes=op.max_temp_bytes,
+            outputs=tuple(step_outputs) if fused else None,
+            lets=op.lets,
+        )
+        return spec, ir.ScanStep(
+            prefix=f"_{name.lower()}",
+            reads=tuple(reads),
+            outputs=tuple(step_outputs),
+            output_axes=tuple(axes),
+            attrs=tuple(n for n, _ in attrs),
+        )
+
+    body_spec, body = step(rhs, "Step")
+    init_spec, init = step(init_rhs, "Init") if init_rhs is not None else (None, None)
+    for n, text_ in (*op.lets, *op.ranges):
+        for cut, axis in a.cuts.items():
+            if axis is not None and f"{cut}.shape" in text_.replace(" ", ""):
+                raise SymgradError(
+                    f"{n!r} reads the shape of {cut!r}, which the scan cuts along "
+                    f"{a.index!r}; read another input's shape",
+                    where=op.source,
+                )
+
+    # sizes: the state's axes, the number of steps, the window's depth
+    state_axes = tuple(a.sized(i, eq.output_col) for i in _rest(eq, a.index))
+    length = a.sized(a.index, eq.index_col(a.index))
+    depth_const, depth_sizes = max(a.lags, default=0), []
+    if a.window_reads:
+        depth_const, depth_sizes = _window_depth(a, eq)
+        depth_const = max(depth_const, max(a.lags, default=0))
+    op_inputs = _op_inputs(op, a)
+    ranks = []
+    for n in op_inputs:
+        found = [
+            len(acc.positions) for e in a.equations for acc in _accesses(e.rhs) if acc.tensor == n
+        ]
+        ranks.append(found[0])
+    scan = ir.Scan(
+        op=op.name,
+        source=op.source,
+        formulas=op.formulas,
+        index=a.index,
+        reverse=a.reverse,
+        inputs=op_inputs,
+        ranks=tuple(ranks),
+        cut_axes=tuple(a.cuts.get(n) for n in op_inputs),
+        attrs=tuple(
+            ir.Attr(n, k, {"float": "float", "int": "int", "bool": "bool"}[k]) for n, k in op.attrs
+        ),
+        no_gradient=op.no_gradient,
+        outputs=tuple(outputs),
+        state=a.state,
+        internal=internal,
+        state_axes=state_axes,
+        length=length,
+        depth=depth_const,
+        depth_sizes=tuple(depth_sizes),
+        body=body,
+        init=init,
+        max_temp_bytes=op.max_temp_bytes,
+    )
+    return Plan(scan, body_spec, init_spec)
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """A condition already written as formula text (`text` prints it as it is)."""
+
+    source: str
+    col: int = 0
+
+
+def _conditions_on(node, index: str) -> list[Compare]:
+    """The comparisons between index expressions that involve `index`."""
+    if isinstance(node, Compare):
+        return [node] if node.on_indices and index in index_names(node) else []
+    if isinstance(node, Logic):
+        return [c for arg in node.args for c in _conditions_on(arg, index)]
+    if isinstance(node, Where):
+        return [
+            *_conditions_on(node.cond, index),
+            *_conditions_on(node.then, index),
+            *_conditions_on(node.otherwise, index),
+        ]
+    if isinstance(node, Neg):
+        return _conditions_on(node.operand, index)
+    if isinstance(node, BinOp):
+        return _conditions_on(node.left, index) + _conditions_on(node.right, index)
+    if isinstance(node, Call):
+        return [c for arg in node.args for c in _conditions_on(arg, index)]
+    if isinstance(node, Reduce):
+        return _conditions_on(node.body, index)
+    return []
+
+
+_RELATIONS = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
+
+
+def _decide(node, a: _Analysis, *, first: bool):
+    """`node` at the first position of the scan index (`first`) or at every later one:
+    each condition on the index decided there (True/False) or, at the first position,
+    left on the other indices. SymgradError where a later position does not decide it."""
+    t = a.index
+
+    def condition(c):
+        if isinstance(c, Compare) and c.on_indices and t in index_names(c):
+            symbols = {}
+
+            def fail(message, col):
+                return a.fail(message, col)
+
+            values = [_symbolic(o, fail) for o in c.operands]
+            for v in values:
+                for s in v.free_symbols:
+                    symbols[s] = sp.Symbol(s.name, integer=True, nonnegative=True)
+            step = sp.Symbol("_later", integer=True, nonnegative=True)
+            position = sp.Integer(0) if first else step + 1
+            symbols[sp.Symbol(t, integer=True)] = position
+            values = [v.xreplace(symbols) for v in values]
+            results = [
+                _RELATIONS[op](left, right)
+                for op, left, right in zip(c.ops, values, values[1:], strict=False)
+            ]
+            if all(r is sp.true for r in results):
+                return True
+            if any(r is sp.false for r in results):
+                return False
+            if first:
+                kept = [_relation_text(r) for r in results if r is not sp.true]
+                return _Raw(" and ".join(kept), c.col)
+            raise a.fail(
+                f"this condition on the scan index {t!r} does not hold the same at every "
+                f"position after the first; a recurrence's conditions on {t} pick out "
+                f"{t} == 0 only",
+                c.col,
+            )
+        if isinstance(c, Logic):
+            parts = [condition(arg) for arg in c.args]
+            if c.op == "not":
+                return (
+                    (not parts[0])
+                    if isinstance(parts[0], bool)
+                    else Logic("not", tuple(parts), c.col)
+                )
+            decided = [p for p in parts if isinstance(p, bool)]
+            rest = tuple(p for p in parts if not isinstance(p, bool))
+            if c.op == "and" and False in decided or c.op == "or" and True in decided:
+                return c.op == "or"
+            if not rest:
+                return c.op == "and"
+            return rest[0] if len(rest) == 1 else Logic(c.op, rest, c.col)
+        return c
+
+    def walk(n):
+        if isinstance(n, Where):
+            cond = condition(n.cond)
+            if cond is True:
+                return walk(n.then)
+            if cond is False:
+                return walk(n.otherwise)
+            return Where(cond, walk(n.then), walk(n.otherwise), n.col)
+        if isinstance(n, Neg):
+            return Neg(walk(n.operand), n.col)
+        if isinstance(n, BinOp):
+            return BinOp(n.op, walk(n.left), walk(n.right), n.col)
+        if isinstance(n, Call):
+            return Call(n.function, tuple(walk(arg) for arg in n.args), n.col)
+        if isinstance(n, Reduce):
+            return Reduce(n.kind, walk(n.body), n.indices, n.col)
+        return n
+
+    return walk(node)
+
+
+def _relation_text(relation) -> str:
+    """A SymPy comparison of index expressions as formula text (`j == 0`)."""
+    ops = {sp.Eq: "==", sp.Ne: "!=", sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">="}
+    op = next(o for kind, o in ops.items() if isinstance(relation, kind))
+    return f"({_index_text(relation.lhs)} {op} {_index_text(relation.rhs)})"
+
+
+def _rest(eq: Equation, index: str) -> list[str]:
+    return [i for i in eq.output_indices if i != index]
+
+
+def _used_names(formulas: list[str]) -> set[str]:
+    import re
+
+    return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(formulas)))
+
+
+def _op_inputs(op: OpSpec, a: _Analysis) -> tuple[str, ...]:
+    if op.inputs is not None:
+        return op.inputs
+    seen: dict[str, None] = {}
+    for e in a.equations:
+        for acc in _accesses(e.rhs):
+            if acc.tensor not in a.defined:
+                seen[acc.tensor] = None
+    return tuple(seen)
+
+
+def _window_depth(a: _Analysis, eq: Equation) -> tuple[int, list[tuple[int, str, int]]]:
+    """The window's depth: the largest lag a summed index can reach, as a constant plus
+    coefficient * (size - 1) per summed index."""
+    const, sizes = 0, {}
+    for access in a.self_reads(eq):
+        lag = a.lag_of(access)
+        lag = -lag if a.reverse else lag
+        if not lag.free_symbols:
+            continue
+        c = int(lag.subs({s: 0 for s in lag.free_symbols}))
+        const = max(const, c)
+        for s in lag.free_symbols:
+            source = a.sized(s.name, access.col)
+            coefficient = int(lag.coeff(s))
+            sizes[source] = max(sizes.get(source, 0), coefficient)
+    return const, [(c, n, ax) for (n, ax), c in sizes.items()]
+
+
+__all__ = ["Plan", "is_recurrence", "plan", "replace"]

@@ -1,0 +1,140 @@
+"""A recurrence op's module: its steps' functions, generated like any op's module and
+embedded under a prefix, then the scan (`ir.Scan`) around them in the target's idiom
+(`templates/scan_<target>.py.j2`).
+
+A step's module is rendered by the ordinary pipeline; only the functions `_compute` and
+`_backward` and what they reference are kept, every top-level name prefixed (`_step_`,
+`_init_`), so one module holds both steps without clashes.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from . import ir
+from .render import environment
+
+
+def embed(source: str, prefix: str) -> tuple[list[str], str]:
+    """The imports and the definitions `_compute` and `_backward` need of a module, with
+    every top-level name `n` renamed `{prefix}{n}` (prefix like `_step`)."""
+    tree = ast.parse(source)
+    defined: dict[str, ast.stmt] = {}
+    imports: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            defined[node.name] = node
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    defined[target.id] = node
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            imports.append(ast.unparse(node))
+    wanted: set[str] = set()
+    todo = ["_compute", "_backward"]
+    while todo:
+        name = todo.pop()
+        if name in wanted or name not in defined:
+            continue
+        wanted.add(name)
+        for sub in ast.walk(defined[name]):
+            if isinstance(sub, ast.Name) and sub.id in defined:
+                todo.append(sub.id)
+
+    def rename(name: str) -> str:
+        return f"{prefix}{name}" if name.startswith("_") else f"{prefix}_{name}"
+
+    class Renamer(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            if node.id in wanted:
+                node.id = rename(node.id)
+            return node
+
+        def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.FunctionDef:
+            if node.name in wanted:
+                node.name = rename(node.name)
+            self.generic_visit(node)
+            return node
+
+        def visit_arg(self, node: ast.arg) -> ast.arg:
+            if node.arg in wanted:
+                node.arg = rename(node.arg)
+            return node
+
+    kept = []
+    seen: set[int] = set()
+    for node in tree.body:
+        names = (
+            [node.name]
+            if isinstance(node, ast.FunctionDef)
+            else [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        )
+        if any(n in wanted for n in names) and id(node) not in seen:
+            seen.add(id(node))
+            kept.append(ast.unparse(Renamer().visit(node)))
+    return imports, "\n\n\n".join(kept)
+
+
+def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
+    """The module source of a scan for a target; `steps` maps a step's prefix to its
+    module's source."""
+    from .targets import TARGETS
+
+    imports: list[str] = []
+    code = []
+    for prefix, source in steps.items():
+        found, text = embed(source, prefix)
+        imports += [i for i in found if i not in imports]
+        code.append(text)
+    chosen = TARGETS[target]
+    return (
+        environment(chosen)
+        .get_template(f"scan_{target}.py.j2")
+        .render(
+            s=scan,
+            imports=imports,
+            steps="\n\n\n".join(code),
+            content_hash="{content_hash}",
+            cut_inputs=[
+                n for n, a in zip(scan.inputs, scan.cut_axes, strict=True) if a is not None
+            ],
+            whole_inputs=[n for n, a in zip(scan.inputs, scan.cut_axes, strict=True) if a is None],
+            cut=dict(zip(scan.inputs, scan.cut_axes, strict=True)),
+            grads=[f"grad_{o}" for o in scan.outputs],
+            differentiable=[n for n in scan.inputs if n not in scan.no_gradient],
+        )
+    )
+
+
+def module_text(op, source_name: str, target: str) -> str:
+    """A recurrence op's module for a target: its steps compiled and rendered like any
+    op's, embedded, and the scan around them; formatted, validated, stamped."""
+    from dataclasses import replace
+
+    from . import pipeline
+    from .recurrence import plan
+    from .spec import snake_case
+
+    found = plan(op)
+    steps = {}
+    body_module = pipeline.compile_op(found.body)
+    for prefix, spec in (("_step", found.body), ("_init", found.init)):
+        if spec is not None:
+            steps[prefix] = pipeline.render(pipeline.compile_op(spec), target)
+    scan = replace(
+        found.scan,
+        gradient_lines=body_module.gradient_lines,
+        step_formulas=body_module.formulas,
+    )
+    name = f"{snake_case(op.name)}.py"
+    source = render(scan, target, steps)
+    source = source.replace(f"# source: {op.source}", f"# source: {source_name} [ops.{op.name}]")
+    formatted = pipeline.format_source(source, name)
+    try:
+        compile(formatted, name, "exec")
+    except SyntaxError as exc:  # pragma: no cover - would be a symgrad bug
+        raise pipeline.SymgradError(
+            f"generated code for {op.name} does not compile: {exc}"
+        ) from None
+    pipeline._check_structure(formatted, op.name)
+    return pipeline.stamp(formatted)

@@ -1,0 +1,515 @@
+"""Recurrences (issue 18): an equation that reads its own tensor at earlier positions is a
+scan; its gradient is the adjoint scan derived from the step. Each op is checked in every
+target against a NumPy loop written from the formula, and its gradient against central
+finite differences of that loop (a directional derivative per input), in float64, with a
+different size for every index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from frameworks import FRAMEWORKS, _enable_x64
+from harness import load_module
+
+from symgrad.errors import SymgradError
+from symgrad.pipeline import module_text
+from symgrad.spec import OpSpec
+
+TARGETS = ("tensorflow", "pytorch", "jax")
+
+
+def op_spec(name, formulas, **extra) -> OpSpec:
+    formulas = (formulas,) if isinstance(formulas, str) else tuple(formulas)
+    return OpSpec(
+        name=name,
+        formulas=formulas,
+        inputs=extra.pop("inputs", None),
+        attrs=extra.pop("attrs", ()),
+        no_gradient=extra.pop("no_gradient", ()),
+        source=f"test [ops.{name}]",
+        **extra,
+    )
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def linear_ref(a, x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = x[:, t] + (a[:, t] * h[:, t - 1] if t > 0 else 0)
+    return (h,)
+
+
+def linear_init_ref(h0, a, x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = h0 if t == 0 else a[:, t] * h[:, t - 1] + x[:, t]
+    return (h,)
+
+
+def lfilter_ref(x, a):
+    """torchaudio's lfilter recursion with a[0] = 1 normalised out (the feedback part)."""
+    y = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        y[:, t] = x[:, t]
+        for k in range(a.shape[0]):
+            if t - 1 - k >= 0:
+                y[:, t] -= a[k] * y[:, t - 1 - k]
+    return (y,)
+
+
+def reverse_ref(x, c):
+    h = np.zeros_like(x)
+    for t in reversed(range(x.shape[1])):
+        nxt = h[:, t + 1] if t + 1 < x.shape[1] else 0
+        h[:, t] = x[:, t] + c[:, t] * nxt
+    return (h,)
+
+
+def selective_scan_ref(delta, A, B, x, C, D):
+    """state-spaces/mamba's selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py)
+    for real A, B and C shaped [b, n, t], no z, no delta bias or softplus."""
+    b, d, t = x.shape
+    n = A.shape[1]
+    h = np.zeros((b, d, n))
+    y = np.zeros((b, d, t))
+    for s in range(t):
+        h = np.exp(delta[:, :, s, None] * A) * h + (
+            delta[:, :, s, None] * B[:, None, :, s] * x[:, :, s, None]
+        )
+        y[:, :, s] = np.einsum("bdn,bn->bd", h, C[:, :, s]) + D * x[:, :, s]
+    return (y,)
+
+
+def rnn_ref(W, x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        past = h[:, t - 1] if t > 0 else np.zeros_like(x[:, 0])
+        h[:, t] = np.tanh(np.einsum("de,be->bd", W, past) + x[:, t])
+    return (h,)
+
+
+def two_lags_ref(x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = (
+            x[:, t] + (0.5 * h[:, t - 1] if t > 0 else 0) - (0.25 * h[:, t - 2] if t > 1 else 0)
+        )
+    return (h,)
+
+
+def init_inline_ref(h0, a, x):
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = x[:, t] + (a[:, t] * h[:, t - 1] if t > 0 else h0)
+    return (h,)
+
+
+CASES = {
+    # a condition on the scan index inside the formula: the first position is its own step
+    "init_inline": (
+        op_spec(
+            "InitInline",
+            "h[b,t,d] = x[b,t,d] + where(t > 0, a[b,t,d] * h[b,t-1,d], h0[b,d])",
+            inputs=("h0", "a", "x"),
+        ),
+        {"h0": (2, 3), "a": (2, 5, 3), "x": (2, 5, 3)},
+        init_inline_ref,
+    ),
+    # the past state read along another index (summed against a matrix): regression for
+    # a refusal as "two indices"
+    "rnn": (
+        op_spec("Rnn", "h[b,t,d] = tanh(sum(W[d,e] * h[b,t-1,e], e) + x[b,t,d])"),
+        {"W": (3, 3), "x": (2, 6, 3)},
+        rnn_ref,
+    ),
+    "two_lags": (
+        op_spec("TwoLags", "h[b,t] = x[b,t] + 0.5 * h[b,t-1] - 0.25 * h[b,t-2]"),
+        {"x": (3, 7)},
+        two_lags_ref,
+    ),
+    "linear": (
+        op_spec("LinearRec", "h[b,t,d] = a[b,t,d] * h[b,t-1,d] + x[b,t,d]"),
+        {"a": (2, 7, 3), "x": (2, 7, 3)},
+        linear_ref,
+    ),
+    "init": (
+        op_spec(
+            "LinearInit",
+            "h[b,t,d] = where(t == 0, h0[b,d], a[b,t,d] * h[b,t-1,d] + x[b,t,d])",
+        ),
+        {"h0": (2, 3), "a": (2, 5, 3), "x": (2, 5, 3)},
+        linear_init_ref,
+    ),
+    "lfilter": (
+        op_spec("Lfilter", "y[b,t] = x[b,t] - sum(a[k] * y[b,t-1-k], k)"),
+        {"x": (3, 9), "a": (4,)},
+        lfilter_ref,
+    ),
+    "reverse": (
+        op_spec("ReverseRec", "h[b,t] = x[b,t] + c[b,t] * h[b,t+1]"),
+        {"x": (2, 6), "c": (2, 6)},
+        reverse_ref,
+    ),
+    "selective_scan": (
+        op_spec(
+            "SelectiveScan",
+            [
+                (
+                    "h[b,d,n,t] = exp(delta[b,d,t] * A[d,n]) * h[b,d,n,t-1]"
+                    " + delta[b,d,t] * B[b,n,t] * x[b,d,t]"
+                ),
+                "y[b,d,t] = sum(C[b,n,t] * h[b,d,n,t], n) + D[d] * x[b,d,t]",
+            ],
+            outputs=("y",),
+        ),
+        {
+            "delta": (2, 3, 6),
+            "A": (3, 4),
+            "B": (2, 4, 6),
+            "x": (2, 3, 6),
+            "C": (2, 4, 6),
+            "D": (3,),
+        },
+        selective_scan_ref,
+    ),
+}
+
+
+def inputs_for(shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    found = {}
+    for name, shape in shapes.items():
+        value = rng.standard_normal(shape)
+        if name in ("delta",):
+            value = np.abs(value) * 0.5
+        if name in ("A",):
+            value = -np.abs(value)
+        if name in ("a", "c"):
+            value = 0.4 * np.tanh(value)
+        found[name] = value
+    return found
+
+
+_MODULES = {}
+
+
+def module_for(case, target, folder):
+    key = (case, target)
+    if target == "jax":
+        _enable_x64()
+    if key not in _MODULES:
+        spec = CASES[case][0]
+        text = module_text(spec, "test", target)
+        _MODULES[key] = load_module(text, folder, f"rec_{case}_{target}")
+    return _MODULES[key]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("recurrences")
+
+
+def _directional(ref, values, names, grads_out, k, rng, eps=1e-6):
+    v = rng.standard_normal(values[names[k]].shape)
+    plus = dict(values)
+    minus = dict(values)
+    plus[names[k]] = values[names[k]] + eps * v
+    minus[names[k]] = values[names[k]] - eps * v
+    outs_p = ref(*[plus[n] for n in names])
+    outs_m = ref(*[minus[n] for n in names])
+    fd = sum(np.sum(g * (p - m)) / (2 * eps) for g, p, m in zip(grads_out, outs_p, outs_m))
+    return v, fd
+
+
+# The ops of symgrad.toml in every target; each other spelling in one target, taking
+# turns (each module costs a generation: the file stays fast).
+EVERYWHERE = ("linear", "lfilter", "selective_scan")
+OTHERS = sorted(c for c in CASES if c not in EVERYWHERE)
+PAIRS = [(c, t) for c in EVERYWHERE for t in TARGETS] + [
+    (c, TARGETS[k % len(TARGETS)]) for k, c in enumerate(OTHERS)
+]
+
+
+@pytest.mark.parametrize(("case", "target"), PAIRS)
+def test_forward_and_gradient_match_loop(case, target, folder):
+    _, shapes, ref = CASES[case]
+    module = module_for(case, target, folder)
+    names = module.INPUTS
+    values = inputs_for(shapes)
+    fw = FRAMEWORKS[target]
+    args = [fw.tensor(values[n]) for n in names]
+    want = ref(*[values[n] for n in names])
+    got = module.forward(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(fw.numpy(g), w, rtol=1e-10, atol=1e-12)
+    rng = np.random.default_rng(5)
+    grads_out = [rng.standard_normal(w.shape) for w in want]
+    found = module.vjp(*args, *[fw.tensor(g) for g in grads_out])
+    for k, name in enumerate(names):
+        v, fd = _directional(ref, values, names, grads_out, k, rng)
+        mine = np.sum(fw.numpy(found[k]) * v)
+        np.testing.assert_allclose(mine, fd, rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def _loss_and_grads(fw, module, args, targets):
+    """A training step's loss `Σ ½(y - target)²` and its gradients through the framework's
+    own machinery (TF tape, torch autograd, jax.jit(value_and_grad)), then the loss after
+    one SGD step."""
+    if fw.name == "tensorflow":
+        import tensorflow as tf
+
+        variables = [tf.Variable(a) for a in args]
+
+        def loss_of():
+            ys = module.forward(*variables)
+            ys = ys if isinstance(ys, tuple) else (ys,)
+            return tf.add_n([0.5 * tf.reduce_sum((y - t) ** 2) for y, t in zip(ys, targets)])
+
+        with tf.GradientTape() as tape:
+            loss = loss_of()
+        grads = tape.gradient(loss, variables)
+        for v, g in zip(variables, grads, strict=True):
+            v.assign_sub(0.002 * g)
+        return float(loss), [g.numpy() for g in grads], float(loss_of())
+    if fw.name == "pytorch":
+        import torch
+
+        leaves = [a.clone().requires_grad_(True) for a in args]
+
+        def loss_of(xs):
+            ys = module.forward(*xs)
+            ys = ys if isinstance(ys, tuple) else (ys,)
+            return sum(0.5 * ((y - t) ** 2).sum() for y, t in zip(ys, targets))
+
+        loss = loss_of(leaves)
+        loss.backward()
+        grads = [x.grad.numpy().copy() for x in leaves]
+        with torch.no_grad():
+            for x in leaves:
+                x -= 0.002 * x.grad
+            after = loss_of(leaves)
+        return loss.item(), grads, after.item()
+    import jax
+
+    def loss_of(*xs):
+        ys = module.forward(*xs)
+        ys = ys if isinstance(ys, tuple) else (ys,)
+        return sum(0.5 * ((y - t) ** 2).sum() for y, t in zip(ys, targets))
+
+    step = jax.jit(jax.value_and_grad(loss_of, argnums=tuple(range(len(args)))))
+    loss, grads = step(*args)
+    after = step(*[a - 0.002 * g for a, g in zip(args, grads, strict=True)])[0]
+    return float(loss), [np.asarray(g) for g in grads], float(after)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ["lfilter", "selective_scan"])
+def test_training_step(case, target, folder):
+    """One SGD step through the generated module: the framework's gradient of the loss is
+    the generated vjp of (y - target), and the loss goes down."""
+    _, shapes, ref = CASES[case]
+    module = module_for(case, target, folder)
+    fw = FRAMEWORKS[target]
+    values = inputs_for(shapes, seed=3)
+    args = [fw.tensor(values[n]) for n in module.INPUTS]
+    want = ref(*[values[n] for n in module.INPUTS])
+    rng = np.random.default_rng(4)
+    targets_np = [w + rng.standard_normal(w.shape) for w in want]
+    loss, grads, after = _loss_and_grads(fw, module, args, [fw.tensor(t) for t in targets_np])
+    expected = module.vjp(*args, *[fw.tensor(w - t) for w, t in zip(want, targets_np)])
+    for g, e in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(g, fw.numpy(e), rtol=1e-9, atol=1e-12)
+    assert after < loss
+
+
+def test_tensorflow_unknown_dims_and_xla(folder):
+    """Under tf.function with every dim unknown the scan is a tf.while_loop whose length
+    is read when the graph runs; under jit_compile=True it compiles with XLA."""
+    import tensorflow as tf
+
+    module = module_for("selective_scan", "tensorflow", folder)
+    _, shapes, ref = CASES["selective_scan"]
+    values = inputs_for(shapes, seed=7)
+    args = [tf.constant(values[n]) for n in module.INPUTS]
+    want = ref(*[values[n] for n in module.INPUTS])[0]
+    g_y = np.random.default_rng(8).standard_normal(want.shape)
+    expected = module.vjp(*args, tf.constant(g_y))
+
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            y = module.forward(*xs)
+        return y, tape.gradient(y, xs, output_gradients=tf.constant(g_y))
+
+    signature = [
+        tf.TensorSpec([None] * len(s), tf.float64) for s in (shapes[n] for n in module.INPUTS)
+    ]
+    for compiled in (
+        tf.function(step, input_signature=signature),
+        tf.function(step, jit_compile=True),
+    ):
+        y, grads = compiled(*args)
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-10)
+        for g, e in zip(grads, expected, strict=True):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_pytorch_compile_fullgraph(folder):
+    """torch.compile(fullgraph=True) takes the forward and the generated backward loop."""
+    import torch
+
+    module = module_for("lfilter", "pytorch", folder)
+    _, shapes, ref = CASES["lfilter"]
+    values = inputs_for(shapes, seed=9)
+    leaves = [torch.tensor(values[n], requires_grad=True) for n in module.INPUTS]
+    g_y = torch.tensor(np.random.default_rng(2).standard_normal(values["x"].shape))
+
+    def loss(*xs):
+        return (module.forward(*xs) * g_y).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    value = compiled(*leaves)
+    value.backward()
+    expected = module.vjp(*[x.detach() for x in leaves], g_y)
+    np.testing.assert_allclose(
+        value.item(), float((ref(values["x"], values["a"])[0] * g_y.numpy()).sum()), rtol=1e-10
+    )
+    for x, e in zip(leaves, expected, strict=True):
+        np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_jax_jit_vmap_and_grad_of_the_backward(folder):
+    """The JAX module works under jit and vmap, and the generated adjoint scan is itself
+    differentiable: a second derivative matches finite differences of the first."""
+    import jax
+    import jax.numpy as jnp
+
+    module = module_for("linear", "jax", folder)
+    _, shapes, _ = CASES["linear"]
+    values = inputs_for(shapes, seed=11)
+    a, x = (jnp.asarray(values[n]) for n in module.INPUTS)
+    batched = jax.jit(jax.vmap(module.forward))(jnp.stack([a, 0.5 * a]), jnp.stack([x, x]))
+    np.testing.assert_allclose(
+        batched[1], linear_ref(0.5 * values["a"], values["x"])[0], rtol=1e-10
+    )
+
+    def first(a):  # d/da of sum(h^2), through the generated backward
+        return jax.grad(lambda a: (module.forward(a, x) ** 2).sum())(a)
+
+    v = jnp.asarray(np.random.default_rng(3).standard_normal(a.shape))
+    hvp = jax.jvp(jax.jit(first), (a,), (v,))[1]
+    eps = 1e-6
+    fd = (first(a + eps * v) - first(a - eps * v)) / (2 * eps)
+    np.testing.assert_allclose(hvp, fd, rtol=1e-5, atol=1e-8)
+
+
+def test_selective_scan_training_step_memory_is_bounded(folder):
+    """Mamba's internal state h[b,d,n,t] is N times the inputs; the forward keeps its
+    inputs and one window of states per chunk of about sqrt(L) positions, and a training
+    step's peak allocation (torch.profiler's memory events) stays under 4x the inputs and
+    outputs -- below the bytes of h over the whole sequence."""
+    import torch
+    from test_tiling import _torch_memory
+
+    module = module_for("selective_scan", "pytorch", folder)
+    b, d, n, length = 1, 8, 32, 144
+    shapes = {
+        "delta": (b, d, length),
+        "A": (d, n),
+        "B": (b, n, length),
+        "x": (b, d, length),
+        "C": (b, n, length),
+        "D": (d,),
+    }
+    values = inputs_for(shapes)
+    xs = [torch.tensor(values[k], dtype=torch.float32, requires_grad=True) for k in module.INPUTS]
+    inputs = sum(x.numel() for x in xs) * 4
+    outputs = b * d * length * 4
+    state = b * d * n * 4
+    kept, peak = _torch_memory(module, xs, {})
+    assert kept <= inputs + 2 * 12 * state  # 12 chunks of 12 positions: one window each
+    assert peak < 4 * (inputs + outputs)
+    assert peak < state * length  # h over the whole sequence would not fit
+
+
+@pytest.mark.parametrize(
+    ("formula", "message", "caret"),
+    [
+        ("h[b,t] = x[b,t] * h[b,t]", "reads itself at the same position", "h[b,t]"),
+        (
+            "R[i,j] = D[i,j] + R[i-1,j-1]",
+            "along two indices",
+            "R[i-1,j-1]",
+        ),
+        (
+            "R[i,j] = D[i,j] + R[i-1,j] + R[i,j-1]",
+            "cannot be ordered as one scan",
+            "R[i-1,j]",
+        ),
+        ("h[t] = x[t] + h[t-1] + h[t+1]", "both before and after", "h[t-1]"),
+        ("h[t] = x[t] + h[t-1-k] * a[k] + h[k]", "at no shift of its own", "h[k]"),
+        ("h[b,t] = x[b,t-1] + h[b,t-1]", "computed from the scan index", "x[b,t-1]"),
+        ("h[b,t] = t * h[b,t-1] + x[b,t]", "used as a value", "t * h"),
+    ],
+)
+def test_refusals_point_at_the_read(formula, message, caret):
+    with pytest.raises(SymgradError) as found:
+        module_text(op_spec("Bad", formula), "test", "tensorflow")
+    error = found.value
+    assert message in error.message
+    assert error.column == formula.rindex(caret), error.render()
+
+
+def test_explain_shows_the_recurrence_its_step_and_the_adjoint(capsys):
+    from symgrad.cli import main
+
+    spec = Path(__file__).resolve().parents[1] / "symgrad.toml"
+    assert main(["explain", "--op", "Lfilter", "--spec", str(spec)]) == 0
+    text = capsys.readouterr().out
+    assert "Recurrence along t (from the first position on" in text
+    assert "y_past[j, ...] is y at t - 1 - j (zero before the start)" in text
+    assert "Adjoint recurrence" in text
+    # the step's derived gradient of the past states: what the adjoint passes back
+    assert "grad_y_past[k,b] = -grad_y[b]*a[k]" in text
+
+
+def test_check_runs_the_recurrences_against_a_loop(tmp_path):
+    """`symgrad check` checks a recurrence's generated forward against a loop of dense
+    step evaluations and its gradient against finite differences, in every target."""
+    from symgrad.check import run
+    from symgrad.spec import load_spec
+
+    spec_path = tmp_path / "symgrad.toml"
+    spec_path.write_text(
+        "[ops.Lfilter]\n"
+        'formula = "y[b,t] = x[b,t] - sum(a[k] * y[b,t-1-k], k)"\n'
+        "[ops.Rev]\n"
+        'formula = "h[b,t] = x[b,t] + c[b,t] * h[b,t+1]"\n',
+        encoding="utf-8",
+    )
+    from symgrad.cli import main
+
+    spec = load_spec(str(spec_path))
+    assert main(["generate", str(spec_path)]) == 0
+    report = run(spec, tmp_path / "generated")
+    for op in report.ops:
+        assert [r.passed for r in op.results] == [True, True], op
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_lfilter_matches_scipy(target, folder):
+    """The spec's Lfilter is scipy.signal.lfilter([1], [1, *a], x) along the last axis
+    (torchaudio's lfilter with b = [1] and a[0] = 1), and a loop where SciPy is absent."""
+    signal = pytest.importorskip("scipy.signal")
+    module = module_for("lfilter", target, folder)
+    fw = FRAMEWORKS[target]
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 11))
+    a = np.array([-0.5, 0.2, 0.1])
+    got = fw.numpy(module.forward(fw.tensor(x), fw.tensor(a)))
+    np.testing.assert_allclose(got, signal.lfilter([1.0], [1.0, *a], x, axis=-1), rtol=1e-12)
