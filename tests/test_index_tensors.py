@@ -478,3 +478,20 @@ def test_torch_training_step_of_a_gathered_window_is_bounded(name, folder):
     print(f"{name}: peak {untiled} / {tiled} (untiled / tiled), in+out {inputs + outputs}")
     assert tiled <= 2 * budget + 4 * (inputs + outputs), (tiled, untiled)
     assert untiled >= 3 * tiled, (tiled, untiled)
+
+
+def test_an_op_with_a_let_runs_in_chunks_like_in_one_piece(folder):
+    """A let keeps its value in every chunk (the lightconv's padding from w's width, which
+    no chunk cuts): one position per chunk gives the whole op's numbers."""
+    text = module_text(_spec_op("LightconvSame"), "symgrad.toml", "tensorflow")
+    module = load_module(text, folder, "let_in_chunks")
+    rng = np.random.default_rng(0)
+    named = {"x": rng.standard_normal((2, 3, 11)), "w": rng.standard_normal((3, 5))}
+    args = [tf.constant(named[n]) for n in module.INPUTS]
+    grad = tf.constant(rng.standard_normal((2, 3, 11)))
+    whole, whole_vjp = module.forward(*args), module.vjp(*args, grad)
+    module.MAX_TEMP_BYTES = 64
+    assert [int(v) for v in module._tile_plan(*args)] == [11, 1]  # t, one position a chunk
+    np.testing.assert_allclose(module.forward(*args), whole, rtol=1e-12, atol=1e-12)
+    for got, want in zip(module.vjp(*args, grad), whole_vjp, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
