@@ -118,6 +118,8 @@ def test_readme_install_from_a_checkout(tmp_path):
         "symgrad/templates/module.py.j2",
         "symgrad/templates/pytorch.py.j2",
         "symgrad/templates/jax.py.j2",
+        "symgrad/templates/scan_tensorflow.py.j2",
+        "symgrad/templates/tf_registration.py.j2",
         "symgrad/targets/tensorflow.py",
         "symgrad/lower/lowerer.py",
     ):

@@ -513,3 +513,37 @@ def test_lfilter_matches_scipy(target, folder):
     a = np.array([-0.5, 0.2, 0.1])
     got = fw.numpy(module.forward(fw.tensor(x), fw.tensor(a)))
     np.testing.assert_allclose(got, signal.lfilter([1.0], [1.0, *a], x, axis=-1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["lfilter", "selective_scan"])
+def test_tensorflow_registered_gradient_of_a_recurrence(case, folder):
+    """`gradient(op, *grads)` is registered for the op type and matches the op's inputs to
+    the formula's by name: an op that declares them in another order gets its gradients
+    in its own order, equal to the adjoint scan's (`vjp`), for a real op of that type as
+    TensorFlow hands it over (here a stand-in with the op's definition)."""
+    import tensorflow as tf
+    from harness import FakeOp
+    from tensorflow.python.framework import ops
+
+    module = module_for(case, "tensorflow", folder)
+    assert ops._gradient_registry.lookup(module.OP_TYPE) is module.gradient
+    _, shapes, ref = CASES[case]
+    values = inputs_for(shapes, seed=11)
+    ours = [tf.constant(values[n]) for n in module.INPUTS]
+    want = ref(*[values[n] for n in module.INPUTS])[0]
+    g_y = tf.constant(np.random.default_rng(12).standard_normal(want.shape))
+    expected = module.vjp(*ours, g_y)
+    theirs_order = list(reversed(module.INPUTS))
+    op = FakeOp(
+        [tf.constant(values[n]) for n in theirs_order],
+        [tf.constant(want)],
+        {},
+        module,
+        input_names=[n.upper() for n in theirs_order],  # C++ names differ in case
+    )
+    got = module.gradient(op, g_y)
+    assert len(got) == len(module.INPUTS)
+    for name, grad in zip(theirs_order, got, strict=True):
+        np.testing.assert_allclose(
+            grad.numpy(), expected[module.INPUTS.index(name)].numpy(), rtol=1e-12, atol=1e-14
+        )
