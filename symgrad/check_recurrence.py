@@ -16,7 +16,7 @@ import numpy as np
 
 from .check import Sizes, plan_sizes
 from .model import build
-from .recurrence import plan
+from .recurrence import is_recurrence, plan
 from .spec import OpSpec
 
 
@@ -52,7 +52,7 @@ class Program:
 def program(op: OpSpec) -> Program:
     found = plan(op)
     scan = found.scan
-    step = build(found.body)
+    step = _step_program(found.body)
     axes = dict(zip(scan.body.outputs, scan.body.output_axes, strict=True))
     outputs = []
     for name in scan.outputs:
@@ -67,8 +67,12 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
     """The step's sizes (distinct per index), and a distinct length for the scan index."""
     found = plan(op)
     scan = found.scan
-    program = build(found.body)
-    step = plan_sizes(program, attrs)
+    if is_recurrence(found.body):  # a two-index recurrence: its step is a scan along the row
+        step = sizes(found.body, attrs)
+        program = None
+    else:
+        program = build(found.body)
+        step = plan_sizes(program, attrs)
     # The past states have the state's shape (the step alone does not know it: an RNN's
     # h_lag1[b,e] is summed over e against W[d,e]).
     cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
@@ -85,7 +89,7 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
             fixed[read.name] = state
         elif read.kind == "window":
             fixed[read.name] = (depth, *state)
-    if fixed:
+    if fixed and program is not None:
         step = plan_sizes(
             program, attrs, shapes={n: s for n, s in fixed.items() if n in program.inputs}
         )
@@ -124,12 +128,19 @@ def reference(op: OpSpec, attrs: dict):
                     value = named[read.name]
                     given[read.name] = value if read.axis is None else np.take(value, t, read.axis)
                 elif read.kind == "lag":
-                    given[read.name] = _past(states, read.lag, arrays, scan)
+                    given[read.name] = _back(_past(states, read.lag, arrays, scan), read)
                 else:
                     depth = _depth(scan, named)
                     given[read.name] = np.stack(
                         [_past(states, j + 1, arrays, scan) for j in range(depth)]
                     )
+            if is_recurrence(spec):  # the row of a two-index recurrence: a loop too
+                inner = reference(spec, {n: attrs[n] for n in step.attrs})
+                outputs = inner([given[r.name] for r in step.reads])
+                for name, value in zip(step.outputs, outputs, strict=True):
+                    results[name].append(np.asarray(value))
+                states.append(results[scan.state][-1])
+                continue
             tensors = {n: tf.constant(v) for n, v in given.items()}
             outputs = evaluate_op(
                 spec.formulas,
@@ -163,3 +174,18 @@ def _past(states: list, lag: int, arrays, scan) -> np.ndarray:
 
 def _depth(scan, named) -> int:
     return scan.depth + sum(c * (named[n].shape[a] - 1) for c, n, a in scan.depth_sizes)
+
+
+def _back(state: np.ndarray, read) -> np.ndarray:
+    """A past state read `read.shift` positions back along its axis (zero before)."""
+    if not read.shift:
+        return state
+    moved = np.moveaxis(state, read.axis, 0)
+    shifted = np.zeros_like(moved)
+    shifted[read.shift :] = moved[: moved.shape[0] - read.shift]
+    return np.moveaxis(shifted, 0, read.axis)
+
+
+def _step_program(spec: OpSpec):
+    """The step's program, or, for a step that is itself a recurrence, its `Program`."""
+    return program(spec) if is_recurrence(spec) else build(spec)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .explain import explain
 from .model import build
-from .recurrence import plan
+from .recurrence import is_recurrence, plan
 from .spec import OpSpec
 
 
@@ -25,7 +25,8 @@ def recurrence_lines(op: OpSpec) -> list[str]:
     for read in scan.body.reads:
         if read.kind == "lag":
             shift = f"{t} + {read.lag}" if scan.reverse else f"{t} - {read.lag}"
-            lines.append(f"    {read.name} is {h} at {shift} (zero before the start)")
+            along = f", read {read.shift} back along its axis {read.axis}" if read.shift else ""
+            lines.append(f"    {read.name} is {h} at {shift}{along} (zero before the start)")
         elif read.kind == "window":
             shift = f"{t} + 1 + j" if scan.reverse else f"{t} - 1 - j"
             lines.append(f"    {read.name}[j, ...] is {h} at {shift} (zero before the start)")
@@ -61,7 +62,11 @@ def recurrence_lines(op: OpSpec) -> list[str]:
 
 def explain_recurrence(op: OpSpec, fmt: str = "text") -> str:
     lines = recurrence_lines(op)
-    step = explain(build(plan(op).body), fmt)
+    body = plan(op).body
+    if is_recurrence(body):  # a two-index recurrence: its step is a recurrence along the row
+        step = explain_recurrence(body, fmt)
+    else:
+        step = explain(build(body), fmt)
     if fmt == "latex":
         head = [f"% symgrad explain: {op.name} (a recurrence)", r"\begin{verbatim}"]
         plain = [line.replace("ḡ", "gbar") for line in lines]

@@ -420,12 +420,15 @@ def prune(
 class ScanRead:
     """One input of a scan's step: an op input (cut to the step's position along `axis`,
     or whole when `axis` is None), the state `lag` steps back (`kind="lag"`), or the
-    window of the last states, newest first (`kind="window"`)."""
+    window of the last states, newest first (`kind="window"`). A lag read with `shift`
+    reads the past state at `shift` earlier positions along its axis `axis` (zero before
+    the start): the previous row at j - 1 of a two-index recurrence."""
 
     kind: str  # "input" | "lag" | "window"
     name: str  # the step's name for it (an op input keeps its own)
     axis: int | None = None
     lag: int = 0
+    shift: int = 0
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from .parse import (
     parse_equation,
 )
 from .spec import OpSpec
+from .wavefront import wavefront_axes, wavefront_read
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,7 @@ class _Analysis:
         self.state = self.eq.output
         self.cuts: dict[str, int | None] = {}  # op input -> axis cut at the step, or None
         self.lags: set[int] = set()
+        self.shifts: set[tuple[int, int]] = set()  # (lag, shift) of two-index reads
         self.window_reads = False
         self.depth_sizes: list[tuple[int, str, int]] = []
         self.depth_const = 0
@@ -278,22 +280,13 @@ class _Analysis:
                     "its own tensor only at earlier (or only at later) positions of one index",
                     access.col,
                 )
-            if len(differ) > 1:
-                raise self.fail(
-                    f"{self.state!r} reads itself at other positions along two indices "
-                    f"({', '.join(lhs[k] for k in differ)}); a recurrence runs along one",
-                    access.col,
-                )
-            axes.add(differ[0])
+            axes.update(differ)
+        self.inner = None
         if len(axes) > 1:
-            first = self.self_reads(eq)[0]
-            raise self.fail(
-                f"{self.state!r} reads itself at earlier positions along two indices "
-                f"({', '.join(lhs[k] for k in sorted(axes))}), which cannot be ordered as one "
-                "scan",
-                first.col,
-            )
-        self.axis = axes.pop()
+            self.axis, inner = wavefront_axes(self, sorted(axes))
+            self.inner = lhs[inner]
+        else:
+            self.axis = axes.pop()
         self.index = lhs[self.axis]
 
     def self_reads(self, eq: Equation) -> list[Access]:
@@ -319,6 +312,8 @@ class _Analysis:
         signs = set()
         for access in self.self_reads(self.eq):
             lag = self.lag_of(access)
+            if self.inner is not None and lag == 0:
+                continue  # a read along the inner index of a two-index recurrence
             const = lag.subs({s: 0 for s in lag.free_symbols})
             coefficients = [lag.coeff(s) for s in lag.free_symbols]
             if const == 0 and not coefficients:
@@ -415,6 +410,8 @@ class _Analysis:
             if node.tensor == self.state and eq is self.eq:
                 lag = self.lag_of(node)
                 lag = -lag if self.reverse else lag
+                if self.inner is not None:
+                    return wavefront_read(self, node, int(lag), rest)
                 if not lag.free_symbols:
                     self.lags.add(int(lag))
                     return f"{self.lag_name(int(lag))}[{', '.join(rest)}]"
@@ -444,6 +441,9 @@ class _Analysis:
 
         body = text(rhs, swap)
         return body
+
+    def shift_name(self, lag: int, shift: int) -> str:
+        return self.fresh(f"{self.state}_lag{lag}_back{shift}")
 
     def lag_name(self, lag: int) -> str:
         return self.fresh(f"{self.state}_lag{lag}")
@@ -549,6 +549,10 @@ def plan(op: OpSpec) -> Plan:
                 reads.append(ir.ScanRead("lag", a.lag_name(lag), None, lag))
         if a.window_reads and a.window_name in used:
             reads.append(ir.ScanRead("window", a.window_name))
+        for lag, shift in sorted(a.shifts):
+            if a.shift_name(lag, shift) in used:
+                axis = _rest(eq, a.index).index(a.inner)
+                reads.append(ir.ScanRead("lag", a.shift_name(lag, shift), axis, lag, shift))
         attrs = tuple((n, k) for n, k in op.attrs if n in used)
         spec = OpSpec(
             name=f"{op.name}{name}",
@@ -563,12 +567,13 @@ def plan(op: OpSpec) -> Plan:
             outputs=tuple(step_outputs) if fused else None,
             lets=op.lets,
         )
+        spec = _without_vanished_attrs(spec)
         return spec, ir.ScanStep(
             prefix=f"_{name.lower()}",
             reads=tuple(reads),
             outputs=tuple(step_outputs),
             output_axes=tuple(axes),
-            attrs=tuple(n for n, _ in attrs),
+            attrs=tuple(n for n, _ in spec.attrs),
         )
 
     body_spec, body = step(rhs, "Step")
@@ -585,7 +590,7 @@ def plan(op: OpSpec) -> Plan:
     # sizes: the state's axes, the number of steps, the window's depth
     state_axes = tuple(a.sized(i, eq.output_col) for i in _rest(eq, a.index))
     length = a.sized(a.index, eq.index_col(a.index))
-    depth_const, depth_sizes = max(a.lags, default=0), []
+    depth_const, depth_sizes = max({*a.lags, *(lag for lag, _ in a.shifts)}, default=0), []
     if a.window_reads:
         depth_const, depth_sizes = _window_depth(a, eq)
         depth_const = max(depth_const, max(a.lags, default=0))
@@ -621,6 +626,27 @@ def plan(op: OpSpec) -> Plan:
         max_temp_bytes=op.max_temp_bytes,
     )
     return Plan(scan, body_spec, init_spec)
+
+
+def _without_vanished_attrs(spec: OpSpec) -> OpSpec:
+    """`spec` without the attrs its formulas name but no longer use once a condition is
+    decided (soft-DTW's first cell `D - gamma * log(1)` is `D`)."""
+    if not spec.attrs or is_recurrence(spec):
+        return spec
+    from .pipeline import compile_op
+
+    try:
+        compile_op(spec)
+    except SymgradError as exc:
+        for name, _ in spec.attrs:
+            if f"attr {name!r} is declared but no formula uses it" in str(exc):
+                # the formula does not depend on it: any value (1) reads the same
+                import re
+
+                attrs = tuple(a for a in spec.attrs if a[0] != name)
+                formulas = tuple(re.sub(rf"\b{name}\b", "1", f) for f in spec.formulas)
+                return _without_vanished_attrs(replace(spec, attrs=attrs, formulas=formulas))
+    return spec
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ A step's module is rendered by the ordinary pipeline; only the functions `_compu
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 
 from . import ir
 from .render import environment
@@ -102,6 +103,9 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
             cut=dict(zip(scan.inputs, scan.cut_axes, strict=True)),
             grads=[f"grad_{o}" for o in scan.outputs],
             differentiable=[n for n in scan.inputs if n not in scan.no_gradient],
+            shifted=any(
+                r.shift for st in (scan.body, scan.init) if st is not None for r in st.reads
+            ),
         )
     )
 
@@ -109,23 +113,16 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
 def module_text(op, source_name: str, target: str) -> str:
     """A recurrence op's module for a target: its steps compiled and rendered like any
     op's, embedded, and the scan around them; formatted, validated, stamped."""
-    from dataclasses import replace
-
     from . import pipeline
     from .recurrence import plan
     from .spec import snake_case
 
     found = plan(op)
     steps = {}
-    body_module = pipeline.compile_op(found.body)
     for prefix, spec in (("_step", found.body), ("_init", found.init)):
         if spec is not None:
-            steps[prefix] = pipeline.render(pipeline.compile_op(spec), target)
-    scan = replace(
-        found.scan,
-        gradient_lines=body_module.gradient_lines,
-        step_formulas=body_module.formulas,
-    )
+            steps[prefix] = _step_source(spec, target)
+    scan = replace(found.scan, **_step_lines(found.body))
     name = f"{snake_case(op.name)}.py"
     source = render(scan, target, steps)
     source = source.replace(f"# source: {op.source}", f"# source: {source_name} [ops.{op.name}]")
@@ -138,3 +135,58 @@ def module_text(op, source_name: str, target: str) -> str:
         ) from None
     pipeline._check_structure(formatted, op.name)
     return pipeline.stamp(formatted)
+
+
+def _step_lines(spec) -> dict:
+    """The step's formulas and gradient lines for the module's docstring (of the inner
+    step, when the step is itself a recurrence: a two-index recurrence's row)."""
+    from . import pipeline
+    from .recurrence import is_recurrence, plan
+
+    if is_recurrence(spec):
+        inner = plan(spec)
+        lines = _step_lines(inner.body)
+        return {
+            "gradient_lines": lines["gradient_lines"],
+            "step_formulas": (*spec.formulas, "whose step is", *lines["step_formulas"]),
+        }
+    module = pipeline.compile_op(spec)
+    return {"gradient_lines": module.gradient_lines, "step_formulas": module.formulas}
+
+
+def _step_source(spec, target: str) -> str:
+    """A step's module source with `_compute` and `_backward` in the step convention:
+    an ordinary op's, or, when the step is itself a recurrence (the row of a two-index
+    recurrence), its scan module with adapters (its checkpoints are the saved values)."""
+    from . import pipeline
+    from .recurrence import is_recurrence, plan
+
+    if not is_recurrence(spec):
+        return pipeline.render(pipeline.compile_op(spec), target)
+    inner = plan(spec)
+    steps = {
+        prefix: _step_source(step, target)
+        for prefix, step in (("_step", inner.body), ("_init", inner.init))
+        if step is not None
+    }
+    scan = replace(inner.scan, **_step_lines(inner.body))
+    tree = ast.parse(render(scan, target, steps))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in ("_compute", "_backward"):
+            node.name = f"_scan{node.name}"
+    return ast.unparse(tree) + ADAPTER
+
+
+ADAPTER = """
+
+
+def _compute(*_args, **_attrs):
+    _outputs, _checkpoints = _scan_compute(*_args, **_attrs)
+    return _outputs, (_checkpoints,)
+
+
+def _backward(*_args, **_attrs):
+    _n, _m = len(INPUTS), len(OUTPUTS)
+    _grads = _args[_n + _m + 1 :]
+    return _scan_backward(*_args[:_n], _args[_n + _m], *_grads, **_attrs)
+"""

@@ -442,14 +442,14 @@ def test_selective_scan_training_step_memory_is_bounded(folder):
     [
         ("h[b,t] = x[b,t] * h[b,t]", "reads itself at the same position", "h[b,t]"),
         (
-            "R[i,j] = D[i,j] + R[i-1,j-1]",
-            "along two indices",
-            "R[i-1,j-1]",
+            "R[i,j,k] = D[i,j,k] + R[i-1,j-1,k-1]",
+            "cannot be ordered",
+            "R[i-1,j-1,k-1]",
         ),
         (
-            "R[i,j] = D[i,j] + R[i-1,j] + R[i,j-1]",
-            "cannot be ordered as one scan",
-            "R[i-1,j]",
+            "R[i,j] = D[i,j] + R[i-1,j+1] + R[i+1,j-1]",
+            "cannot be ordered",
+            "R[i-1,j+1]",
         ),
         ("h[t] = x[t] + h[t-1] + h[t+1]", "both before and after", "h[t-1]"),
         ("h[t] = x[t] + h[t-1-k] * a[k] + h[k]", "at no shift of its own", "h[k]"),

@@ -1,0 +1,116 @@
+"""Two-index (wavefront) recurrences (issue 18): soft-DTW, a recurrence reading its own
+tensor at earlier positions along two indices, is a scan over rows whose step is a scan
+along the row. Checked in every target against a NumPy loop (forward, and the gradient
+against central finite differences), in float64, with a different size for every index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from frameworks import FRAMEWORKS, _enable_x64
+from harness import load_module
+from test_recurrences import TARGETS, _directional, op_spec
+
+from symgrad.errors import SymgradError
+from symgrad.pipeline import module_text
+
+# soft-DTW as in mblondel/soft-dtw and Maghoumi/pytorch-softdtw-cuda: R[-1,-1] = 0 and
+# every other read outside the grid is +inf; exp(-inf/gamma) = 0 is written as a zero term.
+SOFT_DTW = (
+    "R[b,i,j] = D[b,i,j] - gamma * log(where(i == 0 and j == 0, 1, 0)"
+    " + where(i == 0 or j == 0, 0, exp(-R[b,i-1,j-1] / gamma))"
+    " + where(i == 0, 0, exp(-R[b,i-1,j] / gamma))"
+    " + where(j == 0, 0, exp(-R[b,i,j-1] / gamma)))"
+)
+GAMMA = 0.7
+
+
+def soft_dtw_ref(D, gamma=GAMMA):
+    """The soft-DTW loop of the public kernels (compute_softdtw), on a batch."""
+    B, N, M = D.shape
+    R = np.full((B, N + 1, M + 1), np.inf)
+    R[:, 0, 0] = 0.0
+    for i in range(1, N + 1):
+        for j in range(1, M + 1):
+            r = -np.stack([R[:, i - 1, j - 1], R[:, i - 1, j], R[:, i, j - 1]]) / gamma
+            top = np.max(r, 0)
+            softmin = -gamma * (np.log(np.sum(np.exp(r - top), 0)) + top)
+            R[:, i, j] = D[:, i - 1, j - 1] + softmin
+    return (R[:, 1:, 1:],)
+
+
+def diagonal_ref(D):
+    R = np.zeros_like(D)
+    for i in range(D.shape[1]):
+        for j in range(D.shape[2]):
+            R[:, i, j] = D[:, i, j] + (0.5 * R[:, i - 1, j - 1] if i and j else 0)
+    return (R,)
+
+
+CASES = {
+    "soft_dtw": (
+        op_spec("SoftDtw", SOFT_DTW, attrs=(("gamma", "float"),)),
+        soft_dtw_ref,
+        {"gamma": GAMMA},
+    ),
+    # one earlier row read one position back: a scan over rows, its step not a recurrence
+    "diagonal": (
+        op_spec("DiagonalRec", "R[b,i,j] = D[b,i,j] + 0.5 * R[b,i-1,j-1]"),
+        diagonal_ref,
+        {},
+    ),
+}
+SHAPE = (2, 5, 4)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("wavefront")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_and_gradient_match_loop(case, target, folder):
+    spec, ref, attrs = CASES[case]
+    if target == "jax":
+        _enable_x64()
+    module = load_module(module_text(spec, "test", target), folder, f"wf_{case}_{target}")
+    fw = FRAMEWORKS[target]
+    values = {"D": np.abs(np.random.default_rng(0).standard_normal(SHAPE))}
+    want = ref(values["D"])
+    got = module.forward(fw.tensor(values["D"]), **attrs)
+    np.testing.assert_allclose(fw.numpy(got), want[0], rtol=1e-10, atol=1e-12)
+    rng = np.random.default_rng(5)
+    grads_out = [rng.standard_normal(SHAPE)]
+    found = module.vjp(fw.tensor(values["D"]), fw.tensor(grads_out[0]), **attrs)
+    v, fd = _directional(ref, values, ["D"], grads_out, 0, rng)
+    np.testing.assert_allclose(np.sum(fw.numpy(found[0]) * v), fd, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    ("formula", "caret"),
+    [
+        ("R[i,j] = D[i,j] + R[i-1,j+1] + R[i+1,j-1]", "R[i-1,j+1]"),
+        ("R[i,j] = D[i,j] + R[i-1,j] + R[i,j-1] + R[i-1,j+1] + R[i+1,j-1]", "R[i-1,j]"),
+        ("R[i,j] = D[i,j] + R[i-k,j-1] * a[k]", "R[i-k,j-1]"),
+    ],
+)
+def test_two_index_reads_that_cannot_be_ordered_are_refused_with_a_caret(formula, caret):
+    with pytest.raises(SymgradError) as info:
+        module_text(op_spec("Bad", formula), "test", "jax")
+    message = str(info.value)
+    assert "cannot be ordered" in message
+    line = message.splitlines()
+    at = next(k for k, text in enumerate(line) if formula in text)
+    assert line[at + 1].index("^") == line[at].index(formula) + formula.index(caret)
+
+
+def test_explain_shows_the_rows_and_the_row_step(capsys):
+    from symgrad.explain_recurrence import explain_recurrence
+
+    text = explain_recurrence(CASES["soft_dtw"][0])
+    assert "Recurrence along i" in text
+    assert "R_lag1_back1 is R at i - 1, read 1 back along its axis 1" in text
+    assert "Recurrence along j" in text
+    assert text.index("Recurrence along i") < text.index("Recurrence along j")
+    assert "Adjoint recurrence (the gradient; run from the last position)" in text
