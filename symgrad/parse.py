@@ -539,6 +539,12 @@ class _Walker:
             op = ops.get(type(node.op))
             if op is None:
                 hint = "; powers are `**`" if isinstance(node.op, ast.BitXor) else ""
+                if isinstance(node.op, ast.FloorDiv | ast.Mod):
+                    symbol = "//" if isinstance(node.op, ast.FloorDiv) else "%"
+                    hint = (
+                        f" on values or float positions; an index is split by `{symbol}` with "
+                        "a positive int literal, an int attr or a let"
+                    )
                 self.fail(
                     f"operator {_op_symbol(node.op)} is not supported{hint}",
                     col=_operator_col(self.text, node),

@@ -10,6 +10,7 @@ A step's module is rendered by the ordinary pipeline; only the functions `_compu
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import replace
 
 from . import ir
@@ -45,23 +46,14 @@ def embed(source: str, prefix: str) -> tuple[list[str], str]:
     def rename(name: str) -> str:
         return f"{prefix}{name}" if name.startswith("_") else f"{prefix}_{name}"
 
-    class Renamer(ast.NodeTransformer):
-        def visit_Name(self, node: ast.Name) -> ast.Name:
-            if node.id in wanted:
-                node.id = rename(node.id)
-            return node
-
-        def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.FunctionDef:
-            if node.name in wanted:
-                node.name = rename(node.name)
-            self.generic_visit(node)
-            return node
-
-        def visit_arg(self, node: ast.arg) -> ast.arg:
-            if node.arg in wanted:
-                node.arg = rename(node.arg)
-            return node
-
+    # Renamed in the module's own (formatted, lint-clean) text rather than unparsed from
+    # the tree: ast.unparse writes `tuple((x for x in xs))`, which is not lint-clean.
+    # A name is a whole word not after a dot (an attribute of another object keeps it).
+    pattern = re.compile(
+        r"(?<![\w.])("
+        + "|".join(re.escape(n) for n in sorted(wanted, key=len, reverse=True))
+        + r")(?!\w)"
+    )
     kept = []
     seen: set[int] = set()
     for node in tree.body:
@@ -72,7 +64,8 @@ def embed(source: str, prefix: str) -> tuple[list[str], str]:
         )
         if any(n in wanted for n in names) and id(node) not in seen:
             seen.add(id(node))
-            kept.append(ast.unparse(Renamer().visit(node)))
+            text = ast.get_source_segment(source, node)
+            kept.append(pattern.sub(lambda m: rename(m.group(1)), text))
     return imports, "\n\n\n".join(kept)
 
 
@@ -88,7 +81,7 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
         imports += [i for i in found if i not in imports]
         code.append(text)
     chosen = TARGETS[target]
-    return (
+    return _unique_imports(
         environment(chosen)
         .get_template(f"scan_{target}.py.j2")
         .render(
@@ -170,11 +163,11 @@ def _step_source(spec, target: str) -> str:
         if step is not None
     }
     scan = replace(inner.scan, **_step_lines(inner.body))
-    tree = ast.parse(render(scan, target, steps))
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in ("_compute", "_backward"):
-            node.name = f"_scan{node.name}"
-    return ast.unparse(tree) + ADAPTER
+    text = render(scan, target, steps)
+    # Only the definitions are renamed (the adapter below takes their names); the text
+    # stays as rendered, not unparsed, so it stays lint-clean.
+    text = re.sub(r"^def (_compute|_backward)\(", r"def _scan\1(", text, flags=re.MULTILINE)
+    return text + ADAPTER
 
 
 ADAPTER = """
@@ -190,3 +183,18 @@ def _backward(*_args, **_attrs):
     _grads = _args[_n + _m + 1 :]
     return _scan_backward(*_args[:_n], _args[_n + _m], *_grads, **_attrs)
 """
+
+
+def _unique_imports(text: str) -> str:
+    """The module without repeated top-level import lines: the template imports `math`
+    and its framework itself, and a nested step's module (a recurrence whose step is a
+    recurrence) brings the same imports again."""
+    seen: set[str] = set()
+    lines = []
+    for line in text.split("\n"):
+        if line.startswith(("import ", "from ")):
+            if line in seen:
+                continue
+            seen.add(line)
+        lines.append(line)
+    return "\n".join(lines)

@@ -423,7 +423,7 @@ CASES = [
     Case(
         "output-on-right",
         op("A[b] = A[b] * 2"),
-        "output 'A' cannot be used on the right",
+        "'A' reads itself at the same position",
         at="A[b] * 2",
     ),
     Case(

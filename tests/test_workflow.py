@@ -717,6 +717,18 @@ def test_the_generated_package_lists_and_finds_its_modules():
         sys.path.remove(str(REPO))
 
 
+def test_the_committed_generated_modules_pass_ruff_check():
+    """Every committed module passes `ruff check` with the project's rules, including the
+    scan modules whose step is itself a scan (they embed another module's code: no
+    repeated imports, no parentheses ast.unparse would add)."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or "ruff"
+    folders = [str(REPO / f) for f in ("generated", "generated_torch", "generated_jax")]
+    done = subprocess.run(
+        [ruff, "check", *folders], capture_output=True, text=True, check=False, cwd=REPO
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_repo_generated_folder_is_up_to_date(capsys):
     """This repo's CI fails when generated/ is stale."""
     code, stdout, _ = run(capsys, "generate", "--check", REPO_SPEC)
