@@ -103,3 +103,45 @@ def check_target(case: Case, module, fw: Framework, seed: int = 0) -> None:
         return tuple(module._compute(*xs, **attrs)[0])
 
     compare(through(ops_only), "the framework's own autodiff of the generated forward ops")
+
+
+def _torch_autodiff(f, inputs, wrt, grads):
+    import torch
+
+    args, leaves = list(inputs), []
+    for k in wrt:
+        leaf = args[k].detach().clone().requires_grad_(True)
+        leaves.append(leaf)
+        args[k] = leaf
+    return list(torch.autograd.grad(f(*args), leaves, grads, allow_unused=True))
+
+
+def _jax_autodiff(f, inputs, wrt, grads):
+    import jax
+
+    def of_wrt(*xs):
+        args = list(inputs)
+        for k, x in zip(wrt, xs, strict=True):
+            args[k] = x
+        return f(*args)
+
+    _, pullback = jax.vjp(of_wrt, *(inputs[k] for k in wrt))
+    return list(pullback(tuple(grads)))
+
+
+def frameworks() -> dict[str, Framework]:
+    """PyTorch's and JAX's adapters (float64 JAX), for tests that run both."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    jax.config.update("jax_enable_x64", True)
+    return {
+        "pytorch": Framework(
+            "pytorch",
+            tensor=torch.from_numpy,
+            numpy=lambda t: t.detach().numpy(),
+            autodiff=_torch_autodiff,
+        ),
+        "jax": Framework("jax", tensor=jnp.asarray, numpy=np.asarray, autodiff=_jax_autodiff),
+    }

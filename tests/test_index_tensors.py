@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from harness import Case, check, generate, load_module
-from target_harness import check_target
-from test_values_and_internals import FRAMEWORKS
+from target_harness import check_target, frameworks
 
 from symgrad.errors import SymgradError
 from symgrad.explain import explain
@@ -26,6 +25,8 @@ from symgrad.spec import OpSpec, load_spec
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
+
+FRAMEWORKS = frameworks()
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from harness import Case, check, generate, op_spec
-from target_harness import Framework, check_target
+from target_harness import check_target, frameworks
 
 from symgrad.errors import SymgradError
 from symgrad.explain import explain
@@ -27,35 +27,8 @@ jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp
 
+FRAMEWORKS = frameworks()
 
-def _torch_autodiff(f, inputs, wrt, grads):
-    leaves = [inputs[k].detach().clone().requires_grad_(True) for k in wrt]
-    args = list(inputs)
-    for k, leaf in zip(wrt, leaves, strict=True):
-        args[k] = leaf
-    return list(torch.autograd.grad(f(*args), leaves, grads, allow_unused=True))
-
-
-def _jax_autodiff(f, inputs, wrt, grads):
-    def of_wrt(*xs):
-        args = list(inputs)
-        for k, x in zip(wrt, xs, strict=True):
-            args[k] = x
-        return f(*args)
-
-    _, pullback = jax.vjp(of_wrt, *(inputs[k] for k in wrt))
-    return list(pullback(tuple(grads)))
-
-
-FRAMEWORKS = {
-    "pytorch": Framework(
-        "pytorch",
-        tensor=torch.from_numpy,
-        numpy=lambda t: t.detach().numpy(),
-        autodiff=_torch_autodiff,
-    ),
-    "jax": Framework("jax", tensor=jnp.asarray, numpy=np.asarray, autodiff=_jax_autodiff),
-}
 
 LIGHTCONV_HEADS = Case(
     "y[b,c,t] = sum(w[c // G, k] * x[b, c, t + k - P], k)",
