@@ -249,7 +249,8 @@ class Attr:
 class Tiling:
     """How a module splits its work when its temporaries outgrow `MAX_TEMP_BYTES`.
 
-    `chunk` is the op over the positions [start, start + length) of output index `index`
+    `chunk` is the op over the positions [start, start + length) of index `index` (an
+    output index; or, when `summed`, the index of the formula's outer sum)
     (its formulas with `index` -> `index + start`; inputs in `sliced` are cut to the chunk
     along their axis). At call time `sizes` gives every size `volumes` multiply, and the
     module runs the chunk in a loop when the largest temporaries would not fit.
@@ -266,6 +267,10 @@ class Tiling:
     count: str  # the size variable of `index`
     chunk: Module
     max_temp_bytes: int  # the default of the module's MAX_TEMP_BYTES
+    # `index` is summed by the outputs, not one of theirs: the chunks' outputs are partial
+    # sums, added up; every chunk's gradient gets the whole incoming gradient (`tile_sum`)
+    summed: bool = False
+    untiled_reason: str = ""  # why a summed index could not be chosen (for the docstring)
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""

@@ -13,7 +13,7 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, recurrence, scan_render, tile
+from . import ir, recurrence, scan_render, tile, tile_sum
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -32,12 +32,16 @@ def compile_op(op: OpSpec) -> ir.Module:
     program = build(op)
     backward = derive(program)
     module = replace(lower(program, backward), max_temp_bytes=op.max_temp_bytes)
-    choice = tile.choose(op, program)
+    choice = tile_sum.choose(op, program, tile.choose(op, program))
     if choice is None:
         return module
     chunk_program = build(choice.chunk)
     chunk = lower(chunk_program, derive(chunk_program))
-    return replace(module, tiling=tile.tiling(choice, program, backward, chunk))
+    if choice.index not in {i.name for i in program.outputs[0].level.indices}:
+        return replace(module, tiling=tile_sum.tiling(choice, program, backward, chunk))
+    tiling = tile.tiling(choice, program, backward, chunk)
+    reason = tile_sum.why_not(op)
+    return replace(module, tiling=replace(tiling, untiled_reason=reason) if reason else tiling)
 
 
 def _ruff() -> str:

@@ -1,0 +1,203 @@
+"""Tiling along a summed index: when no output index bounds an op's temporaries.
+
+`tile.choose` cuts the work along an index of the outputs. When the outputs keep only a
+batch index (a Chamfer loss per cloud, an RBF energy `y[b] = sum(exp(-d[b,n,m]), n, m)`),
+one position of that index still holds the whole pairwise matrix. If the formula is
+`y[...] = sum(body, n, ...)` -- an outer sum whose body is computed per `n` -- the outputs
+are the sum over chunks of `n` of the same formula over the chunk (Rabe & Staats' partial
+sums, KeOps' tiled reductions), and each chunk's gradient gets the whole incoming
+gradient (d(sum of parts)/d(part) = 1): inputs cut along `n` get their gradient per chunk,
+the others add up over the chunks.
+
+The chunk is the op's own formula with `n` -> `n + start` where a position reads it
+plainly on no cut input, the inputs that read `n` plainly on one axis cut to the chunk,
+and `n` ranging over the chunk (a `tile_length` range when no cut input gives its size).
+
+Covered: one formula, one output, a right-hand side that is one `sum(...)` (over several
+indices too: any of them may be chosen). Not covered: a sum of such terms over different
+indices (Chamfer's two directions) -- no one index can be cut in every term, and the
+module keeps the output-index tiling, with the reason in its docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import replace
+
+from . import ir, splits
+from .model import Index, Program
+from .spec import OpSpec
+from .tile import (
+    LENGTH,
+    START,
+    Choice,
+    _fresh,
+    _names,
+    _no_larger,
+    _Offset,
+    _reads,
+    _sliced,
+    big_sets,
+)
+
+REDUCTIONS = {"sum", "min", "max", "logsumexp", "prod", "mean"}
+
+
+def bounded(choice: Choice | None, program: Program) -> bool:
+    """Whether one position of the choice's index leaves every large temporary no larger
+    than an input or output (then its chunks can be made to fit any budget)."""
+    if choice is None:
+        return False
+    small = _no_larger(program)
+    return all(small({i for i in b if i.name.replace("'", "") != choice.index}) for b in choice.big)
+
+
+def summed_terms(op: OpSpec) -> list[tuple[str, ...]] | None:
+    """Per additive term of the op's one formula, the indices its outer `sum` runs over
+    (None when the formula is not one equation)."""
+    if len(op.formulas) != 1:
+        return None
+    (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
+    terms = []
+    for term in _terms(assign.value):
+        outer = _outer_sum(term)
+        terms.append(() if outer is None else tuple(a.id for a in outer.args[1:]))
+    return terms
+
+
+def _terms(expr: ast.AST) -> list[ast.AST]:
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add | ast.Sub):
+        return [*_terms(expr.left), *_terms(expr.right)]
+    return [expr]
+
+
+def _outer_sum(expr: ast.AST) -> ast.Call | None:
+    """`sum(body, n, ...)` with plain index names, or None."""
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Name)
+        and expr.func.id == "sum"
+        and len(expr.args) >= 2
+        and not expr.keywords
+        and all(isinstance(a, ast.Name) for a in expr.args[1:])
+    ):
+        return expr
+    return None
+
+
+def why_not(op: OpSpec) -> str | None:
+    """A sentence for the docstring when the op's terms sum different indices."""
+    terms = summed_terms(op)
+    if terms is None or len(terms) < 2 or not all(terms):
+        return None
+    common = set(terms[0]).intersection(*terms[1:])
+    if common:
+        return None
+    return (
+        "Its terms sum different indices ("
+        + "; ".join(", ".join(t) for t in terms)
+        + "), so no summed index can be cut in every term: write each term as an op of "
+        "its own to tile it along its summed index."
+    )
+
+
+def choose(op: OpSpec, program: Program, outer: Choice | None) -> Choice | None:
+    """`outer` (the output-index choice) when one of its positions is bounded; else a
+    summed index whose one position is, with its chunk; else `outer`."""
+    if bounded(outer, program):
+        return outer
+    summed = _choose_summed(op, program)
+    return summed if summed is not None and bounded(summed, program) else outer
+
+
+def _choose_summed(op: OpSpec, program: Program) -> Choice | None:
+    if op.outputs is not None or len(program.outputs) != 1:
+        return None
+    if any(len(group) > 1 for o in program.outputs for group in o.groups):
+        return None
+    terms = summed_terms(op)
+    if terms is None or len(terms) != 1 or not terms[0]:
+        return None
+    big = big_sets(program)
+    if not big:
+        return None
+    tree = ast.parse(op.formulas[0].strip(" "), mode="exec")
+    (assign,) = tree.body
+    reads = _reads([tree], set(program.inputs))
+    for name in terms[0]:
+        if not all(name in {i.name for i in b} for b in big):
+            continue  # cutting it would leave some temporary whole
+        if _rebound(assign.value, name) or splits.in_group(name, reads):
+            continue
+        choice = _chunk(op, program, tree, reads, name, tuple(big))
+        if bounded(choice, program):
+            return choice
+    return None
+
+
+def _rebound(rhs: ast.Call, name: str) -> bool:
+    """Whether a reduction inside the outer sum's body runs over `name` again."""
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in REDUCTIONS
+        and any(isinstance(a, ast.Name) and a.id == name for a in node.args[1:])
+        for node in ast.walk(rhs.args[0])
+    )
+
+
+def _chunk(op, program, tree, reads, name, big) -> Choice:
+    sliced = _sliced(name, reads, op)
+    taken = _names(tree) | {a for a, _ in (*op.attrs, *op.lets)}
+    start = _fresh(START, taken)
+    length = None if sliced else _fresh(LENGTH, taken)
+    # Only the body is moved: the outer sum's own index arguments stay (`_rebound`: no
+    # reduction inside runs over `name` again).
+    offset = _Offset(name, start, {n for n, _ in sliced})
+    (assign,) = tree.body
+    outer = assign.value
+    outer.args[0] = offset.visit(outer.args[0])
+    formula = ast.unparse(tree)
+    if not offset.count:
+        start = None
+    ranges = tuple((k, v) for k, v in op.ranges if k != name)
+    if length is not None:
+        ranges += ((name, length),)
+    texts = (formula, *(v for _, v in ranges), *(v for _, v in op.lets))
+    used = {n for text in texts for n in _names(ast.parse(text.strip(" ")))}
+    attrs = (
+        *((a, kind) for a, kind in op.attrs if a in used),
+        *((a, "int") for a in (start, length) if a),
+    )
+    chunk = replace(op, formulas=(formula,), attrs=attrs, ranges=ranges, inputs=program.inputs)
+    return Choice(name, sliced, big, chunk, start, length)
+
+
+def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.Tiling:
+    """The IR of a tiling along a summed index: outputs added over the chunks."""
+    from .lower import lower_sizes
+
+    index = _index(choice, program)
+    wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
+    sizes, names = lower_sizes(program, backward, wanted)
+    size_of = dict(zip(wanted, names, strict=True))
+    return ir.Tiling(
+        index=choice.index,
+        start=choice.start,
+        length=choice.length,
+        sliced=choice.sliced,
+        output_axes=(),
+        sizes=sizes,
+        volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
+        temporaries=tuple(
+            "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
+        ),
+        count=size_of[index],
+        chunk=chunk,
+        max_temp_bytes=choice.chunk.max_temp_bytes,
+        summed=True,
+    )
+
+
+def _index(choice: Choice, program: Program) -> Index:
+    return next(i for b in choice.big for i in b if i.name == choice.index)
