@@ -40,7 +40,7 @@ def compile_op(op: OpSpec) -> ir.Module:
     if choice.index not in {i.name for i in program.outputs[0].level.indices}:
         return replace(module, tiling=tile_sum.tiling(choice, program, backward, chunk))
     tiling = tile.tiling(choice, program, backward, chunk)
-    reason = tile_sum.why_not(op)
+    reason = tile_sum.why_not(op, program, choice)
     return replace(module, tiling=replace(tiling, untiled_reason=reason) if reason else tiling)
 
 

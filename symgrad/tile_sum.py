@@ -85,8 +85,11 @@ def _outer_sum(expr: ast.AST) -> ast.Call | None:
     return None
 
 
-def why_not(op: OpSpec) -> str | None:
-    """A sentence for the docstring when the op's terms sum different indices."""
+def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
+    """A sentence for the docstring when one position of the chosen output index still
+    holds a pairwise matrix and the op's terms sum different indices."""
+    if bounded(choice, program) or not pairwise(choice, program):
+        return None
     terms = summed_terms(op)
     if terms is None or len(terms) < 2 or not all(terms):
         return None
@@ -101,10 +104,22 @@ def why_not(op: OpSpec) -> str | None:
     )
 
 
+def pairwise(choice: Choice, program: Program) -> bool:
+    """Whether one position of the choice's index still leaves a large temporary over two
+    or more indices that no output has (a pairwise matrix per position: `[n,m]` of
+    `y[b] = sum(..., n, m)`), where a window (`[b,c,k]` per `t` of a convolution) has one."""
+    outputs = {i.name for o in program.outputs for i in o.level.indices}
+    return any(
+        len({i.name.replace("'", "") for i in b} - outputs - {choice.index}) >= 2
+        for b in choice.big
+    )
+
+
 def choose(op: OpSpec, program: Program, outer: Choice | None) -> Choice | None:
-    """`outer` (the output-index choice) when one of its positions is bounded; else a
-    summed index whose one position is, with its chunk; else `outer`."""
-    if bounded(outer, program):
+    """`outer` (the output-index choice) when one of its positions is bounded or holds no
+    pairwise matrix; else a summed index whose one position is bounded, with its chunk;
+    else `outer`."""
+    if outer is not None and (bounded(outer, program) or not pairwise(outer, program)):
         return outer
     summed = _choose_summed(op, program)
     return summed if summed is not None and bounded(summed, program) else outer
