@@ -31,6 +31,9 @@ SUMS = {
         "y[b,i] = log(where(i == 0, 3, 0) + where(i < 2, 0, 2 * exp(A[b,i]))"
         " + where(i == 1, 0, exp(B[b,i] - A[b,i])))"
     ),
+    "mask_factors": (
+        "y[b,i] = log(where(i > 0, 1, 0) * exp(A[b,i]) + where(i < 3, 2, 0) * exp(B[b,i]))"
+    ),
     "one_plus_two": "y[b,i] = log(1 + exp(A[b,i]) + 0.5 * exp(-B[b,i]))",
 }
 SHAPES = {"A": (3, 4), "B": (3, 4)}
@@ -108,6 +111,7 @@ def test_infinite_logits(target, tmp_path):
     got, (grad_a, grad_b) = run(module, target, values, "AB", grad)
     np.testing.assert_array_equal(got, [2.0, -inf, inf, 400.0])
     np.testing.assert_array_equal(grad_a[[0, 1, 3]], [0.0, 0.0, 0.5])
+    assert np.isnan(grad_a[2])  # exp(inf - inf): the infinite term's weight is undefined
     np.testing.assert_array_equal(grad_b, [1.5, 0.0, 0.0, 0.0])
 
 
