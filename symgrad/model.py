@@ -20,7 +20,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, internals, lets, sampling, splits
+from . import indexing, internals, lets, logaddexp, sampling, splits
 from . import lookups as lookups_
 from .errors import SymgradError
 from .indexing import Gather
@@ -376,6 +376,8 @@ class _Builder:
             value = fn.apply(node.function, args)
             if log_space(value) != value:  # log(1 + exp(x)): one softplus, nothing nested
                 return [Term(value, ())]
+            if node.function == "log" and not isinstance(value, sp.log):
+                return [Term(value, ())]  # log(exp(u)) is u: no exp to lift and underflow
             args = [self.share_nested(arg, node, scope) for arg in args]
             return [Term(fn.apply(node.function, args), ())]
         raise AssertionError(f"unexpected node {node!r}")  # parse only builds the above
@@ -849,7 +851,13 @@ def log_space(expr: sp.Expr) -> sp.Expr:
             return node if stable is None else sp.exp(node.exp * stable)
         return node
 
-    return expr.replace(lambda n: isinstance(n, sp.log | sp.Pow), rewrite)
+    def rewrite_any(node: sp.Expr) -> sp.Expr:
+        stable = rewrite(node)  # one exponential: a softplus
+        if stable is node:  # several: a logaddexp (logaddexp.py)
+            stable = logaddexp.rewrite(node)
+        return node if stable is None else stable
+
+    return expr.replace(lambda n: isinstance(n, sp.log | sp.Pow), rewrite_any)
 
 
 def _count(n: int, noun: str) -> str:

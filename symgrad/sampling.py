@@ -23,11 +23,10 @@ PyTorch's grid_sampler backward (aten/src/ATen/native/GridSampler.cpp, which als
 
 from __future__ import annotations
 
-import itertools
-
 import sympy as sp
 
 from . import functions as fn
+from . import interpolation
 from .parse import Access, Sampled, index_names
 
 
@@ -71,14 +70,17 @@ def read(builder, node: Access, scope: dict) -> sp.Expr:
         else:
             positions.append(builder.position(position, scope, []))
     written = [scope[i] for i in node.indices]
-    total = sp.Integer(0)
-    for corner in itertools.product((0, 1), repeat=len(fractions)):
-        at = list(positions)
-        weight = sp.Integer(1)
-        for (axis, fraction), step in zip(fractions.items(), corner, strict=True):
-            at[axis] = positions[axis] + step
-            weight *= fraction if step else 1 - fraction
-        total += weight * builder.gather_level(name, tuple(at), written, node.col)
+
+    def corners(at: list[sp.Expr], axes: list[int]) -> sp.Expr:
+        """The interpolation over `axes` (one nested lerp per axis) around `at`."""
+        if not axes:
+            return builder.gather_level(name, tuple(at), written, node.col)
+        axis, rest = axes[0], axes[1:]
+        above = list(at)
+        above[axis] = at[axis] + 1
+        return interpolation.lerp(fractions[axis], corners(at, rest), corners(above, rest))
+
+    total = corners(positions, list(fractions))
     return builder.lift([Term(total, ())], written)
 
 

@@ -451,8 +451,10 @@ def test_explain_shows_the_corners_and_their_weights():
     assert (
         "_g10[n,h,w,c] = x[n,c,floor(_s2[n,h,w]) + 1,floor(_s5[n,h,w]) + 1] (0 outside x)" in text
     )
-    assert "(1 - _s3[n,h,w])*(1 - _s6[n,h,w])*_g7[n,h,w,c]" in text
-    assert "_g10[n,h,w,c]*_s3[n,h,w]*_s6[n,h,w]" in text
+    # the weighted sum nests one interpolation per axis, and the derivative in a fraction
+    # subtracts the neighbours first (interpolation.py)
+    assert "(1 - _s3[n,h,w])*((1 - _s6[n,h,w])*_g7[n,h,w,c] + _g8[n,h,w,c]*_s6[n,h,w])" in text
+    assert "(-_g7[n,h,w,c] + _g9[n,h,w,c])" in text
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import itertools
 import sympy as sp
 
 from .. import functions as fn
-from .. import ir, lets, splits
+from .. import interpolation, ir, lets, logaddexp, splits
 from ..indexing import IOTA
 from ..model import Index, index_of_size
 from .common import (
@@ -47,6 +47,10 @@ class Pointwise:
     def pointwise(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         if isinstance(e, sp.Indexed):
             return self.access(body, e, target)
+        if isinstance(e, logaddexp.logaddexp | logaddexp.nonempty):  # log Σ exp(a_i), max-shifted
+            return logaddexp.lower(self, body, e, target)
+        if isinstance(e, interpolation.lerp):  # a sampled read along one axis
+            return interpolation.lower(self, body, e, target)
         if isinstance(e, splits.SPLITS):  # c // G, c % G, (h, r) in a position
             return splits.lower(self, body, e, target)
         if isinstance(e, sp.Min | sp.Max):  # an index clamp
