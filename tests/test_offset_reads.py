@@ -1,0 +1,281 @@
+"""Offset reads (issue 18, sampled reads): which tensors inside a position are float.
+
+A spec has no dtypes. A tensor read that displaces an index expression at the position
+it moves (deformable conv's `s*i - p + u + off[b, k, i, j]`, a flow warp's
+`h + flow[b, 1, h, w]`) makes a sampled read, with no `float_positions` key: float
+offsets interpolate, integer ones are cast and read exactly, with no gradient. A bare read
+(`x[b, p[b, n]]`), a window start (`X[b, idx[b, i] + k]`) and a shift that shares no
+index with the rest (mmcv's TIN shift, `t - shift[n, c // G]`) stay integer gathers; a
+float tensor there is refused at the call in one line that says what to write, and
+`float_positions` makes it interpolate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_sampled_reads import (
+    DEFORM_CONV,
+    TARGETS,
+    deform_conv_loop,
+    module,
+    numpy,
+    numpy_vjp,
+    to,
+)
+
+from symgrad.model import build
+from symgrad.spec import parse_op
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+
+# mmcv's tin_shift (mmcv/ops/csrc/common/cuda/tin_shift_cuda_kernel.cuh) on (N, T, C, HW):
+# output[n, t + shift[n, g]] = input[n, t] for channel c of group g = c // G, so
+# y[n, t] = x[n, t - shift]; a frame shifted in from outside is 0.
+TIN_SHIFT = {
+    "formula": "y[n,t,c,h] = x[n, t - shift[n, c // G], c, h]",
+    "attrs": {"G": "int"},
+    "ranges": {"t": "x.shape[1]"},
+}
+TIN_SHIFT_FLOAT = {**TIN_SHIFT, "float_positions": ["shift"]}
+AT_POSITIONS = {"formula": "y[b,n] = x[b, p[b,n]]"}  # 1-D linear interpolation at p
+AT_POSITIONS_FLOAT = {**AT_POSITIONS, "float_positions": ["p"]}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("offsets")
+
+
+@pytest.mark.parametrize(
+    ("table", "positions", "indices"),
+    [
+        (DEFORM_CONV, ("off",), ()),
+        ({"formula": "y[b,c,h,w] = x[b, c, h + flow[b,1,h,w], w + flow[b,0,h,w]]"}, ("flow",), ()),
+        ({"formula": "y[b,i] = x[b, i - d[b,i]] * d[b,i]"}, (), ()),  # d is also a value
+        ({"formula": "y[b,i,k,c] = X[b, idx[b,i] + k, c]", "ranges": {"k": "3"}}, (), ("idx",)),
+        ({"formula": "y[b,n] = X[b, idx[b,n] + jdx[b,n]]"}, (), ("idx", "jdx")),
+        (TIN_SHIFT, (), ("shift",)),
+        (TIN_SHIFT_FLOAT, ("shift",), ()),
+        (AT_POSITIONS, (), ("p",)),
+        (AT_POSITIONS_FLOAT, ("p",), ()),
+        ({"formula": "y[n,c] = a[tri[tid[n] - 1, 0], c]"}, (), ("tri", "tid")),
+    ],
+)
+def test_a_tensor_displacing_the_position_it_is_read_at_makes_a_sampled_read(
+    table, positions, indices
+):
+    program = build(parse_op("Offsets", table, "test.toml"))
+    assert program.position_inputs == positions
+    assert set(program.index_inputs) == set(indices)
+
+
+# -- deformable convolution without `float_positions` ---------------------------------------
+
+
+def deform_inputs(seed):
+    """b=1, c=6, 13x8 image, o=4, 3x2 taps, stride 2, padding 1: i=7, j=5."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, 6, 13, 8))
+    w = rng.standard_normal((4, 6, 3, 2))
+    off = rng.uniform(-2.5, 2.5, (1, 12, 7, 5))
+    return x, w, off, {"s": 2, "p": 1}
+
+
+def _step(target, m, x, w, off, attrs, lr):
+    """loss = Σ y², its gradient by the framework's own machinery through `forward`, one
+    SGD step on x, w and off, and the loss after."""
+    if target == "pytorch":
+        args = [torch.tensor(a, requires_grad=True) for a in (x, w, off)]
+        loss = m.forward(*args, **attrs).square().sum()
+        loss.backward()
+        with torch.no_grad():
+            after = m.forward(*(a - lr * a.grad for a in args), **attrs).square().sum()
+        return float(loss.detach()), [a.grad.numpy() for a in args], float(after)
+    if target == "tensorflow":
+        args = [tf.Variable(a) for a in (x, w, off)]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(m.forward(*args, **attrs)))
+        grads = tape.gradient(loss, args)
+        for a, g in zip(args, grads, strict=True):
+            a.assign_sub(lr * g)
+        after = tf.reduce_sum(tf.square(m.forward(*args, **attrs)))
+        return float(loss), [g.numpy() for g in grads], float(after)
+
+    def jax_loss(*a):
+        return jnp.sum(jnp.square(m.forward(*a, **attrs)))
+
+    args = [jnp.asarray(a) for a in (x, w, off)]
+    value, grads = jax.jit(jax.value_and_grad(jax_loss, argnums=(0, 1, 2)))(*args)
+    after = jax.jit(jax_loss)(*(a - lr * g for a, g in zip(args, grads, strict=True)))
+    return float(value), [np.asarray(g) for g in grads], float(after)
+
+
+@functools.cache
+def _loop_step(lr):
+    """The loop's output, central differences of Σ y², and Σ y² after one SGD step."""
+    x, w, off, attrs = deform_inputs(seed=11)
+
+    def loop(x, w, off):
+        return deform_conv_loop(x, w, off, **attrs)
+
+    y = loop(x, w, off)
+    want = numpy_vjp(loop, [x, w, off], 2 * y, [0, 1, 2])
+    after = np.sum(loop(*(a - lr * g for a, g in zip((x, w, off), want, strict=True))) ** 2)
+    return y, want, after
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_deformable_conv_without_the_key_trains_like_the_loop(folder, target):
+    """The issue's spelling, no `float_positions`: float offsets interpolate. A training
+    step (loss Σ y², the framework's own gradient through the module, one SGD step) is the
+    loop's: its loss, central differences of its loss, and its loss after the step."""
+    x, w, off, attrs = deform_inputs(seed=11)
+    lr = 0.01
+    y, want, after = _loop_step(lr)
+    loss, grads, got_after = _step(
+        target, module(DEFORM_CONV, target, folder), x, w, off, attrs, lr
+    )
+    np.testing.assert_allclose(loss, np.sum(y**2), rtol=1e-12)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    np.testing.assert_allclose(got_after, after, rtol=1e-7)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_integer_offsets_read_exactly_and_get_no_gradient(folder, target):
+    """Integer offsets (both signs, some far outside the image) through the same module:
+    cast, they read exactly the elements an integer gather reads, `vjp` gives None for
+    them, and the gradients of x and w are those of the same offsets given as floats."""
+    x, w, _, attrs = deform_inputs(seed=12)
+    off = np.random.default_rng(12).integers(-4, 5, (1, 12, 7, 5))
+    off[0, 0, 0, :3] = (-20, 9, 30)
+    grad = np.random.default_rng(13).standard_normal((1, 4, 7, 5))
+    m = module(DEFORM_CONV, target, folder)
+    args = [to(target, x), to(target, w), to(target, off)]
+    assert "int64" in str(args[2].dtype)
+    y = numpy(m.forward(*args, **attrs))
+    np.testing.assert_allclose(y, deform_conv_loop(x, w, off.astype(float), **attrs), atol=1e-12)
+    gx, gw, goff = m.vjp(*args, to(target, grad), **attrs)
+    assert goff is None
+    as_float = m.vjp(to(target, x), to(target, w), to(target, off * 1.0), to(target, grad), **attrs)
+    np.testing.assert_allclose(numpy(gx), numpy(as_float[0]), atol=1e-12)
+    np.testing.assert_allclose(numpy(gw), numpy(as_float[1]), atol=1e-12)
+
+
+# -- TIN shift: an integer gather; with the key, a sampled read ------------------------------
+
+
+def tin_shift_loop(x, shift, group):
+    """mmcv's tin_shift forward kernel, transcribed: each frame t of channel c moves to
+    t + shift[n, c // group]; frames moved outside are dropped, frames not filled are 0."""
+    n_size, t_size, c_size, _ = x.shape
+    y = np.zeros_like(x)
+    for n in range(n_size):
+        for c in range(c_size):
+            s = shift[n, c // group]
+            for t in range(t_size):
+                if 0 <= t + s < t_size:
+                    y[n, t + s, c] = x[n, t, c]
+    return y
+
+
+def tin_inputs(seed):
+    """n=2, t=5, c=6 in groups of G=2 (3 groups), h=4; shifts of both signs, 0, and
+    beyond the clip (|shift| >= 5)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 5, 6, 4))
+    shift = np.array([[2, -1, 0], [-7, 6, 1]])
+    grad = rng.standard_normal((2, 5, 6, 4))
+    return x, shift, grad, {"G": 2}
+
+
+@pytest.mark.parametrize("table", [TIN_SHIFT, TIN_SHIFT_FLOAT], ids=["gather", "sampled"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_tin_shift_with_integer_shifts_is_mmcvs_kernel_either_way(folder, target, table):
+    """Integer shifts read exactly, as an integer gather and as a sampled read; the
+    gradient into x is the adjoint (central differences of the linear loop), none into
+    the shifts."""
+    x, shift, grad, attrs = tin_inputs(seed=14)
+    m = module(table, target, folder, "TinShift")
+    args = [to(target, x), to(target, shift)]
+    y = numpy(m.forward(*args, **attrs))
+    np.testing.assert_array_equal(y, tin_shift_loop(x, shift, 2))
+    gx, gshift = m.vjp(*args, to(target, grad), **attrs)
+    (want,) = numpy_vjp(lambda a, s: tin_shift_loop(a, s, 2), [x, shift], grad, [0])
+    np.testing.assert_allclose(numpy(gx), want, atol=1e-8)
+    assert gshift is None
+
+
+def linear_at(x, position):
+    """x[b] at float positions along its last axis: (1 - f)·x[⌊p⌋] + f·x[⌊p⌋ + 1], each
+    neighbour outside reading 0."""
+    low = np.floor(position).astype(int)
+    f = position - low
+    total = 0.0
+    for step, weight in ((0, 1 - f), (1, f)):
+        at = low + step
+        inside = (0 <= at) & (at < x.shape[-1])
+        total = total + weight * np.where(
+            inside, np.take_along_axis(x, np.clip(at, 0, x.shape[-1] - 1), -1), 0.0
+        )
+    return total
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_float_tensor_where_an_index_tensor_is_read_is_refused_in_one_line(folder, target):
+    """A bare read and a shift that shares no index stay integer gathers: float values
+    there are refused when the op is called, with the key to write."""
+    x, shift, _, attrs = tin_inputs(seed=15)
+    cases = [
+        (TIN_SHIFT, [x, shift + 0.5], attrs, "shift"),
+        (AT_POSITIONS, [x[:, :, 0, 0], np.full((2, 3), 1.5)], {}, "p"),
+    ]
+    for table, inputs, given, name in cases:
+        m = module(table, target, folder, "Refused")
+        with pytest.raises(TypeError) as error:
+            m.forward(*(to(target, a) for a in inputs), **given)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"Refused: index tensor {name}"), message
+        assert f'`float_positions = ["{name}"]`' in message
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_with_the_key_float_positions_interpolate_and_get_their_gradient(folder, target):
+    """`float_positions` is the explicit override: 1-D linear interpolation at data
+    positions p (`y[b,n] = x[b, p[b,n]]`, zero outside) and a fractional TIN shift, each
+    against a NumPy loop and central differences, both gradients."""
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((2, 7))
+    p = rng.uniform(-1.5, 7.5, (2, 4))
+    grad = rng.standard_normal((2, 4))
+    m = module(AT_POSITIONS_FLOAT, target, folder, "AtPositions")
+    y = numpy(m.forward(to(target, x), to(target, p)))
+    np.testing.assert_allclose(y, linear_at(x, p), atol=1e-12)
+    got = m.vjp(to(target, x), to(target, p), to(target, grad))
+    want = numpy_vjp(linear_at, [x, p], grad, [0, 1])
+    for g, expected in zip(got, want, strict=True):
+        np.testing.assert_allclose(numpy(g), expected, atol=1e-6)
+
+    x, _, grad, attrs = tin_inputs(seed=17)
+    shift = rng.uniform(-5.5, 5.5, (2, 3))
+
+    def shifted(x, shift):
+        at = np.arange(5)[None, :, None] - np.repeat(shift, 2, axis=1)[:, None, :]  # (n, t, c)
+        moved = np.moveaxis(x, 1, -1)  # (n, c, h, t)
+        at = np.broadcast_to(np.moveaxis(at, 1, -1)[:, :, None, :], moved.shape)
+        return np.moveaxis(linear_at(moved, at), -1, 1)
+
+    m = module(TIN_SHIFT_FLOAT, target, folder, "TinShift")
+    y = numpy(m.forward(to(target, x), to(target, shift), **attrs))
+    np.testing.assert_allclose(y, shifted(x, shift), atol=1e-12)
+    got = m.vjp(to(target, x), to(target, shift), to(target, grad), **attrs)
+    want = numpy_vjp(shifted, [x, shift], grad, [0, 1])
+    for g, expected in zip(got, want, strict=True):
+        np.testing.assert_allclose(numpy(g), expected, atol=1e-6)
