@@ -13,6 +13,7 @@ float tensor there is refused at the call in one line that says what to write, a
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import tensorflow as tf
 from test_sampled_reads import (
     DEFORM_CONV,
     TARGETS,
+    bilinear,
     deform_conv_loop,
     module,
     numpy,
@@ -279,3 +281,93 @@ def test_with_the_key_float_positions_interpolate_and_get_their_gradient(folder,
     want = numpy_vjp(shifted, [x, shift], grad, [0, 1])
     for g, expected in zip(got, want, strict=True):
         np.testing.assert_allclose(numpy(g), expected, atol=1e-6)
+
+
+# -- deformable convolution v2 (modulated) ------------------------------------------------------
+
+MODULATED = {
+    "formula": "y[b,o,i,j] = sum(w[o,c,u,v] * mask[b, u*KW + v, i, j] * x[b, c, s*i - p + u "
+    "+ off[b, 2*(u*KW + v), i, j], s*j - p + v + off[b, 2*(u*KW + v) + 1, i, j]], c, u, v)",
+    "attrs": {"s": "int", "p": "int"},
+    "let": {"KW": "w.shape[3]"},
+    "inputs": ["x", "w", "off", "mask"],
+}
+
+
+def modulated_loop(x, w, off, mask, s, p):
+    """torchvision.ops.deform_conv2d with a mask (deform_conv2d_kernel.cpp, one offset and
+    mask group): each tap's bilinear sample times mask[b, u*KW + v, i, j], one point at a
+    time."""
+    batch, in_c, height, width = x.shape
+    out_c, _, kh, kw = w.shape
+    out_h, out_w = off.shape[2], off.shape[3]
+    y = np.zeros((batch, out_c, out_h, out_w))
+    for b, i, j, u, v in np.ndindex(batch, out_h, out_w, kh, kw):
+        h = s * i - p + u + off[b, 2 * (u * kw + v), i, j]
+        ww = s * j - p + v + off[b, 2 * (u * kw + v) + 1, i, j]
+        h0, w0 = int(np.floor(h)), int(np.floor(ww))
+        sample = np.zeros(in_c)
+        for dy, dx in itertools.product((0, 1), (0, 1)):
+            weight = (h - h0 if dy else 1 - (h - h0)) * (ww - w0 if dx else 1 - (ww - w0))
+            if 0 <= h0 + dy < height and 0 <= w0 + dx < width:
+                sample += weight * x[b, :, h0 + dy, w0 + dx]
+        y[b, :, i, j] += mask[b, u * kw + v, i, j] * (w[:, :, u, v] @ sample)
+    return y
+
+
+def modulated_vectorized(x, w, off, mask, s, p):
+    """The same over all points at once: deform_conv_loop's columns times the mask."""
+    _, _, kh, kw = w.shape
+    b, u, v, i, j = np.meshgrid(
+        *(range(n) for n in (x.shape[0], kh, kw, *off.shape[2:])), indexing="ij"
+    )
+    h = s * i - p + u + off[b, 2 * (u * kw + v), i, j]
+    ww = s * j - p + v + off[b, 2 * (u * kw + v) + 1, i, j]
+    columns = bilinear(x, b, h, ww) * mask[b, u * kw + v, i, j][..., None]
+    return np.einsum("ocuv,buvijc->boij", w, columns)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_modulated_deformable_conv_is_torchvisions_loop(folder, target):
+    """Deformable conv v2 (symgrad.toml's ModulatedDeformConv2d): the forward against a
+    point-by-point loop, and each of the four gradients along a random direction against
+    central differences of the loop (b=2, c=4, o=6, 3x5 taps, stride 2, padding 1: i=7,
+    j=8)."""
+    rng = np.random.default_rng(18)
+    inputs = [
+        rng.standard_normal((2, 4, 13, 18)),
+        rng.standard_normal((6, 4, 3, 5)),
+        rng.uniform(-2.5, 2.5, (2, 30, 7, 8)),
+        rng.uniform(0, 1, (2, 15, 7, 8)),
+    ]
+    grad = rng.standard_normal((2, 6, 7, 8))
+    m = module(MODULATED, target, folder, "Modulated")
+    args = [to(target, a) for a in inputs]
+    forward, vjp = functools.partial(m.forward, s=2, p=1), functools.partial(m.vjp, s=2, p=1)
+    if target == "jax":  # one compiled program instead of op-by-op dispatch
+        forward, vjp = jax.jit(forward), jax.jit(vjp)
+    y = numpy(forward(*args))
+    np.testing.assert_allclose(y, modulated_loop(*inputs, s=2, p=1), atol=1e-12)
+    got = vjp(*args, to(target, grad))
+    step = 1e-6
+    for k, g in enumerate(got):
+        direction = rng.standard_normal(inputs[k].shape)
+        plus = [a + step * direction if n == k else a for n, a in enumerate(inputs)]
+        minus = [a - step * direction if n == k else a for n, a in enumerate(inputs)]
+        change = modulated_vectorized(*plus, s=2, p=1) - modulated_vectorized(*minus, s=2, p=1)
+        want = np.sum(grad * change) / (2 * step)
+        np.testing.assert_allclose(np.sum(numpy(g) * direction), want, rtol=1e-6, err_msg=str(k))
+
+
+def test_the_repos_modulated_deformable_conv_is_the_one_tested_here():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from symgrad.spec import load_spec
+
+    root = Path(__file__).resolve().parent.parent
+    (op,) = [
+        op for op in load_spec(root / "symgrad.toml").ops if op.name == "ModulatedDeformConv2d"
+    ]
+    here = replace(parse_op(op.name, MODULATED, "symgrad.toml"), source=op.source)
+    assert here == op
