@@ -371,3 +371,92 @@ def test_the_repos_modulated_deformable_conv_is_the_one_tested_here():
     ]
     here = replace(parse_op(op.name, MODULATED, "symgrad.toml"), source=op.source)
     assert here == op
+
+
+# -- multi-scale deformable attention, in Deformable DETR's layout ----------------------------
+
+
+def msda_corner(dy, dx):
+    """One corner of the bilinear sample at pixel (Y, X) of level l, masked by its bounds."""
+    fy, fx = "(Y[b,q,m,l,p] - floor(Y[b,q,m,l,p]))", "(X[b,q,m,l,p] - floor(X[b,q,m,l,p]))"
+    wy, wx = (fy if dy else f"(1 - {fy})"), (fx if dx else f"(1 - {fx})")
+    r = "floor(Y[b,q,m,l,p])" + (" + 1" if dy else "")
+    c = "floor(X[b,q,m,l,p])" + (" + 1" if dx else "")
+    cond = f"{r} >= 0 and {r} < shapes[l,0] and {c} >= 0 and {c} < shapes[l,1]"
+    row = f"({r})" if dy else r
+    read = f"value[b, start[l] + {row} * shapes[l,1] + {c}, m, d]"
+    return f"where({cond}, {wy} * {wx} * {read}, 0)"
+
+
+MS_DEFORM_ATTN = {
+    "formula": [
+        "Y[b,q,m,l,p] = loc[b,q,m,l,p,1] * shapes[l,0] - 0.5",
+        "X[b,q,m,l,p] = loc[b,q,m,l,p,0] * shapes[l,1] - 0.5",
+        "out[b,q,m,d] = sum(attn[b,q,m,l,p] * ("
+        + " + ".join(msda_corner(dy, dx) for dy in (0, 1) for dx in (0, 1))
+        + "), l, p)",
+    ],
+    "outputs": ["out"],
+    "inputs": ["value", "shapes", "start", "loc", "attn"],
+    "no_gradient": ["shapes", "start"],
+}
+
+
+def ms_deform_attn_pytorch(value, shapes, loc, attn):
+    """Deformable DETR's `ms_deform_attn_core_pytorch` (models/ops/functions/
+    ms_deform_attn_func.py): each level split off the flattened value and sampled with
+    torch's grid_sample (bilinear, zeros, align_corners=False) at 2*loc - 1."""
+    n, _, heads, dims = value.shape
+    _, queries, _, levels, points, _ = loc.shape
+    per_level = value.split([int(h * w) for h, w in shapes], dim=1)
+    grids = 2 * loc - 1
+    sampled = []
+    for level, (h, w) in enumerate(shapes):
+        v = per_level[level].flatten(2).transpose(1, 2).reshape(n * heads, dims, int(h), int(w))
+        g = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
+        sampled.append(
+            torch.nn.functional.grid_sample(v, g, "bilinear", "zeros", align_corners=False)
+        )
+    a = attn.transpose(1, 2).reshape(n * heads, 1, queries, levels * points)
+    out = (torch.stack(sampled, dim=-2).flatten(-2) * a).sum(-1).view(n, heads * dims, queries)
+    return out.transpose(1, 2).reshape(n, queries, heads, dims)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_multi_scale_deformable_attention_is_deformable_detrs(folder, target):
+    """MsDeformAttn in the kernel's layout (levels 4x5, 2x3, 1x2 flattened into s=28,
+    start = level_start_index given as integers) against Deformable DETR's PyTorch core and
+    its autograd: the output and the gradients of value, loc (samples past every border
+    too) and attn."""
+    rng = np.random.default_rng(19)
+    shapes = np.array([[4, 5], [2, 3], [1, 2]])
+    start = np.concatenate([[0], np.cumsum(shapes[:, 0] * shapes[:, 1])[:-1]])
+    value = rng.standard_normal((2, 28, 3, 7))  # b=2, s=28, m=3, d=7
+    loc = rng.uniform(-0.2, 1.2, (2, 6, 3, 3, 4, 2))  # q=6, l=3, p=4
+    attn = rng.uniform(0, 1, (2, 6, 3, 3, 4))
+    grad = rng.standard_normal((2, 6, 3, 7))
+    tensors = [torch.tensor(a, requires_grad=True) for a in (value, loc, attn)]
+    want = ms_deform_attn_pytorch(tensors[0], shapes, *tensors[1:])
+    want.backward(torch.tensor(grad))
+    m = module(MS_DEFORM_ATTN, target, folder, "MsDeformAttn")
+    args = [to(target, a) for a in (value, shapes * 1.0, start, loc, attn)]
+    forward, vjp = m.forward, m.vjp
+    if target == "jax":  # one compiled program instead of op-by-op dispatch
+        forward, vjp = jax.jit(forward), jax.jit(vjp)
+    np.testing.assert_allclose(numpy(forward(*args)), want.detach().numpy(), atol=1e-12)
+    gv, gshapes, gstart, gloc, gattn = vjp(*args, to(target, grad))
+    assert gshapes is None and gstart is None
+    for got, t in zip((gv, gloc, gattn), tensors, strict=True):
+        np.testing.assert_allclose(numpy(got), t.grad.numpy(), atol=1e-12)
+
+
+def test_the_repos_multi_scale_deformable_attention_is_the_one_tested_here():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from symgrad.spec import load_spec
+
+    root = Path(__file__).resolve().parent.parent
+    (op,) = [op for op in load_spec(root / "symgrad.toml").ops if op.name == "MsDeformAttn"]
+    here = replace(parse_op(op.name, MS_DEFORM_ATTN, "symgrad.toml"), source=op.source)
+    assert here == op
