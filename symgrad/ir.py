@@ -299,6 +299,8 @@ class Module:
     recompute: Block  # inputs, outputs, attrs -> saved (for `gradient(op, ...)`)
     backward: Block  # inputs, outputs, saved, grads, attrs -> one gradient per input
     index_inputs: tuple[str, ...] = ()  # integer index tensors (no gradient, int dtype)
+    # value inputs read only at float positions: an integer dtype is cast, no gradient
+    position_inputs: tuple[str, ...] = ()
     sparse_gradients: tuple[str, ...] = ()  # gradients returned as tf.IndexedSlices
     positive_attrs: tuple[str, ...] = ()  # int attrs that scale an index: checked > 0
     unsized_outputs: bool = False  # an output axis is sized by a range, not an input axis

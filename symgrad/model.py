@@ -12,6 +12,7 @@ converter are wrong or slow on batched formulas (see DESIGN.md, "Known pitfalls"
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from fractions import Fraction
@@ -115,6 +116,7 @@ class Program:
     # lets), in dependency order: generated code computes them at call time
     lets: tuple[tuple[str, sp.Expr], ...] = ()
     float_positions: tuple[str, ...] = ()  # the spec's `float_positions` (sampling.py)
+    position_inputs: tuple[str, ...] = ()  # read only at float positions: int dtype is cast
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -1036,7 +1038,9 @@ def build(op: OpSpec) -> Program:
                 outputs.append(builder.output(equation))
         except SymgradError as exc:
             raise exc.located(op.source, equation.text) from None
-    return _check(builder, outputs)
+    program = _check(builder, outputs)
+    found = sampling.position_inputs(equations, program.inputs, program.index_inputs)
+    return dataclasses.replace(program, position_inputs=found)
 
 
 def _check(builder: _Builder, outputs: list[Output]) -> Program:

@@ -609,7 +609,7 @@ class _Walker:
             # `x[(h, r)]` and `x[b, (h, r), t]`: composite axes, read row-major.
             whole = self.parenthesised(node.slice)
             elements = [node.slice] if whole else _slice_elements(node.slice)
-            positions = tuple(self.position(e, depth + 1) for e in elements)
+            positions = tuple(self.position(e, depth + 1, value=True) for e in elements)
             return Access(name, positions, col)
         if isinstance(node, ast.Call):
             return self.call(node, depth)
@@ -617,9 +617,10 @@ class _Walker:
 
     # -- index expressions ----------------------------------------------------------
 
-    def position(self, node: ast.AST, depth: int) -> Node:
+    def position(self, node: ast.AST, depth: int, *, value: bool = False) -> Node:
         """One position inside an input's brackets: a plain index, an index expression, or
-        a float expression (a sampled read)."""
+        a float expression (a sampled read). `value`: the brackets are a value tensor's,
+        where a tensor read added to an index expression is a sampled read too."""
         if isinstance(node, ast.Name):
             return IndexRef(self.index_name(node), node.col_offset)
         if isinstance(node, ast.Tuple):
@@ -627,7 +628,9 @@ class _Walker:
                 self.fail("a composite index needs two or more indices", node)
             members = tuple(IndexRef(self.index_name(e), e.col_offset) for e in node.elts)
             return Group(members, node.col_offset)
-        if _is_float_position(node, self.floats, self.attrs - self.int_attrs):
+        if _is_float_position(node, self.floats, self.attrs - self.int_attrs) or (
+            value and _is_offset_read(node, self.attrs)
+        ):
             return Sampled(self.expr(node, depth), node.col_offset)
         return self.index_expr(node, depth, inside=True)
 
@@ -930,6 +933,46 @@ def _is_float_position(node: ast.AST, floats: frozenset[str], float_attrs) -> bo
         if isinstance(n, ast.Call) and getattr(n.func, "id", None) not in EXTREMA:
             return True  # floor(...), sqrt(...); max/min of indices are integer clamps
     return False
+
+
+def _is_offset_read(node: ast.AST, attrs: frozenset[str]) -> bool:
+    """Whether a position displaces an index expression by a tensor read at that same
+    index (`s*i - p + u + off[b, 2*(u*KW + v), i, j]`, `h + flow[b, 1, h, w]`): inside a
+    value tensor's brackets that is a sampled read (sampling.py).
+
+    A spec has no dtypes, so a tensor inside a position is ambiguous: PointNet's
+    `x[b, idx[b, n, k], c]` is an integer gather, deformable convolution's offsets are
+    float. The rule is syntactic (dtypes are only known at the call): a displacement
+    field is read at the indices of the position it moves (`off[.., i, j]` moves output
+    (i, j)), while a window start or a shift (`X[b, idx[b, i] + k]`, TIN's
+    `x[n, t + shift[n, g], c]`) and a bare read (`x[b, idx[b, n]]`) share no index
+    with the rest and stay integer gathers -- their single gather, in-bounds planning
+    and range hints stay as they were, and a float tensor there is refused at the call
+    with a message naming `float_positions`, the explicit override. A sampled read is
+    exact for an integer displacement too: cast to the values' dtype its fraction is 0,
+    so it reads the element an integer gather would (the other neighbour gets weight 0),
+    and an integer input gets no gradient."""
+    terms = _sum_terms(node)
+    reads = [t for t in terms if isinstance(t, ast.Subscript)]
+    rest = [t for t in terms if not isinstance(t, ast.Subscript)]
+    moved = {n.id for t in rest for n in ast.walk(t) if isinstance(n, ast.Name)} - attrs
+    return any(moved & _slice_names(r) for r in reads)
+
+
+def _slice_names(read: ast.Subscript) -> set[str]:
+    """The names used as indices inside a read's brackets (not the tensors read there)."""
+    inside = list(ast.walk(read.slice))
+    named = {id(n.value) for n in inside if isinstance(n, ast.Subscript)}
+    return {n.id for n in inside if isinstance(n, ast.Name) and id(n) not in named}
+
+
+def _sum_terms(node: ast.AST) -> list[ast.AST]:
+    """The terms of a chain of + and - (signs dropped)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub):
+        return _sum_terms(node.left) + _sum_terms(node.right)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        return _sum_terms(node.operand)
+    return [node]
 
 
 def _bracket_names(tree: ast.AST) -> frozenset[str]:

@@ -23,11 +23,13 @@ PyTorch's grid_sampler backward (aten/src/ATen/native/GridSampler.cpp, which als
 
 from __future__ import annotations
 
+import dataclasses
+
 import sympy as sp
 
 from . import functions as fn
 from . import interpolation
-from .parse import Access, Sampled, index_names
+from .parse import Access, Equation, Sampled, index_names
 
 
 def is_sampled(node: Access) -> bool:
@@ -100,3 +102,31 @@ def samples(program) -> bool:
         level.gather is not None and any(p.has(fn.floor_index) for p in level.gather.positions)
         for level in program.intermediates
     )
+
+
+def position_inputs(equations: list[Equation], inputs, index_inputs) -> tuple[str, ...]:
+    """The value inputs read only inside float positions (`off` of deformable conv, `g`
+    of grid_sample): the generated module also takes them in an integer dtype, cast to
+    the values' dtype (exact: an integer position reads one element) with no gradient."""
+    inside: set[str] = set()
+    outside: set[str] = set()
+
+    def walk(node, sampled: bool) -> None:
+        if isinstance(node, Access):
+            (inside if sampled else outside).add(node.tensor)
+            for position in node.positions:
+                if isinstance(position, Sampled):
+                    walk(position.expr, True)
+            return  # other positions hold index tensors
+        if isinstance(node, Sampled):
+            walk(node.expr, True)
+            return
+        if dataclasses.is_dataclass(node):
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name)
+                for child in value if isinstance(value, tuple) else (value,):
+                    walk(child, sampled)
+
+    for equation in equations:
+        walk(equation.rhs, False)
+    return tuple(n for n in inputs if n in inside and n not in outside and n not in index_inputs)

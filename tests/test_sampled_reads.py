@@ -41,7 +41,6 @@ DEFORM_CONV = {
     "attrs": {"s": "int", "p": "int"},
     "let": {"KW": "w.shape[3]"},
     "inputs": ["x", "w", "off"],
-    "float_positions": ["off"],
 }
 ROI_ALIGN = {
     "formula": "y[r,c,i,j] = mean(x[bi[r], c, y0[r] + (i + (a + 0.5) / S) * bh[r], "
@@ -563,22 +562,7 @@ def test_a_constant_float_position_and_a_float_attr_interpolate(folder):
     np.testing.assert_allclose(gx, [[1.25, 1.25, 0.5]] * 2)
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_an_undeclared_offset_tensor_is_an_index_tensor_and_the_error_says_how_to_declare_it(
-    folder, target
-):
-    """Deformable conv's offsets read exactly like an index tensor (an index tensor may be
-    read at computed positions): without `float_positions`, `off` is an index tensor, and
-    float offsets are refused when the op is called, in one line naming the key; a name
-    there that is no input is refused when the spec is read."""
-    table = {key: v for key, v in DEFORM_CONV.items() if key != "float_positions"}
-    m = module(table, target, folder, "Undeclared")
-    x, w, off, _, attrs = deform_inputs(seed=3)
-    with pytest.raises(TypeError) as error:
-        m.forward(to(target, x), to(target, w), to(target, off), **attrs)
-    message = str(error.value)
-    assert "\n" not in message and message.startswith("Undeclared: index tensor off"), message
-    assert "`float_positions`" in message
+def test_a_float_positions_name_that_is_no_input_is_refused():
     with pytest.raises(SymgradError, match="`float_positions` names 'of', which is not an input"):
         build(parse_op("Typo", {**GRID_SAMPLE, "float_positions": ["of"]}, "test.toml"))
 

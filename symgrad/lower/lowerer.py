@@ -355,6 +355,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         recompute=recompute,
         backward=backward_block,
         index_inputs=program.index_inputs,
+        position_inputs=program.position_inputs,
         positive_attrs=tuple(
             sorted(
                 {
