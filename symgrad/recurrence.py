@@ -32,6 +32,7 @@ import sympy as sp
 
 from . import ir
 from .errors import SymgradError
+from .lagged_reads import find_recent, length_source, recent_text
 from .parse import (
     Access,
     AttrRef,
@@ -233,6 +234,7 @@ class _Analysis:
         self.lags: set[int] = set()
         self.shifts: set[tuple[int, int]] = set()  # (lag, shift) of two-index reads
         self.window_reads = False
+        self.recent: dict = {}  # op input -> lagged_reads.Recent: read at lags
         self.depth_sizes: list[tuple[int, str, int]] = []
         self.depth_const = 0
 
@@ -364,6 +366,16 @@ class _Analysis:
 
     def cut(self, eq: Equation, index: str, node: Access) -> None:
         """Record how input `node.tensor` is read along the scan index `index`."""
+        if node.tensor in self.recent:  # read at lags: its window, along one axis
+            if not any(index in index_names(p) for p in node.positions):
+                raise self.fail(
+                    f"{node.tensor!r} is read at lags of {index!r} and here not along it; a "
+                    "recurrence reads each input along the scan index, or whole",
+                    node.col,
+                    eq,
+                )
+            self.cuts[node.tensor] = self.recent[node.tensor].axis
+            return
         axes = [
             k
             for k, p in enumerate(node.positions)
@@ -435,6 +447,8 @@ class _Analysis:
                     eq,
                 )
             self.cut(eq, index, node)
+            if node.tensor in self.recent:
+                return recent_text(self, eq, node, index, self.recent_name(node.tensor))
             axis = self.cuts[node.tensor]
             kept = [text(p) for k, p in enumerate(node.positions) if k != axis]
             return f"{node.tensor}[{', '.join(kept)}]"
@@ -444,6 +458,9 @@ class _Analysis:
 
     def shift_name(self, lag: int, shift: int) -> str:
         return self.fresh(f"{self.state}_lag{lag}_back{shift}")
+
+    def recent_name(self, name: str) -> str:
+        return self.fresh(f"{name}_recent")
 
     def lag_name(self, lag: int) -> str:
         return self.fresh(f"{self.state}_lag{lag}")
@@ -542,7 +559,20 @@ def plan(op: OpSpec) -> Plan:
         reads: list[ir.ScanRead] = []
         op_inputs = _op_inputs(op, a)
         for n in op_inputs:
-            if n in used:
+            if n in a.recent and a.recent_name(n) in used:
+                r = a.recent[n]
+                sizes = tuple((c, *source) for source, c in r.sizes.items())
+                reads.append(
+                    ir.ScanRead(
+                        "recent",
+                        a.recent_name(n),
+                        r.axis,
+                        input=n,
+                        depth=r.const,
+                        depth_sizes=sizes,
+                    )
+                )
+            elif n in used and n not in a.recent:
                 reads.append(ir.ScanRead("input", n, a.cuts.get(n)))
         for lag in sorted(a.lags):
             if a.lag_name(lag) in used:
@@ -576,6 +606,7 @@ def plan(op: OpSpec) -> Plan:
             attrs=tuple(n for n, _ in spec.attrs),
         )
 
+    a.recent = find_recent(a, [(eq, a.index)] + [(e, later_index(e)) for e in later])
     body_spec, body = step(rhs, "Step")
     init_spec, init = step(init_rhs, "Init") if init_rhs is not None else (None, None)
     for n, text_ in (*op.lets, *op.ranges):
@@ -589,7 +620,8 @@ def plan(op: OpSpec) -> Plan:
 
     # sizes: the state's axes, the number of steps, the window's depth
     state_axes = tuple(a.sized(i, eq.output_col) for i in _rest(eq, a.index))
-    length = a.sized(a.index, eq.index_col(a.index))
+    length = a.plain_source(a.index) or length_source(a, a.recent)
+    length = length or a.sized(a.index, eq.index_col(a.index))
     depth_const, depth_sizes = max({*a.lags, *(lag for lag, _ in a.shifts)}, default=0), []
     if a.window_reads:
         depth_const, depth_sizes = _window_depth(a, eq)
