@@ -541,7 +541,7 @@ def plan(op: OpSpec) -> Plan:
 
     def step(rhs_node: Node, name: str) -> tuple[OpSpec, ir.ScanStep]:
         a.cuts_before = dict(a.cuts)
-        state_text = a.step_text(eq, rhs_node, a.index, None)
+        state_text = _with_sizing_read(a, eq, rhs_node, a.step_text(eq, rhs_node, a.index, None))
         formulas = []
         if fused:
             formulas += [f"{now}[{', '.join(_rest(eq, a.index))}] = {state_text}"]
@@ -658,6 +658,18 @@ def plan(op: OpSpec) -> Plan:
         max_temp_bytes=op.max_temp_bytes,
     )
     return Plan(scan, body_spec, init_spec)
+
+
+def _with_sizing_read(a: _Analysis, eq: Equation, rhs: Node, step_text: str) -> str:
+    """A step that reads nothing along some axis of its state (RNN-T's first cell,
+    `alpha[b] = log(1)`) is a constant: it reads the last state times zero, which sizes
+    the axis (the state before the start is zero)."""
+    rest = _rest(eq, a.index)
+    read = {i for acc in _accesses(rhs) for p in acc.positions for i in index_names(p)}
+    if all(i in read for i in rest):
+        return step_text
+    a.lags.add(1)
+    return f"{step_text} + 0 * {a.lag_name(1)}[{', '.join(rest)}]"
 
 
 def _without_vanished_attrs(spec: OpSpec) -> OpSpec:

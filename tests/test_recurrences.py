@@ -394,13 +394,15 @@ def test_training_step(case, target, folder):
     assert after < loss
 
 
-def test_tensorflow_unknown_dims_and_xla(folder):
+@pytest.mark.parametrize("case", ["selective_scan", "lfilter"])
+def test_tensorflow_unknown_dims_and_xla(case, folder):
     """Under tf.function with every dim unknown the scan is a tf.while_loop whose length
-    is read when the graph runs; under jit_compile=True it compiles with XLA."""
+    is read when the graph runs; under jit_compile=True it compiles with XLA (lfilter:
+    with an input read at lags, whose window's depth is read from bb's shape)."""
     import tensorflow as tf
 
-    module = module_for("selective_scan", "tensorflow", folder)
-    _, shapes, ref = CASES["selective_scan"]
+    module = module_for(case, "tensorflow", folder)
+    _, shapes, ref = CASES[case]
     values = inputs_for(shapes, seed=7)
     args = [tf.constant(values[n]) for n in module.INPUTS]
     want = ref(*[values[n] for n in module.INPUTS])[0]
@@ -444,26 +446,28 @@ def test_pytorch_compile_fullgraph(folder):
     value.backward()
     expected = module.vjp(*[x.detach() for x in leaves], g_y)
     np.testing.assert_allclose(
-        value.item(), float((ref(values["x"], values["a"])[0] * g_y.numpy()).sum()), rtol=1e-10
+        value.item(),
+        float((ref(*[values[n] for n in module.INPUTS])[0] * g_y.numpy()).sum()),
+        rtol=1e-10,
     )
     for x, e in zip(leaves, expected, strict=True):
         np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
 
 
-def test_jax_jit_vmap_and_grad_of_the_backward(folder):
+@pytest.mark.parametrize("case", ["linear", "lagged_input"])
+def test_jax_jit_vmap_and_grad_of_the_backward(case, folder):
     """The JAX module works under jit and vmap, and the generated adjoint scan is itself
-    differentiable: a second derivative matches finite differences of the first."""
+    differentiable: a second derivative matches finite differences of the first (also
+    with its input read one position back)."""
     import jax
     import jax.numpy as jnp
 
-    module = module_for("linear", "jax", folder)
-    _, shapes, _ = CASES["linear"]
+    module = module_for(case, "jax", folder)
+    _, shapes, ref = CASES[case]
     values = inputs_for(shapes, seed=11)
     a, x = (jnp.asarray(values[n]) for n in module.INPUTS)
     batched = jax.jit(jax.vmap(module.forward))(jnp.stack([a, 0.5 * a]), jnp.stack([x, x]))
-    np.testing.assert_allclose(
-        batched[1], linear_ref(0.5 * values["a"], values["x"])[0], rtol=1e-10
-    )
+    np.testing.assert_allclose(batched[1], ref(0.5 * values["a"], values["x"])[0], rtol=1e-10)
 
     def first(a):  # d/da of sum(h^2), through the generated backward
         return jax.grad(lambda a: (module.forward(a, x) ** 2).sum())(a)
