@@ -5,7 +5,9 @@ Such an op is a sequential scan over its step: the equation at one position `t`,
 the scan index cut out of every tensor. Its step is an ordinary symgrad op, so its forward
 and its gradient are derived like every other op's:
 
-- the tensors read at `t` become their slices at `t` (`a[b,t,d]` -> `a[b,d]`);
+- the tensors read at `t` become their slices at `t` (`a[b,t,d]` -> `a[b,d]`), and
+  inputs read at a lag a window of their recent slices (`x[b,t-k]` -> `x_recent[k, b]`,
+  see `lagged_reads`);
 - the reads of the recurrent tensor `e` steps back become reads of the past states: a
   constant lag `e` reads `h_lag<e>[b,d]`, a lag that depends on a summed index
   (`y[b,t-1-k]`, lfilter's order k) reads the window of the last states, newest first
