@@ -132,3 +132,34 @@ def length_source(a, recent: dict[str, Recent]) -> tuple[str, int] | None:
     for name, r in recent.items():
         return name, r.axis
     return None
+
+
+def lagged_source(a, index: str) -> tuple[str, int] | None:
+    """An input axis read at `index` minus a constant (`D[b,i-1,j-1]` for j): an input
+    read at a lag has the index's length along that axis."""
+    from .recurrence import _accesses
+
+    i = sp.Symbol(index, integer=True)
+    for eq in a.equations:
+        for access in _accesses(eq.rhs):
+            if access.tensor == a.state or access.tensor in a.defined:
+                continue
+            for axis, p in enumerate(access.positions):
+                if index not in index_names(p):
+                    continue
+                try:
+                    position = sp.expand(_symbolic_or_none(p))
+                except ValueError:
+                    continue
+                if position.coeff(i) == 1 and not (position - i).free_symbols:
+                    return access.tensor, axis
+    return None
+
+
+def _symbolic_or_none(node) -> sp.Expr:
+    from .recurrence import _symbolic
+
+    def fail(message, col):
+        return ValueError(message)
+
+    return _symbolic(node, fail)

@@ -34,7 +34,7 @@ import sympy as sp
 
 from . import ir
 from .errors import SymgradError
-from .lagged_reads import find_recent, length_source, recent_text
+from .lagged_reads import find_recent, lagged_source, length_source, recent_text
 from .parse import (
     Access,
     AttrRef,
@@ -354,7 +354,7 @@ class _Analysis:
         return None
 
     def sized(self, index: str, col: int, eq: Equation | None = None) -> tuple[str, int]:
-        found = self.plain_source(index)
+        found = self.plain_source(index) or lagged_source(self, index)
         if found is None:
             raise self.fail(
                 f"index {index!r} of a recurrence must be read plainly by some input axis "

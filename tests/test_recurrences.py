@@ -92,6 +92,14 @@ def two_back_ref(c, x):
     return (h,)
 
 
+def init_lag_ref(x, a):
+    """An initial state, then the input read one position back."""
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = x[:, t] if t == 0 else a[:, t] * h[:, t - 1] + x[:, t - 1]
+    return (h,)
+
+
 def reverse_lagged_ref(r, g):
     """A discounted return: G[t] = r[t+1] + g G[t+1], reads past the end zero."""
     G = np.zeros_like(r)
@@ -210,6 +218,11 @@ CASES = {
         op_spec("TwoBack", "h[b,t] = c[b,t] * h[b,t-1] + x[b,t] - 0.5 * x[b,t-2]"),
         {"x": (3, 8), "c": (3, 8)},
         two_back_ref,
+    ),
+    "init_lag": (
+        op_spec("InitLag", "h[b,t] = where(t == 0, x[b,t], a[b,t] * h[b,t-1] + x[b,t-1])"),
+        {"x": (3, 6), "a": (3, 6)},
+        init_lag_ref,
     ),
     "reverse_lagged": (
         op_spec("DiscountedReturn", "G[b,t] = r[b,t+1] + g[b,t] * G[b,t+1]"),

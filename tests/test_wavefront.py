@@ -47,6 +47,19 @@ def diagonal_ref(D):
     return (R,)
 
 
+def grid_lag_ref(D):
+    """An input read one row and one position back; zero outside the grid."""
+    R = np.zeros_like(D)
+    for i in range(D.shape[1]):
+        for j in range(D.shape[2]):
+            R[:, i, j] = (
+                (D[:, i - 1, j - 1] if i and j else 0)
+                + (0.5 * R[:, i - 1, j] if i else 0)
+                + (0.25 * R[:, i, j - 1] if j else 0)
+            )
+    return (R,)
+
+
 CASES = {
     "soft_dtw": (
         op_spec("SoftDtw", SOFT_DTW, attrs=(("gamma", "float"),)),
@@ -57,6 +70,12 @@ CASES = {
     "diagonal": (
         op_spec("DiagonalRec", "R[b,i,j] = D[b,i,j] + 0.5 * R[b,i-1,j-1]"),
         diagonal_ref,
+        {},
+    ),
+    # an input read at a lag along both indices, the only read that sizes j
+    "grid_lag": (
+        op_spec("GridLag", "R[b,i,j] = D[b,i-1,j-1] + 0.5 * R[b,i-1,j] + 0.25 * R[b,i,j-1]"),
+        grid_lag_ref,
         {},
     ),
 }
