@@ -5,10 +5,11 @@ ops and differentiated by the framework's own autodiff.
     .venv/bin/python benchmarks/recurrences.py [--targets tensorflow,pytorch,jax] [--length 2048]
 
 Ops (this repo's symgrad.toml): Mamba's selective scan (b=2, d=64, n=16) and lfilter
-(b=8, order 3), float32, at length L. Each (target, op, implementation) runs in a fresh
-subprocess: one training step (forward, loss sum(y * y), the gradient of every input),
-one warm-up, then the median of 3 steps. TensorFlow runs both under `tf.function` (an
-eager while_loop would dispatch op by op), JAX under `jax.jit`, PyTorch eagerly.
+(b=8, order 3, 4 feed-forward taps), float32, at length L. Each (target, op,
+implementation) runs in a fresh subprocess: one training step (forward, loss
+sum(y * y), the gradient of every input), one warm-up, then the median of 3 steps.
+TensorFlow runs both under `tf.function` (an eager while_loop would dispatch op by op),
+JAX under `jax.jit`, PyTorch eagerly.
 
 Peak memory as in `memory.py`: TensorFlow the BFC allocator's peak, JAX the compiled
 step's `memory_analysis()` (temporaries + outputs + arguments), PyTorch the running sum of
@@ -40,7 +41,7 @@ def shapes(op: str, length: int) -> dict:
             "C": (b, n, length),
             "D": (d,),
         }
-    return {"x": (8, length), "a": (3,)}
+    return {"x": (8, length), "a": (3,), "bb": (4,)}
 
 
 STEP = r"""
@@ -55,6 +56,7 @@ if op == "selective_scan":
     arrays["A"] = -np.abs(arrays["A"])
 else:
     arrays["a"] = np.array([-0.5, 0.2, 0.1], np.float32)
+    arrays["bb"] = np.array([0.4, -0.3, 0.2, 0.1], np.float32)
 names = list(shapes)
 result = {{}}
 
@@ -69,10 +71,13 @@ def plain_torch(*xs):
             h = torch.exp(delta[:, :, t, None] * A) * h + delta[:, :, t, None] * B[:, None, :, t] * x[:, :, t, None]
             ys.append(torch.einsum("bdn,bn->bd", h, C[:, :, t]) + D * x[:, :, t])
         return torch.stack(ys, 2)
-    x, a = xs
+    x, a, bb = xs
     ys = []
     for t in range(x.shape[1]):
-        y = x[:, t]
+        y = bb[0] * x[:, t]
+        for k in range(1, bb.shape[0]):
+            if t - k >= 0:
+                y = y + bb[k] * x[:, t - k]
         for k in range(a.shape[0]):
             if t - 1 - k >= 0:
                 y = y - a[k] * ys[t - 1 - k]
@@ -92,11 +97,13 @@ def plain_jax(*xs):
         seq = (jnp.moveaxis(delta, 2, 0), jnp.moveaxis(B, 2, 0), jnp.moveaxis(x, 2, 0), jnp.moveaxis(C, 2, 0))
         _, ys = jax.lax.scan(body, h0, seq)
         return jnp.moveaxis(ys, 0, 2)
-    x, a = xs
+    x, a, bb = xs
+    xw = jnp.stack([jnp.pad(x, [(0, 0), (k, 0)])[:, : x.shape[1]] for k in range(bb.shape[0])])
+    u = jnp.einsum("k,kbt->bt", bb, xw)
     def body(w, xt):
         y = xt - jnp.einsum("k,kb->b", a, w)
         return jnp.concatenate([y[None], w[:-1]], 0), y
-    _, ys = jax.lax.scan(body, jnp.zeros((a.shape[0], x.shape[0]), x.dtype), x.T)
+    _, ys = jax.lax.scan(body, jnp.zeros((a.shape[0], x.shape[0]), x.dtype), u.T)
     return ys.T
 
 
@@ -113,12 +120,14 @@ def plain_tf(*xs):
         seq = tuple(tf.transpose(v, [2, 0, 1]) for v in (delta, B, x, C))
         _, ys = tf.scan(body, seq, initializer=(h0, tf.zeros(x.shape[:2], x.dtype)))
         return tf.transpose(ys, [1, 2, 0])
-    x, a = xs
+    x, a, bb = xs
+    xw = tf.stack([tf.pad(x, [[0, 0], [k, 0]])[:, : x.shape[1]] for k in range(bb.shape[0])])
+    u = tf.einsum("k,kbt->bt", bb, xw)
     def body(carry, xt):
         w, _ = carry
         y = xt - tf.einsum("k,kb->b", a, w)
         return tf.concat([y[None], w[:-1]], 0), y
-    _, ys = tf.scan(body, tf.transpose(x), initializer=(tf.zeros((a.shape[0], x.shape[0]), x.dtype), tf.zeros(x.shape[:1], x.dtype)))
+    _, ys = tf.scan(body, tf.transpose(u), initializer=(tf.zeros((a.shape[0], x.shape[0]), x.dtype), tf.zeros(x.shape[:1], x.dtype)))
     return tf.transpose(ys)
 
 

@@ -76,9 +76,12 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
     # The past states have the state's shape (the step alone does not know it: an RNN's
     # h_lag1[b,e] is summed over e against W[d,e]).
     cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
+    recent = _recent_reads(scan)
 
     def size(name: str, axis: int) -> int:
         at = cut[name]
+        if name in recent:  # the step reads its window: [depth, the other axes]
+            return step.shapes[recent[name].name][1 + axis - (axis > at)]
         return step.shapes[name][axis - (at is not None and axis > at)]
 
     state = tuple(size(n, a) for n, a in scan.state_axes)
@@ -89,6 +92,9 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
             fixed[read.name] = state
         elif read.kind == "window":
             fixed[read.name] = (depth, *state)
+        elif read.kind == "recent":
+            window = read.depth + sum(c * (size(n, a) - 1) for c, n, a in read.depth_sizes)
+            fixed[read.name] = (window, *step.shapes[read.name][1:])
     if fixed and program is not None:
         step = plan_sizes(
             program, attrs, shapes={n: s for n, s in fixed.items() if n in program.inputs}
@@ -96,7 +102,7 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
     length = max([*step.indices.values(), 4]) + 1
     shapes = {}
     for name, axis in zip(scan.inputs, scan.cut_axes, strict=True):
-        shape = list(step.shapes[name])
+        shape = list(step.shapes[recent[name].name][1:] if name in recent else step.shapes[name])
         if axis is not None:
             shape.insert(axis, length)
         shapes[name] = tuple(shape)
@@ -124,7 +130,9 @@ def reference(op: OpSpec, attrs: dict):
             spec, step = steps[1] if count == 0 and scan.init is not None else steps[0]
             given = {}
             for read in step.reads:
-                if read.kind == "input":
+                if read.kind == "recent":
+                    given[read.name] = _recent(named, read, order, count)
+                elif read.kind == "input":
                     value = named[read.name]
                     given[read.name] = value if read.axis is None else np.take(value, t, read.axis)
                 elif read.kind == "lag":
@@ -162,6 +170,26 @@ def reference(op: OpSpec, attrs: dict):
         return placed
 
     return run
+
+
+def _recent_reads(scan) -> dict:
+    """The op inputs read at lags, with their step reads."""
+    steps = (scan.body, scan.init) if scan.init else (scan.body,)
+    return {r.input: r for st in steps for r in st.reads if r.kind == "recent"}
+
+
+def _recent(named: dict, read, order, count: int) -> np.ndarray:
+    """An input's window at the `count`-th position of the scan: the input at the
+    positions `count`, `count - 1`, ... of the scan order (zero before the start)."""
+    value = named[read.input]
+    depth = read.depth + sum(c * (named[n].shape[a] - 1) for c, n, a in read.depth_sizes)
+    zero = np.zeros_like(np.take(value, 0, read.axis))
+    return np.stack(
+        [
+            np.take(value, order[count - e], read.axis) if count - e >= 0 else zero
+            for e in range(depth)
+        ]
+    )
 
 
 def _past(states: list, lag: int, arrays, scan) -> np.ndarray:

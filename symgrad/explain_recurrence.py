@@ -30,6 +30,8 @@ def recurrence_lines(op: OpSpec) -> list[str]:
         elif read.kind == "window":
             shift = f"{t} + 1 + j" if scan.reverse else f"{t} - 1 - j"
             lines.append(f"    {read.name}[j, ...] is {h} at {shift} (zero before the start)")
+        elif read.kind == "recent":
+            lines.append(_recent_line(read, t, scan.reverse))
         elif read.axis is not None:
             lines.append(f"    {read.name} is read at position {t} (axis {read.axis})")
     if found.init is not None:
@@ -49,6 +51,12 @@ def recurrence_lines(op: OpSpec) -> list[str]:
         f"  the step's vector-Jacobian product at {t}, fed ḡ_{h} as grad_{h}, gives the "
         f"gradients of the inputs at {t} (cut inputs) or adds to them (inputs read whole)."
     )
+    if any(r.kind == "recent" for r in scan.body.reads):
+        at = f"{t} + e" if scan.reverse else f"{t} - e"
+        passed += (
+            "\n  An input read at lags gets its window's gradient: slice e is added to its "
+            f"gradient at {at}."
+        )
     lines += [
         "",
         f"Adjoint recurrence (the gradient; run from the {back} position):",
@@ -74,3 +82,12 @@ def explain_recurrence(op: OpSpec, fmt: str = "text") -> str:
     if fmt == "markdown":
         return "\n".join([f"# Recurrence {op.name}", "", "```text", *lines, "```", "", step])
     return "\n".join(lines) + "\n" + step
+
+
+def _recent_line(read, t: str, reverse: bool) -> str:
+    """What the step's window of an input read at lags holds."""
+    at = f"{t} + e" if reverse else f"{t} - e"
+    where = "past the end" if reverse else "before the start"
+    return (
+        f"    {read.name}[e, ...] is {read.input} at {at} along its axis {read.axis} (zero {where})"
+    )

@@ -431,11 +431,23 @@ class ScanRead:
     reads the past state at `shift` earlier positions along its axis `axis` (zero before
     the start): the previous row at j - 1 of a two-index recurrence."""
 
-    kind: str  # "input" | "lag" | "window"
+    kind: str  # "input" | "lag" | "window" | "recent"
     name: str  # the step's name for it (an op input keeps its own)
     axis: int | None = None
     lag: int = 0
     shift: int = 0
+    # kind="recent": op input `input` read at lags along its axis `axis` (x[b,t-1],
+    # x[b,t-k]); the step reads its recent slices, newest first (`name[e, ...]` is the
+    # input `e` positions back in scan order, zero before the start), `depth` of them:
+    # `depth` plus coefficient * (size - 1) per `depth_sizes` (coefficient, input, axis).
+    input: str | None = None
+    depth: int = 0
+    depth_sizes: tuple[tuple[int, str, int], ...] = ()
+
+    @property
+    def source(self) -> str:
+        """The op input (or past state) this read gives the step."""
+        return self.input or self.name
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Such an op is a sequential scan over its step: the equation at one position `t`,
 the scan index cut out of every tensor. Its step is an ordinary symgrad op, so its forward
 and its gradient are derived like every other op's:
 
-- the tensors read at `t` become their slices at `t` (`a[b,t,d]` -> `a[b,d]`);
+- the tensors read at `t` become their slices at `t` (`a[b,t,d]` -> `a[b,d]`), and
+  inputs read at a lag a window of their recent slices (`x[b,t-k]` -> `x_recent[k, b]`,
+  see `lagged_reads`);
 - the reads of the recurrent tensor `e` steps back become reads of the past states: a
   constant lag `e` reads `h_lag<e>[b,d]`, a lag that depends on a summed index
   (`y[b,t-1-k]`, lfilter's order k) reads the window of the last states, newest first
@@ -32,6 +34,7 @@ import sympy as sp
 
 from . import ir
 from .errors import SymgradError
+from .lagged_reads import find_recent, lagged_source, length_source, recent_text
 from .parse import (
     Access,
     AttrRef,
@@ -233,6 +236,7 @@ class _Analysis:
         self.lags: set[int] = set()
         self.shifts: set[tuple[int, int]] = set()  # (lag, shift) of two-index reads
         self.window_reads = False
+        self.recent: dict = {}  # op input -> lagged_reads.Recent: read at lags
         self.depth_sizes: list[tuple[int, str, int]] = []
         self.depth_const = 0
 
@@ -350,7 +354,7 @@ class _Analysis:
         return None
 
     def sized(self, index: str, col: int, eq: Equation | None = None) -> tuple[str, int]:
-        found = self.plain_source(index)
+        found = self.plain_source(index) or lagged_source(self, index)
         if found is None:
             raise self.fail(
                 f"index {index!r} of a recurrence must be read plainly by some input axis "
@@ -364,6 +368,16 @@ class _Analysis:
 
     def cut(self, eq: Equation, index: str, node: Access) -> None:
         """Record how input `node.tensor` is read along the scan index `index`."""
+        if node.tensor in self.recent:  # read at lags: its window, along one axis
+            if not any(index in index_names(p) for p in node.positions):
+                raise self.fail(
+                    f"{node.tensor!r} is read at lags of {index!r} and here not along it; a "
+                    "recurrence reads each input along the scan index, or whole",
+                    node.col,
+                    eq,
+                )
+            self.cuts[node.tensor] = self.recent[node.tensor].axis
+            return
         axes = [
             k
             for k, p in enumerate(node.positions)
@@ -435,6 +449,8 @@ class _Analysis:
                     eq,
                 )
             self.cut(eq, index, node)
+            if node.tensor in self.recent:
+                return recent_text(self, eq, node, index, self.recent_name(node.tensor))
             axis = self.cuts[node.tensor]
             kept = [text(p) for k, p in enumerate(node.positions) if k != axis]
             return f"{node.tensor}[{', '.join(kept)}]"
@@ -444,6 +460,9 @@ class _Analysis:
 
     def shift_name(self, lag: int, shift: int) -> str:
         return self.fresh(f"{self.state}_lag{lag}_back{shift}")
+
+    def recent_name(self, name: str) -> str:
+        return self.fresh(f"{name}_recent")
 
     def lag_name(self, lag: int) -> str:
         return self.fresh(f"{self.state}_lag{lag}")
@@ -524,7 +543,7 @@ def plan(op: OpSpec) -> Plan:
 
     def step(rhs_node: Node, name: str) -> tuple[OpSpec, ir.ScanStep]:
         a.cuts_before = dict(a.cuts)
-        state_text = a.step_text(eq, rhs_node, a.index, None)
+        state_text = _with_sizing_read(a, eq, rhs_node, a.step_text(eq, rhs_node, a.index, None))
         formulas = []
         if fused:
             formulas += [f"{now}[{', '.join(_rest(eq, a.index))}] = {state_text}"]
@@ -542,7 +561,20 @@ def plan(op: OpSpec) -> Plan:
         reads: list[ir.ScanRead] = []
         op_inputs = _op_inputs(op, a)
         for n in op_inputs:
-            if n in used:
+            if n in a.recent and a.recent_name(n) in used:
+                r = a.recent[n]
+                sizes = tuple((c, *source) for source, c in r.sizes.items())
+                reads.append(
+                    ir.ScanRead(
+                        "recent",
+                        a.recent_name(n),
+                        r.axis,
+                        input=n,
+                        depth=r.const,
+                        depth_sizes=sizes,
+                    )
+                )
+            elif n in used and n not in a.recent:
                 reads.append(ir.ScanRead("input", n, a.cuts.get(n)))
         for lag in sorted(a.lags):
             if a.lag_name(lag) in used:
@@ -576,6 +608,7 @@ def plan(op: OpSpec) -> Plan:
             attrs=tuple(n for n, _ in spec.attrs),
         )
 
+    a.recent = find_recent(a, [(eq, a.index)] + [(e, later_index(e)) for e in later])
     body_spec, body = step(rhs, "Step")
     init_spec, init = step(init_rhs, "Init") if init_rhs is not None else (None, None)
     for n, text_ in (*op.lets, *op.ranges):
@@ -589,7 +622,8 @@ def plan(op: OpSpec) -> Plan:
 
     # sizes: the state's axes, the number of steps, the window's depth
     state_axes = tuple(a.sized(i, eq.output_col) for i in _rest(eq, a.index))
-    length = a.sized(a.index, eq.index_col(a.index))
+    length = a.plain_source(a.index) or length_source(a, a.recent)
+    length = length or a.sized(a.index, eq.index_col(a.index))
     depth_const, depth_sizes = max({*a.lags, *(lag for lag, _ in a.shifts)}, default=0), []
     if a.window_reads:
         depth_const, depth_sizes = _window_depth(a, eq)
@@ -626,6 +660,18 @@ def plan(op: OpSpec) -> Plan:
         max_temp_bytes=op.max_temp_bytes,
     )
     return Plan(scan, body_spec, init_spec)
+
+
+def _with_sizing_read(a: _Analysis, eq: Equation, rhs: Node, step_text: str) -> str:
+    """A step that reads nothing along some axis of its state (RNN-T's first cell,
+    `alpha[b] = log(1)`) is a constant: it reads the last state times zero, which sizes
+    the axis (the state before the start is zero)."""
+    rest = _rest(eq, a.index)
+    read = {i for acc in _accesses(rhs) for p in acc.positions for i in index_names(p)}
+    if all(i in read for i in rest):
+        return step_text
+    a.lags.add(1)
+    return f"{step_text} + 0 * {a.lag_name(1)}[{', '.join(rest)}]"
 
 
 def _without_vanished_attrs(spec: OpSpec) -> OpSpec:

@@ -96,6 +96,13 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
             cut=dict(zip(scan.inputs, scan.cut_axes, strict=True)),
             grads=[f"grad_{o}" for o in scan.outputs],
             differentiable=[n for n in scan.inputs if n not in scan.no_gradient],
+            recent={
+                r.input: r
+                for st in (scan.body, scan.init)
+                if st is not None
+                for r in st.reads
+                if r.kind == "recent"
+            },
             shifted=any(
                 r.shift for st in (scan.body, scan.init) if st is not None for r in st.reads
             ),

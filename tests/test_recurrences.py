@@ -50,8 +50,22 @@ def linear_init_ref(h0, a, x):
     return (h,)
 
 
-def lfilter_ref(x, a):
-    """torchaudio's lfilter recursion with a[0] = 1 normalised out (the feedback part)."""
+def lfilter_ref(x, a, bb):
+    """torchaudio's lfilter with a[0] = 1 normalised out: the feed-forward part reads x at
+    lags 0 .. len(bb) - 1, the feedback part y at lags 1 .. len(a)."""
+    y = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        for k in range(bb.shape[0]):
+            if t - k >= 0:
+                y[:, t] += bb[k] * x[:, t - k]
+        for q in range(a.shape[0]):
+            if t - 1 - q >= 0:
+                y[:, t] -= a[q] * y[:, t - 1 - q]
+    return (y,)
+
+
+def feedback_ref(x, a):
+    """lfilter's feedback part alone (bb = [1])."""
     y = np.zeros_like(x)
     for t in range(x.shape[1]):
         y[:, t] = x[:, t]
@@ -59,6 +73,41 @@ def lfilter_ref(x, a):
             if t - 1 - k >= 0:
                 y[:, t] -= a[k] * y[:, t - 1 - k]
     return (y,)
+
+
+def lagged_input_ref(a, x):
+    """A linear recurrence whose input is read one position back (zero at the start)."""
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = (a[:, t] * h[:, t - 1] + x[:, t - 1]) if t > 0 else 0
+    return (h,)
+
+
+def two_back_ref(c, x):
+    """An input read at the scan position and two positions back."""
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        past = h[:, t - 1] if t > 0 else 0
+        h[:, t] = c[:, t] * past + x[:, t] - (0.5 * x[:, t - 2] if t > 1 else 0)
+    return (h,)
+
+
+def init_lag_ref(x, a):
+    """An initial state, then the input read one position back."""
+    h = np.zeros_like(x)
+    for t in range(x.shape[1]):
+        h[:, t] = x[:, t] if t == 0 else a[:, t] * h[:, t - 1] + x[:, t - 1]
+    return (h,)
+
+
+def reverse_lagged_ref(r, g):
+    """A discounted return: G[t] = r[t+1] + g G[t+1], reads past the end zero."""
+    G = np.zeros_like(r)
+    n = r.shape[1]
+    for t in reversed(range(n)):
+        if t + 1 < n:
+            G[:, t] = r[:, t + 1] + g[:, t] * G[:, t + 1]
+    return (G,)
 
 
 def reverse_ref(x, c):
@@ -145,9 +194,40 @@ CASES = {
         linear_init_ref,
     ),
     "lfilter": (
-        op_spec("Lfilter", "y[b,t] = x[b,t] - sum(a[k] * y[b,t-1-k], k)"),
-        {"x": (3, 9), "a": (4,)},
+        op_spec(
+            "Lfilter",
+            "y[b,t] = sum(bb[k] * x[b,t-k], k) - sum(a[q] * y[b,t-1-q], q)",
+            inputs=("x", "a", "bb"),
+        ),
+        {"x": (3, 9), "a": (4,), "bb": (5,)},
         lfilter_ref,
+    ),
+    "feedback": (
+        op_spec("Feedback", "y[b,t] = x[b,t] - sum(a[k] * y[b,t-1-k], k)"),
+        {"x": (3, 9), "a": (4,)},
+        feedback_ref,
+    ),
+    # inputs read at lags: a constant lag, the scan position and two back, and a reverse
+    # recurrence reading a later position
+    "lagged_input": (
+        op_spec("LaggedInput", "h[b,t,d] = a[b,t,d] * h[b,t-1,d] + x[b,t-1,d]"),
+        {"a": (2, 7, 3), "x": (2, 7, 3)},
+        lagged_input_ref,
+    ),
+    "two_back": (
+        op_spec("TwoBack", "h[b,t] = c[b,t] * h[b,t-1] + x[b,t] - 0.5 * x[b,t-2]"),
+        {"x": (3, 8), "c": (3, 8)},
+        two_back_ref,
+    ),
+    "init_lag": (
+        op_spec("InitLag", "h[b,t] = where(t == 0, x[b,t], a[b,t] * h[b,t-1] + x[b,t-1])"),
+        {"x": (3, 6), "a": (3, 6)},
+        init_lag_ref,
+    ),
+    "reverse_lagged": (
+        op_spec("DiscountedReturn", "G[b,t] = r[b,t+1] + g[b,t] * G[b,t+1]"),
+        {"r": (2, 7), "g": (2, 7)},
+        reverse_lagged_ref,
     ),
     "reverse": (
         op_spec("ReverseRec", "h[b,t] = x[b,t] + c[b,t] * h[b,t+1]"),
@@ -188,7 +268,7 @@ def inputs_for(shapes, seed=0):
             value = np.abs(value) * 0.5
         if name in ("A",):
             value = -np.abs(value)
-        if name in ("a", "c"):
+        if name in ("a", "c", "g"):
             value = 0.4 * np.tanh(value)
         found[name] = value
     return found
@@ -227,7 +307,7 @@ def _directional(ref, values, names, grads_out, k, rng, eps=1e-6):
 
 # The ops of symgrad.toml in every target; each other spelling in one target, taking
 # turns (each module costs a generation: the file stays fast).
-EVERYWHERE = ("linear", "lfilter", "selective_scan")
+EVERYWHERE = ("linear", "lfilter", "selective_scan", "lagged_input", "reverse_lagged")
 OTHERS = sorted(c for c in CASES if c not in EVERYWHERE)
 PAIRS = [(c, t) for c in EVERYWHERE for t in TARGETS] + [
     (c, TARGETS[k % len(TARGETS)]) for k, c in enumerate(OTHERS)
@@ -308,7 +388,7 @@ def _loss_and_grads(fw, module, args, targets):
 
 
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("case", ["lfilter", "selective_scan"])
+@pytest.mark.parametrize("case", ["lfilter", "selective_scan", "lagged_input", "reverse_lagged"])
 def test_training_step(case, target, folder):
     """One SGD step through the generated module: the framework's gradient of the loss is
     the generated vjp of (y - target), and the loss goes down."""
@@ -327,13 +407,15 @@ def test_training_step(case, target, folder):
     assert after < loss
 
 
-def test_tensorflow_unknown_dims_and_xla(folder):
+@pytest.mark.parametrize("case", ["selective_scan", "lfilter"])
+def test_tensorflow_unknown_dims_and_xla(case, folder):
     """Under tf.function with every dim unknown the scan is a tf.while_loop whose length
-    is read when the graph runs; under jit_compile=True it compiles with XLA."""
+    is read when the graph runs; under jit_compile=True it compiles with XLA (lfilter:
+    with an input read at lags, whose window's depth is read from bb's shape)."""
     import tensorflow as tf
 
-    module = module_for("selective_scan", "tensorflow", folder)
-    _, shapes, ref = CASES["selective_scan"]
+    module = module_for(case, "tensorflow", folder)
+    _, shapes, ref = CASES[case]
     values = inputs_for(shapes, seed=7)
     args = [tf.constant(values[n]) for n in module.INPUTS]
     want = ref(*[values[n] for n in module.INPUTS])[0]
@@ -377,26 +459,28 @@ def test_pytorch_compile_fullgraph(folder):
     value.backward()
     expected = module.vjp(*[x.detach() for x in leaves], g_y)
     np.testing.assert_allclose(
-        value.item(), float((ref(values["x"], values["a"])[0] * g_y.numpy()).sum()), rtol=1e-10
+        value.item(),
+        float((ref(*[values[n] for n in module.INPUTS])[0] * g_y.numpy()).sum()),
+        rtol=1e-10,
     )
     for x, e in zip(leaves, expected, strict=True):
         np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
 
 
-def test_jax_jit_vmap_and_grad_of_the_backward(folder):
+@pytest.mark.parametrize("case", ["linear", "lagged_input"])
+def test_jax_jit_vmap_and_grad_of_the_backward(case, folder):
     """The JAX module works under jit and vmap, and the generated adjoint scan is itself
-    differentiable: a second derivative matches finite differences of the first."""
+    differentiable: a second derivative matches finite differences of the first (also
+    with its input read one position back)."""
     import jax
     import jax.numpy as jnp
 
-    module = module_for("linear", "jax", folder)
-    _, shapes, _ = CASES["linear"]
+    module = module_for(case, "jax", folder)
+    _, shapes, ref = CASES[case]
     values = inputs_for(shapes, seed=11)
     a, x = (jnp.asarray(values[n]) for n in module.INPUTS)
     batched = jax.jit(jax.vmap(module.forward))(jnp.stack([a, 0.5 * a]), jnp.stack([x, x]))
-    np.testing.assert_allclose(
-        batched[1], linear_ref(0.5 * values["a"], values["x"])[0], rtol=1e-10
-    )
+    np.testing.assert_allclose(batched[1], ref(0.5 * values["a"], values["x"])[0], rtol=1e-10)
 
     def first(a):  # d/da of sum(h^2), through the generated backward
         return jax.grad(lambda a: (module.forward(a, x) ** 2).sum())(a)
@@ -453,7 +537,10 @@ def test_selective_scan_training_step_memory_is_bounded(folder):
         ),
         ("h[t] = x[t] + h[t-1] + h[t+1]", "both before and after", "h[t-1]"),
         ("h[t] = x[t] + h[t-1-k] * a[k] + h[k]", "at no shift of its own", "h[k]"),
-        ("h[b,t] = x[b,t-1] + h[b,t-1]", "computed from the scan index", "x[b,t-1]"),
+        ("h[b,t] = x[b,t+1] + h[b,t-1]", "read at later positions", "x[b,t+1]"),
+        ("G[b,t] = r[b,t-1] + G[b,t+1]", "read at earlier positions", "r[b,t-1]"),
+        ("h[b,t] = x[b,2*t] + h[b,t-1]", "plus or minus a lag", "x[b,2*t]"),
+        ("h[b,t] = x[b,t-1] + x[b,0] + h[b,t-1]", "and here not along it", "x[b,0]"),
         ("h[b,t] = t * h[b,t-1] + x[b,t]", "used as a value", "t * h"),
     ],
 )
@@ -473,9 +560,12 @@ def test_explain_shows_the_recurrence_its_step_and_the_adjoint(capsys):
     text = capsys.readouterr().out
     assert "Recurrence along t (from the first position on" in text
     assert "y_past[j, ...] is y at t - 1 - j (zero before the start)" in text
+    assert "x_recent[e, ...] is x at t - e along its axis 1 (zero before the start)" in text
     assert "Adjoint recurrence" in text
     # the step's derived gradient of the past states: what the adjoint passes back
-    assert "grad_y_past[k,b] = -grad_y[b]*a[k]" in text
+    assert "grad_y_past[q,b] = -grad_y[b]*a[q]" in text
+    # and of the input's recent slices: what the adjoint adds at the earlier positions
+    assert "grad_x_recent[k,b] = grad_y[b]*bb[k]" in text
 
 
 def test_check_runs_the_recurrences_against_a_loop(tmp_path):
@@ -489,7 +579,11 @@ def test_check_runs_the_recurrences_against_a_loop(tmp_path):
         "[ops.Lfilter]\n"
         'formula = "y[b,t] = x[b,t] - sum(a[k] * y[b,t-1-k], k)"\n'
         "[ops.Rev]\n"
-        'formula = "h[b,t] = x[b,t] + c[b,t] * h[b,t+1]"\n',
+        'formula = "h[b,t] = x[b,t] + c[b,t] * h[b,t+1]"\n'
+        "[ops.FullLfilter]\n"
+        'formula = "y[b,t] = sum(bb[k] * x[b,t-k], k) - sum(a[q] * y[b,t-1-q], q)"\n'
+        "[ops.DiscountedReturn]\n"
+        'formula = "G[b,t] = r[b,t+1] + g[b,t] * G[b,t+1]"\n',
         encoding="utf-8",
     )
     from symgrad.cli import main
@@ -503,16 +597,41 @@ def test_check_runs_the_recurrences_against_a_loop(tmp_path):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_lfilter_matches_scipy(target, folder):
-    """The spec's Lfilter is scipy.signal.lfilter([1], [1, *a], x) along the last axis
-    (torchaudio's lfilter with b = [1] and a[0] = 1), and a loop where SciPy is absent."""
+    """The spec's Lfilter is scipy.signal.lfilter(bb, [1, *a], x) along the last axis
+    (torchaudio's lfilter with a[0] = 1), forward and every gradient (against central
+    differences of SciPy's filter)."""
     signal = pytest.importorskip("scipy.signal")
-    module = module_for("lfilter", target, folder)
+    module = load_module(
+        module_text(_spec_op("Lfilter"), "test", target), folder, f"spec_lfilter_{target}"
+    )
     fw = FRAMEWORKS[target]
     rng = np.random.default_rng(12)
-    x = rng.standard_normal((3, 11))
-    a = np.array([-0.5, 0.2, 0.1])
-    got = fw.numpy(module.forward(fw.tensor(x), fw.tensor(a)))
-    np.testing.assert_allclose(got, signal.lfilter([1.0], [1.0, *a], x, axis=-1), rtol=1e-12)
+    values = {
+        "x": rng.standard_normal((3, 11)),
+        "a": np.array([-0.5, 0.2, 0.1]),
+        "bb": np.array([0.4, -0.3, 0.2, 0.1, -0.05]),
+    }
+
+    def scipy_ref(x, a, bb):
+        return (signal.lfilter(bb, np.r_[1.0, a], x, axis=-1),)
+
+    names = module.INPUTS
+    assert names == ("x", "a", "bb")
+    args = [fw.tensor(values[n]) for n in names]
+    want = scipy_ref(*[values[n] for n in names])
+    np.testing.assert_allclose(fw.numpy(module.forward(*args)), want[0], rtol=1e-12, atol=1e-14)
+    g = rng.standard_normal(want[0].shape)
+    found = module.vjp(*args, fw.tensor(g))
+    for k, name in enumerate(names):
+        v, fd = _directional(scipy_ref, values, names, [g], k, rng)
+        np.testing.assert_allclose(np.sum(fw.numpy(found[k]) * v), fd, rtol=1e-7, err_msg=name)
+
+
+def _spec_op(name):
+    from symgrad.spec import load_spec
+
+    spec = load_spec(str(Path(__file__).resolve().parents[1] / "symgrad.toml"))
+    return next(op for op in spec.ops if op.name == name)
 
 
 @pytest.mark.parametrize("case", ["lfilter", "selective_scan"])

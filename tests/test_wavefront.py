@@ -47,6 +47,19 @@ def diagonal_ref(D):
     return (R,)
 
 
+def grid_lag_ref(D):
+    """An input read one row and one position back; zero outside the grid."""
+    R = np.zeros_like(D)
+    for i in range(D.shape[1]):
+        for j in range(D.shape[2]):
+            R[:, i, j] = (
+                (D[:, i - 1, j - 1] if i and j else 0)
+                + (0.5 * R[:, i - 1, j] if i else 0)
+                + (0.25 * R[:, i, j - 1] if j else 0)
+            )
+    return (R,)
+
+
 CASES = {
     "soft_dtw": (
         op_spec("SoftDtw", SOFT_DTW, attrs=(("gamma", "float"),)),
@@ -57,6 +70,12 @@ CASES = {
     "diagonal": (
         op_spec("DiagonalRec", "R[b,i,j] = D[b,i,j] + 0.5 * R[b,i-1,j-1]"),
         diagonal_ref,
+        {},
+    ),
+    # an input read at a lag along both indices, the only read that sizes j
+    "grid_lag": (
+        op_spec("GridLag", "R[b,i,j] = D[b,i-1,j-1] + 0.5 * R[b,i-1,j] + 0.25 * R[b,i,j-1]"),
+        grid_lag_ref,
         {},
     ),
 }
@@ -114,3 +133,68 @@ def test_explain_shows_the_rows_and_the_row_step(capsys):
     assert "Recurrence along j" in text
     assert text.index("Recurrence along i") < text.index("Recurrence along j")
     assert "Adjoint recurrence (the gradient; run from the last position)" in text
+
+
+# RNN-T's forward variables (torchaudio's rnnt_loss, warp-transducer's compute_alphas):
+# inputs read one position back along t (blank) and along u (emit).
+RNNT_ALPHA = (
+    "alpha[b,t,u] = log(where(t == 0 and u == 0, 1, 0)"
+    " + where(t == 0, 0, exp(alpha[b,t-1,u] + blank[b,t-1,u]))"
+    " + where(u == 0, 0, exp(alpha[b,t,u-1] + emit[b,t,u-1])))"
+)
+
+
+def rnnt_alpha_ref(blank, emit):
+    """warp-transducer's compute_alphas on a batch: alpha[0,0] = 0, the first column
+    along blanks, the first row along emissions, every other cell the log-sum-exp of the
+    two paths into it."""
+    B, T, U1 = blank.shape
+    alpha = np.zeros((B, T, U1))
+    for t in range(T):
+        for u in range(U1):
+            if t == 0 and u == 0:
+                continue
+            paths = []
+            if t > 0:
+                paths.append(alpha[:, t - 1, u] + blank[:, t - 1, u])
+            if u > 0:
+                paths.append(alpha[:, t, u - 1] + emit[:, t, u - 1])
+            alpha[:, t, u] = np.log(np.sum(np.exp(paths), 0))
+    return (alpha,)
+
+
+def _log_probs(seed):
+    """Moderate log-probabilities of blank and of the next label, [batch, T, U+1]."""
+    rng = np.random.default_rng(seed)
+    return {n: -0.5 - np.abs(rng.standard_normal((2, 5, 4))) for n in ("blank", "emit")}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rnnt_alpha_matches_loop_and_trains(target, folder):
+    """RNN-T's alphas (inputs read at a lag along both indices) match a NumPy loop of the
+    kernel, forward and the gradient of both inputs (central differences, float64); and a
+    training step through the framework's autodiff equals the generated vjp."""
+    from test_recurrences import _loss_and_grads
+
+    if target == "jax":
+        _enable_x64()
+    spec = op_spec("RnntAlpha", RNNT_ALPHA, inputs=("blank", "emit"))
+    module = load_module(module_text(spec, "test", target), folder, f"wf_rnnt_{target}")
+    fw = FRAMEWORKS[target]
+    names = module.INPUTS
+    values = _log_probs(0)
+    args = [fw.tensor(values[n]) for n in names]
+    want = rnnt_alpha_ref(*[values[n] for n in names])
+    np.testing.assert_allclose(fw.numpy(module.forward(*args)), want[0], rtol=1e-12, atol=1e-13)
+    rng = np.random.default_rng(5)
+    grads_out = [rng.standard_normal(want[0].shape)]
+    found = module.vjp(*args, fw.tensor(grads_out[0]))
+    for k, name in enumerate(names):
+        v, fd = _directional(rnnt_alpha_ref, values, names, grads_out, k, rng)
+        np.testing.assert_allclose(np.sum(fw.numpy(found[k]) * v), fd, rtol=1e-7, err_msg=name)
+    targets = [w + rng.standard_normal(w.shape) for w in want]
+    loss, grads, after = _loss_and_grads(fw, module, args, [fw.tensor(t) for t in targets])
+    expected = module.vjp(*args, *[fw.tensor(w - t) for w, t in zip(want, targets)])
+    for g, e in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(g, fw.numpy(e), rtol=1e-9, atol=1e-12)
+    assert after < loss
