@@ -141,6 +141,27 @@ def test_rwkv_scan_agrees_with_the_closed_form_op(folder):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_the_max_shifted_scan_survives_float32(target, folder):
+    """RwkvWkvScanStable (the kernel's max-shift, a third state p) equals the loop in
+    float64, forward and gradient, and in float32 with k + 100 -- where exp(k) overflows
+    and RwkvWkvScan gives no finite value -- it still gives y (unchanged by a shift of
+    every k) and finite gradients."""
+    module = module_of(spec_op("RwkvWkvScanStable"), target, folder)
+    values = wkv_inputs((2, 6, 5), seed=8)
+    _check_forward_and_gradient(module, target, values, wkv_loop)
+    fw = FRAMEWORKS[target]
+    shifted = {**values, "k": values["k"] + 100.0}
+    args = [fw.tensor(shifted[n].astype(np.float32)) for n in module.INPUTS]
+    (want,) = wkv_loop(**values)
+    got = fw.numpy(module.forward(*args))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    grads = module.vjp(*args, fw.tensor(np.ones(want.shape, np.float32)))
+    assert all(np.isfinite(fw.numpy(g)).all() for g in grads)
+    plain = module_of(spec_op("RwkvWkvScan"), target, folder)
+    assert not np.isfinite(fw.numpy(plain.forward(*args))).all()
+
+
 def rotation_loop(x, c, s):
     """Two states reading each other one position back; both are outputs."""
     p = np.zeros_like(x)
