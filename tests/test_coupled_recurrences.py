@@ -141,12 +141,12 @@ def test_rwkv_scan_agrees_with_the_closed_form_op(folder):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
-def test_the_max_shifted_scan_survives_float32(target, folder):
+def test_the_max_shifted_scan_survives_float32(folder):
     """RwkvWkvScanStable (the kernel's max-shift, a third state p) equals the loop in
     float64, forward and gradient, and in float32 with k + 100 -- where exp(k) overflows
     and RwkvWkvScan gives no finite value -- it still gives y (unchanged by a shift of
     every k) and finite gradients."""
+    target = "tensorflow"
     module = module_of(spec_op("RwkvWkvScanStable"), target, folder)
     values = wkv_inputs((2, 6, 5), seed=8)
     _check_forward_and_gradient(module, target, values, wkv_loop)
@@ -212,7 +212,7 @@ COUPLED = {
         ),
         {"x": (2, 5), "a": (2,)},
         reverse_loop,
-        "jax",
+        "pytorch",
     ),
 }
 
@@ -295,7 +295,9 @@ def test_explain_and_check_cover_the_coupled_scan(tmp_path, capsys):
 
     spec_path = tmp_path / "symgrad.toml"
     toml = (ROOT / "symgrad.toml").read_text(encoding="utf-8")
-    spec_path.write_text(toml[toml.index("[ops.RwkvWkvScan]") :], encoding="utf-8")
+    start = toml.index("[ops.RwkvWkvScan]\n")
+    end = toml.find("\n[ops.", start)
+    spec_path.write_text(toml[start : end if end > 0 else None], encoding="utf-8")
     assert main(["generate", str(spec_path)]) == 0
     report = run(load_spec(str(spec_path)), tmp_path / "generated")
     (op,) = report.ops
