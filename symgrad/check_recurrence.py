@@ -78,7 +78,9 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
     cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
     recent = _recent_reads(scan)
 
-    def size(name: str, axis: int) -> int:
+    def size(name: str | None, axis: int) -> int:
+        if name is None:  # the axis that stacks coupled states: its size is their number
+            return axis
         at = cut[name]
         if name in recent:  # the step reads its window: [depth, the other axes]
             return step.shapes[recent[name].name][1 + axis - (axis > at)]
@@ -86,7 +88,7 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
 
     state = tuple(size(n, a) for n, a in scan.state_axes)
     depth = scan.depth + sum(c * (size(n, a) - 1) for c, n, a in scan.depth_sizes)
-    fixed = {}
+    fixed = {name: state[:-1] for _, _, name in getattr(found, "lags", ())}  # coupled
     for read in scan.body.reads + (scan.init.reads if scan.init else ()):
         if read.kind == "lag":
             fixed[read.name] = state
@@ -113,9 +115,13 @@ def reference(op: OpSpec, attrs: dict):
     """The formula's forward as a loop of dense step evaluations, in NumPy."""
     import tensorflow as tf
 
+    from .coupled import CoupledPlan
+    from .coupled import reference as coupled_reference
     from .reference import evaluate_op
 
     found = plan(op)
+    if isinstance(found, CoupledPlan):  # several states in one carry
+        return coupled_reference(found, op, attrs)
     scan = found.scan
     int_attrs = frozenset(n for n, kind in op.attrs if kind == "int")
     steps = [(found.body, scan.body), (found.init, scan.init)]

@@ -13,7 +13,12 @@ from .spec import OpSpec
 
 def recurrence_lines(op: OpSpec) -> list[str]:
     """The recurrence and its adjoint, in words and index notation (plain text)."""
+    from .coupled import CoupledPlan
+    from .coupled import recurrence_lines as coupled_lines
+
     found = plan(op)
+    if isinstance(found, CoupledPlan):  # several states in one carry
+        return coupled_lines(found, op)
     scan = found.scan
     t, h = scan.index, scan.state
     way = "from the last position back" if scan.reverse else "from the first position on"

@@ -486,7 +486,8 @@ class Scan:
     outputs: tuple[str, ...]  # the op's outputs, in order
     state: str
     internal: bool  # the state is not an output
-    state_axes: tuple[tuple[str, int], ...]  # per state axis, an input axis of its size
+    # per state axis, an input axis of its size; (None, n): an axis of n (coupled states)
+    state_axes: tuple[tuple[str | None, int], ...]
     length: tuple[str, int]  # the input axis whose size is the number of positions
     depth: int  # the window's depth: this plus coefficient * (size - 1) per depth_sizes
     depth_sizes: tuple[tuple[int, str, int], ...]

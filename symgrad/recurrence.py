@@ -484,6 +484,10 @@ def _lhs(eq: Equation, drop: str) -> str:
 def plan(op: OpSpec) -> Plan:
     """The scan and the step ops of a recurrence op. SymgradError on what cannot be
     ordered or is not supported."""
+    from . import coupled
+
+    if coupled.is_coupled(op):  # several recurrent tensors, or reads of one at t - e
+        return coupled.plan(op)
     a = _Analysis(op)
     a.defined = {e.output for e in a.equations}
     a.taken = (

@@ -114,13 +114,16 @@ def module_text(op, source_name: str, target: str) -> str:
     """A recurrence op's module for a target: its steps compiled and rendered like any
     op's, embedded, and the scan around them; formatted, validated, stamped."""
     from . import pipeline
+    from .coupled import CoupledPlan, step_source
     from .recurrence import plan
     from .spec import snake_case
 
     found = plan(op)
     steps = {}
     for prefix, spec in (("_step", found.body), ("_init", found.init)):
-        if spec is not None:
+        if isinstance(found, CoupledPlan) and spec is not None:  # one stacked state
+            steps[prefix] = step_source(found, target)
+        elif spec is not None:
             steps[prefix] = _step_source(spec, target)
     scan = replace(found.scan, **_step_lines(found.body))
     name = f"{snake_case(op.name)}.py"

@@ -290,10 +290,11 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
     # explain prints sizes self-contained; modules read them through their `_dim` helper.
     module = re.sub(r"_dim\((\w+), (\d+)\)", r"tf.shape(\1)[\2]", module)
     # A recurrence's module computes its step in `_step_compute`, which explain shows; a
-    # recurrence whose step is a recurrence (soft-DTW's rows) in `_step_step_compute`.
-    name = next(
-        n for n in ("_step_step_compute", "_step_compute", "_compute") if f"def {n}(" in module
-    )
+    # recurrence whose step is a recurrence (soft-DTW's rows) in `_step_step_compute`; a
+    # coupled recurrence (RWKV's scan) in `_step_coupled_compute`, around which
+    # `_step_compute` stacks the states.
+    names = ("_step_step_compute", "_step_coupled_compute", "_step_compute", "_compute")
+    name = next(n for n in names if f"def {n}(" in module)
     compute = next(
         node
         for node in _as_explained(ast.parse(module)).body
