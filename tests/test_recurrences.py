@@ -521,6 +521,23 @@ def test_selective_scan_training_step_memory_is_bounded(folder):
     assert peak < state * length  # h over the whole sequence would not fit
 
 
+def test_lfilter_training_step_holds_no_copy_per_tap(folder):
+    """lfilter with 16 feed-forward taps: the step reads a window of 16 slices of x, and
+    the PyTorch backward adds each window's gradient in place, so a training step peaks
+    under 4x the inputs and outputs, where a copy of x per tap would be 16x x."""
+    import torch
+    from test_tiling import _torch_memory
+
+    module = module_for("lfilter", "pytorch", folder)
+    values = inputs_for({"x": (8, 160), "a": (3,), "bb": (16,)}, seed=6)
+    xs = [torch.tensor(values[k], dtype=torch.float32, requires_grad=True) for k in module.INPUTS]
+    inputs = sum(x.numel() for x in xs) * 4
+    outputs = values["x"].size * 4
+    _, peak = _torch_memory(module, xs, {})
+    assert peak < 4 * (inputs + outputs)
+    assert peak < 16 * values["x"].size * 4
+
+
 @pytest.mark.parametrize(
     ("formula", "message", "caret"),
     [
