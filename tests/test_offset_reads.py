@@ -460,3 +460,33 @@ def test_the_repos_multi_scale_deformable_attention_is_the_one_tested_here():
     (op,) = [op for op in load_spec(root / "symgrad.toml").ops if op.name == "MsDeformAttn"]
     here = replace(parse_op(op.name, MS_DEFORM_ATTN, "symgrad.toml"), source=op.source)
     assert here == op
+
+
+@torch.library.custom_op("symgrad_test::deform_conv_int_offsets", mutates_args=())
+def deform_conv_op(
+    x: torch.Tensor, w: torch.Tensor, off: torch.Tensor, s: int, p: int
+) -> torch.Tensor:
+    """Opaque to autograd: deformable conv computed by the NumPy loop."""
+    arrays = [a.detach().numpy() for a in (x, w, off)]
+    return torch.from_numpy(deform_conv_loop(*arrays[:2], arrays[2].astype(float), s, p))
+
+
+@deform_conv_op.register_fake
+def _(x, w, off, s, p):
+    return x.new_empty(x.shape[0], w.shape[0], off.shape[2], off.shape[3])
+
+
+def test_a_registered_op_given_integer_offsets_gets_the_generated_gradient(folder):
+    """PyTorch's `register`: the op's backward casts integer offsets and gives them no
+    gradient; x and w get `vjp`'s gradients."""
+    m = module(DEFORM_CONV, "pytorch", folder)
+    m.register(deform_conv_op)
+    x, w, _, attrs = deform_inputs(seed=20)
+    off = torch.tensor(np.random.default_rng(20).integers(-3, 4, (1, 12, 7, 5)))
+    x, w = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    grad = torch.tensor(np.random.default_rng(21).standard_normal((1, 4, 7, 5)))
+    got = torch.autograd.grad(deform_conv_op(x, w, off, attrs["s"], attrs["p"]), (x, w), grad)
+    want = m.vjp(x.detach(), w.detach(), off, grad, **attrs)
+    assert want[2] is None
+    for g, expected in zip(got, want[:2], strict=True):
+        torch.testing.assert_close(g, expected, atol=1e-12, rtol=0)
