@@ -147,7 +147,7 @@ RNNT_ALPHA = (
 def rnnt_alpha_ref(blank, emit):
     """warp-transducer's compute_alphas on a batch: alpha[0,0] = 0, the first column
     along blanks, the first row along emissions, every other cell the log-sum-exp of the
-    two paths into it."""
+    two paths into it (evaluated stably: the float32 test's paths underflow float64)."""
     B, T, U1 = blank.shape
     alpha = np.zeros((B, T, U1))
     for t in range(T):
@@ -159,7 +159,7 @@ def rnnt_alpha_ref(blank, emit):
                 paths.append(alpha[:, t - 1, u] + blank[:, t - 1, u])
             if u > 0:
                 paths.append(alpha[:, t, u - 1] + emit[:, t, u - 1])
-            alpha[:, t, u] = np.log(np.sum(np.exp(paths), 0))
+            alpha[:, t, u] = np.logaddexp.reduce(paths, axis=0)
     return (alpha,)
 
 
@@ -198,3 +198,31 @@ def test_rnnt_alpha_matches_loop_and_trains(target, folder):
     for g, e in zip(grads, expected, strict=True):
         np.testing.assert_allclose(g, fw.numpy(e), rtol=1e-9, atol=1e-12)
     assert after < loss
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_rnnt_alpha_in_float32_with_log_probabilities_in_the_hundreds(target, folder):
+    """Log-probabilities from -400 to -100: every exp of a path underflows float32, yet
+    the alphas (log of a sum of exps, kept in log space) and their gradients match the
+    float64 loop to float32's precision at that scale."""
+    spec = op_spec("RnntAlpha", RNNT_ALPHA, inputs=("blank", "emit"))
+    module = load_module(module_text(spec, "test", target), folder, f"wf_rnnt32_{target}")
+    fw = FRAMEWORKS[target]
+    names = module.INPUTS
+    rng = np.random.default_rng(7)
+    values = {n: rng.uniform(-400, -100, (2, 6, 5)).astype(np.float32) for n in names}
+    exact = {n: v.astype(np.float64) for n, v in values.items()}
+    (want,) = rnnt_alpha_ref(*[exact[n] for n in names])
+    assert np.isfinite(want).all()
+    args = [fw.tensor(values[n]) for n in names]
+    got = fw.numpy(module.forward(*args)).astype(np.float64)
+    assert np.isfinite(got).all(), got
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    grad_out = rng.standard_normal(want.shape)
+    found = module.vjp(*args, fw.tensor(grad_out.astype(np.float32)))
+    for k, name in enumerate(names):
+        g = fw.numpy(found[k]).astype(np.float64)
+        assert np.isfinite(g).all(), f"{name}: {g}"
+        v, fd = _directional(rnnt_alpha_ref, exact, names, [grad_out], k, rng)
+        assert abs(np.sum(g * v) - fd) <= 1e-3 * max(abs(fd), 1.0), (name, np.sum(g * v), fd)
