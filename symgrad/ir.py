@@ -123,6 +123,8 @@ OPS = {
     # reads at computed positions and their transposes
     "gather": "gather(x, positions, axis=k): positions (any shape) replace axis k",
     "segment_sum": "segment_sum(data, ids, n): rows of data added at ids < n; ids < 0 dropped",
+    "segment_max": "segment_max(data, ids, n): as segment_sum, the max; -inf where no row",
+    "segment_min": "segment_min(data, ids, n): as segment_sum, the min; +inf where no row",
     "sparse_rows": "sparse_rows(values, rows, shape): a gradient as rows (IndexedSlices)",
     # convolutions (NHWC / NDHWC). `axes` lists, per spatial axis, [size, taps, count,
     # stride, offset]: the outputs read x at stride*i + k + offset (zero outside x).

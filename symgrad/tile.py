@@ -30,6 +30,7 @@ from . import functions as fn
 from . import ir, patterns, splits
 from .indexing import IOTA
 from .model import Index, Level, Program, accesses
+from .segment_forms import segment_extremum, ties_at_rows
 from .spec import OpSpec
 
 START = "tile_start"  # the chunk's first position along the tiled index
@@ -62,7 +63,9 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         found.append(level.indices)
         for term in level.terms:
             if level.kind in ("max", "min", "logsumexp"):
-                found.append((*level.indices, *term.summed))
+                ids = program.index_inputs
+                if not segment_extremum(level.kind, level.indices, term.expr, term.summed, ids):
+                    found.append((*level.indices, *term.summed))  # else a segment kernel's
                 continue
             allowed = {*level.indices, *term.summed}
             found += [
@@ -103,6 +106,10 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...]) -> list[sp.Expr]:
     found = []
     for factor in sp.Mul.make_args(expr):
         if isinstance(factor, sp.Indexed) or not factor.has(sp.Indexed):
+            continue
+        at_rows = ties_at_rows(factor, ids)  # a segment max's ties: a segment sum of
+        if at_rows is not None:
+            found.append(at_rows)
             continue
         if (
             isinstance(factor, fn.select)

@@ -161,15 +161,20 @@ def budget_of(monkeypatch):
 
 
 def _counting(monkeypatch, module) -> list[int]:
-    """Count the chunks the module computes (its `_chunk_compute` calls)."""
+    """Count the chunks the module computes (its `_chunk_compute` calls, and the
+    backward's `_chunk_saved` calls where the chunk's gradient reads no output)."""
     calls = []
-    chunk = module._chunk_compute
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return chunk(*args, **kwargs)
+    def counting(chunk):
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return chunk(*args, **kwargs)
 
-    monkeypatch.setattr(module, "_chunk_compute", counted)
+        return counted
+
+    for name in ("_chunk_compute", "_chunk_saved"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, counting(getattr(module, name)))
     return calls
 
 
@@ -270,6 +275,33 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
     assert calls, "the registered backward did not run in chunks"
     for g, w in zip(got, want, strict=True):
         _close(g, w, f"{name} registered backward")
+
+
+@pytest.mark.parametrize("name", ["lightconv_same", "correlation"])
+def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, budget_of):
+    """A chunk's gradient that reads no output of the chunk recomputes only the
+    intermediates it reads (`_chunk_saved`), never the outputs' contraction: the backward
+    calls `_chunk_compute` not once."""
+    module = modules(name, "pytorch")
+    attrs = CASES[name].attrs
+    xs = _torch(_arrays(name, module))
+    grad = torch.ones_like(module.forward(*xs, **attrs))
+    want = _torch_reference(module, xs, attrs, grad)[2]
+    budget_of(module, budgets(module, xs, attrs)[-1])
+    y = module.forward(*xs, **attrs)
+    computed = []
+    chunk = module._chunk_compute
+
+    def counted(*args, **kwargs):
+        computed.append(1)
+        return chunk(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_chunk_compute", counted)
+    n, c = module._tile_plan(*xs, **attrs)
+    got = torch.autograd.grad(y, xs, grad)
+    assert not computed, f"{name}: the backward recomputed {len(computed)} chunks' outputs"
+    for g, w in zip(got, want, strict=True):
+        _close(g, w, f"{name} tiled backward, {-(-n // c)} chunks")
 
 
 def test_torch_tiled_backward_is_twice_differentiable(modules, budget_of):

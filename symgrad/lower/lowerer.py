@@ -26,10 +26,13 @@ from .intervals import Intervals
 from .kernels import Kernels
 from .lookups import Lookups
 from .pointwise import Pointwise
+from .segment_extrema import SegmentExtrema
 from .segments import Segments
 
 
-class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments, Lookups, Intervals):
+class Lowerer(
+    Pointwise, Contraction, Kernels, Gathers, Segments, SegmentExtrema, Lookups, Intervals
+):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""
 
@@ -137,6 +140,9 @@ class Lowerer(Pointwise, Contraction, Kernels, Gathers, Segments, Lookups, Inter
         """The value of an intermediate or an output over its own indices."""
         if level.kind == "gather":
             return self.gather(body, level)
+        segment = self.segment_level(body, level)
+        if segment is not None:
+            return segment
         if level.kind in ("max", "min"):
             (term,) = level.terms
             function = "reduce_max" if level.kind == "max" else "reduce_min"

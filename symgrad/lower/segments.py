@@ -19,6 +19,7 @@ from .. import functions as fn
 from .. import ir
 from ..indexing import IOTA
 from ..model import Index
+from ..segment_forms import eq_form
 from .common import _Body, _index_set
 
 
@@ -30,6 +31,7 @@ class Segments:
         n.. summed) or a read at the ids (v summed, n.. free); None for any other term."""
         if eyes:
             return None
+        e = eq_form(e, self.program.index_inputs)  # `where(seg[n] != v, 0, ..)` as ==
         found = self._segment_mask(e)
         if found is None:
             return None
@@ -38,11 +40,15 @@ class Segments:
         rest = mask.args[1] * sp.Mul(*[f for f in sp.Mul.make_args(e) if f is not mask])
         if v in n:
             return None
+        found = None
         if v in summed:
-            return self._read_at_ids(body, rest, ids, v, summed, out)
-        if v in out and set(n) <= {*summed, *out}:
-            return self._segment_sum(body, rest, ids, v, summed, out)
-        return None
+            found = self._read_at_ids(body, rest, ids, v, summed, out)
+        elif v in out and set(n) <= {*summed, *out}:
+            found = self._segment_sum(body, rest, ids, v, summed, out)
+        if found is None and (v in summed or v in out):
+            # factors reading both v and the ids' indices (segment_extrema.py)
+            found = self.mixed_segment_term(body, mask, rest, ids, v, summed, out)
+        return found
 
     def _segment_mask(self, e: sp.Expr):
         """The one mask factor `where(ids[n..] == v, value, 0)` of a product: (the factor,

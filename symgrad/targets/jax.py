@@ -45,6 +45,8 @@ NAMES = {
     "reduce_sum": "jnp.sum",
     "reshape": "jnp.reshape",
     "rsqrt": "jax.lax.rsqrt",
+    "segment_max": "_segment_max",  # -inf where no row (jax.ops.segment_max)
+    "segment_min": "_segment_min",  # +inf where no row (jax.ops.segment_min)
     "segment_sum": "_segment_sum",  # ids of any rank (jax.ops.segment_sum takes 1-D)
     "sigmoid": "jax.nn.sigmoid",
     "sign": "jnp.sign",

@@ -83,6 +83,8 @@ PARAMETERS = {
     "range": ("n",),
     "reshape": ("x", "shape"),
     "segment_sum": ("data", "ids", "n"),
+    "segment_max": ("data", "ids", "n"),
+    "segment_min": ("data", "ids", "n"),
     "shape": ("x",),
     "size_limit": ("n", "where", "others"),
     "exact_div": ("n", "d", "where"),
@@ -446,6 +448,14 @@ class PyTorchPrinter(Printer):
     def call_segment_sum(self, args: dict) -> str:
         parts = (self.code(args["data"]), self.code(args["ids"]), self.code(args["n"]))
         return f"_segment_sum({', '.join(parts)})"
+
+    def call_segment_max(self, args: dict) -> str:
+        parts = (self.code(args["data"]), self.code(args["ids"]), self.code(args["n"]))
+        return f'_segment_extremum({", ".join(parts)}, "amax")'
+
+    def call_segment_min(self, args: dict) -> str:
+        parts = (self.code(args["data"]), self.code(args["ids"]), self.code(args["n"]))
+        return f'_segment_extremum({", ".join(parts)}, "amin")'
 
     def call_sparse_rows(self, args: dict) -> str:
         values, rows, shape = args["values"], args["rows"], args["shape"]

@@ -44,6 +44,8 @@ NAMES = {
     "reshape": "tf.reshape",
     "rsqrt": "tf.math.rsqrt",
     "searchsorted": "tf.searchsorted",
+    "segment_max": "tf.math.unsorted_segment_max",
+    "segment_min": "tf.math.unsorted_segment_min",
     "segment_sum": "tf.math.unsorted_segment_sum",
     "shape": "tf.shape",
     "sigmoid": "tf.sigmoid",
@@ -79,6 +81,8 @@ KERNELS = {
     "conv3d_backprop_input": ("_conv_backprop_input", NAMES["conv3d_backprop_input"]),
     "gather": ("_gather",),
     "segment_sum": ("_segment_sum",),
+    "segment_max": ("_segment_extremum", NAMES["segment_max"]),
+    "segment_min": ("_segment_extremum", NAMES["segment_min"]),
     "sparse_rows": ("_sparse_rows",),
 }
 

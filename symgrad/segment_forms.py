@@ -1,0 +1,117 @@
+"""Which masked reductions are segment reductions (plain SymPy predicates, shared by the
+lowering, `lower/segment_extrema.py`, and tiling, `tile.py`, which must not count their
+masks as temporaries).
+
+`where(seg[n..] == v, value, fill)`: an index tensor at distinct plain indices compared
+with an index v. Over n, `max` of it with fill -inf (`min` with +inf, log Σ exp with -inf)
+is a segment max (min, logsumexp) into rows v; the companion count of the max's ties,
+Σ_n [where(seg[n] == v, value, -inf) == max[v]], is a segment sum of [value == max[seg[n]]].
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from . import functions as fn
+from .indexing import IOTA
+
+# The fill each extremum ignores: a masked entry can never be the max (min).
+FILLS = {"max": fn.NEG_INF, "logsumexp": fn.NEG_INF, "min": -fn.NEG_INF}
+
+
+def segment_condition(condition: sp.Expr, ids: object) -> tuple[sp.Indexed, sp.Symbol] | None:
+    """`seg[n..] == v`: (the ids access, v), when seg is an index tensor (a name in `ids`)
+    read at distinct plain indices and v is an index; None otherwise."""
+    if not isinstance(condition, sp.Eq):
+        return None
+    left, right = condition.args
+    if _iota(left):
+        left, right = right, left
+    if not _iota(right) or not isinstance(left, sp.Indexed):
+        return None
+    if left.base.label.name not in ids:
+        return None
+    positions = tuple(left.indices)
+    if not all(isinstance(p, sp.Symbol) for p in positions) or len(set(positions)) != len(
+        positions
+    ):
+        return None
+    v = right.indices[0]
+    if not isinstance(v, sp.Symbol) or v in positions:
+        return None
+    return left, v
+
+
+def eq_form(e: sp.Expr, ids: object) -> sp.Expr:
+    """`e` with every `where(seg[n..] != v, a, b)` written `where(seg[n..] == v, b, a)`."""
+
+    def negated(s) -> bool:
+        return (
+            isinstance(s, fn.select)
+            and isinstance(s.args[0], sp.Ne)
+            and segment_condition(sp.Eq(*s.args[0].args), ids) is not None
+        )
+
+    return e.replace(negated, lambda s: fn.select(sp.Eq(*s.args[0].args), s.args[2], s.args[1]))
+
+
+def segment_select(e: sp.Expr, fill: sp.Expr, ids: object):
+    """`where(seg[n..] == v, value, fill)` (or `where(seg[n..] != v, fill, value)`):
+    (ids access, v, value), or None."""
+    e = eq_form(e, ids)
+    if not isinstance(e, fn.select) or e.args[2] != fill:
+        return None
+    found = segment_condition(e.args[0], ids)
+    if found is None:
+        return None
+    return (*found, e.args[1])
+
+
+def segment_extremum(kind: str, indices, expr: sp.Expr, summed, ids: object):
+    """An extremum level (`kind` max, min or logsumexp over `indices`, of `expr` over
+    `summed`) that is a segment reduction: (ids access, v, value, batch), batch the ids
+    indices that stay free (segments per (batch.., v)); None otherwise."""
+    fill = FILLS.get(kind)
+    found = None if fill is None else segment_select(expr, fill, ids)
+    if found is None:
+        return None
+    ids_access, v, value = found
+    n = tuple(ids_access.indices)
+    if v not in indices:
+        return None
+    batch = tuple(i for i in n if i in indices)
+    if set(summed) != set(n) - set(batch) or not summed:
+        return None
+    if v in value.free_symbols:
+        return None
+    return ids_access, v, value, batch
+
+
+def segment_ties(expr: sp.Expr, ids: object):
+    """The ties count of a segment max/min, `[where(seg[n] == v, value, ±inf) == m[..v..]]`:
+    the same bracket under the mask, `where(seg[n] == v, [value == m], 0)`; None for any
+    other term."""
+    if not isinstance(expr, fn.step_eq):
+        return None
+    inner, extremum = expr.args
+    inner = eq_form(inner, ids)
+    for fill in (fn.NEG_INF, -fn.NEG_INF):
+        found = segment_select(inner, fill, ids)
+        if found is not None and isinstance(extremum, sp.Indexed):
+            _, v, value = found
+            if v in extremum.indices:
+                return fn.select(inner.args[0], fn.step_eq(value, extremum), 0)
+    return None
+
+
+def ties_at_rows(expr: sp.Expr, ids: object) -> sp.Expr | None:
+    """What the segment sum of a ties count adds up: `[value == m[.., seg[n..], ..]]`."""
+    masked = segment_ties(expr, ids)
+    if masked is None:
+        return None
+    ids_access, v = segment_condition(masked.args[0], ids)
+    return masked.args[1].xreplace({v: ids_access})
+
+
+def _iota(e: sp.Expr) -> bool:
+    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA

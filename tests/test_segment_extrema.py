@@ -1,0 +1,298 @@
+"""Segment max, min and logsumexp written with a mask, `max(where(seg[n] == v, x[n,f],
+-inf), n)`: segment kernels forward, reads at the ids backward (ties split equally), in
+every target, never an N x V mask."""
+
+from __future__ import annotations
+
+import ast
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from harness import Case, check, generate, op_spec
+
+from symgrad.pipeline import module_text
+
+CASES = {
+    # tf.math.unsorted_segment_max over rows (symgrad.toml's RowsSegmentMax)
+    "segment_max": Case(
+        "y[v,f] = max(where(seg[n] == v, x[n,f], -inf), n)",
+        {"x": (11, 3)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"seg": ((11,), 0, 4)},
+    ),
+    # a min of a nonlinearity
+    "segment_min_tanh": Case(
+        "y[v,f] = min(where(seg[n] == v, tanh(x[n,f]) * w[f], inf), n)",
+        {"x": (10, 2), "w": (2,)},
+        attrs={"V": 3},
+        ranges={"v": "V"},
+        sizes={"v": 3},
+        index_inputs={"seg": ((10,), 0, 3)},
+    ),
+    # torch_scatter's batched scatter_max over dim 1: segments are (b, v) pairs
+    "batched_segment_max": Case(
+        "y[b,v,f] = max(where(seg[b,n] == v, x[b,n,f], -inf), n)",
+        {"x": (2, 13, 3)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"seg": ((2, 13), 0, 4)},
+    ),
+    # torch_scatter's scatter_logsumexp (ids out of range add nothing)
+    "segment_logsumexp": Case(
+        "y[v,f] = log(sum(where(seg[n] == v, exp(x[n,f]), 0), n))",
+        {"x": (12, 3)},
+        attrs={"V": 3},
+        ranges={"v": "V"},
+        sizes={"v": 3},
+        index_inputs={"seg": ((12,), -1, 4)},
+    ),
+}
+
+
+def _bodies(text: str) -> list[str]:
+    tree = ast.parse(text)
+    return [
+        ast.get_source_segment(text, node)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in ("_compute", "_backward")
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_segment_extrema_are_exact_and_never_a_dense_mask(name, tmp_path):
+    case = CASES[name]
+    text = module_text(op_spec(case, "SegmentExtrema"), "test.toml")
+    compute, backward = _bodies(text)
+    assert "unsorted_segment_m" in compute
+    assert "gather(" in backward  # the gradient reads the results at the ids
+    for body in (compute, backward):
+        assert "tf.range(tf.cast(_n_v" not in body  # no iota over v: no N x V mask
+    check(case, generate(case, tmp_path, prefix="SegmentExtrema"))
+
+
+# The JAX target compiles every path (about 12 s a case): batched ids here, max, min and
+# logsumexp against the loops below.
+IN_EVERY_TARGET = [(name, "pytorch") for name in sorted(CASES)] + [("batched_segment_max", "jax")]
+
+
+@pytest.mark.parametrize(("name", "target"), IN_EVERY_TARGET)
+def test_segment_extrema_in_every_target(name, target, tmp_path):
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    from target_harness import check_target, generate_for
+
+    if target == "pytorch":
+        from test_target_pytorch import TORCH as framework
+    else:
+        from test_target_jax import JAX as framework
+    case = CASES[name]
+    check_target(case, generate_for(case, target, tmp_path), framework)
+
+
+# ------------------------------------------------- against loops over the rows, in NumPy
+
+FORMULAS = {
+    "max": "y[v,f] = max(where(seg[n] == v, x[n,f], -inf), n)",
+    "min": "y[v,f] = min(where(seg[n] == v, x[n,f], inf), n)",
+    "logsumexp": "y[v,f] = log(sum(where(seg[n] == v, exp(x[n,f]), 0), n))",
+}
+
+
+def _loops(kind: str, seg, x, V: int, grad):
+    """The op and its gradient row by row: ties split the gradient equally, an empty
+    segment is -inf (+inf for min) and ids outside [0, V) take no part."""
+    N, F = x.shape
+    y = np.full((V, F), np.inf if kind == "min" else -np.inf)
+    members = [[n for n in range(N) if seg[n] == v] for v in range(V)]
+    for v in range(V):
+        for f in range(F):
+            values = [x[n, f] for n in members[v]]
+            if not values:
+                continue
+            if kind == "max":
+                y[v, f] = max(values)
+            elif kind == "min":
+                y[v, f] = min(values)
+            else:
+                peak = max(values)
+                y[v, f] = peak + np.log(sum(np.exp(u - peak) for u in values))
+    dx = np.zeros_like(x)
+    for v in range(V):
+        for f in range(F):
+            if kind == "logsumexp":
+                for n in members[v]:
+                    dx[n, f] = grad[v, f] * np.exp(x[n, f] - y[v, f])
+                continue
+            ties = [n for n in members[v] if x[n, f] == y[v, f]]
+            for n in ties:
+                dx[n, f] = grad[v, f] / len(ties)
+    return y, dx
+
+
+def _data(seed: int = 0):
+    """13 rows, 3 features, V = 5: values in {0, 1, 2} (ties everywhere), ids -2, -1, 5
+    and 6 out of range, segments 2 and 4 empty."""
+    rng = np.random.default_rng(seed)
+    seg = rng.choice([-2, -1, 0, 1, 3, 5, 6], size=13).astype(np.int32)
+    seg[:3] = [0, 1, 3]
+    x = rng.integers(0, 3, size=(13, 3)).astype(np.float64)
+    grad = rng.standard_normal((5, 3))
+    return seg, x, 5, grad
+
+
+def _spec_case(kind: str) -> Case:
+    return Case(
+        FORMULAS[kind],
+        {"x": (13, 3)},
+        attrs={"V": 5},
+        ranges={"v": "V"},
+        sizes={"v": 5},
+        index_inputs={"seg": ((13,), -2, 7)},
+    )
+
+
+def _tf_step(module, seg, x, V, grad):
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = module.forward(tf.constant(seg), x, V=V)
+    return y.numpy(), tape.gradient(y, x, output_gradients=tf.constant(grad)).numpy()
+
+
+def _torch_step(module, seg, x, V, grad):
+    import torch
+
+    leaf = torch.tensor(x, requires_grad=True)
+    y = module.forward(torch.tensor(seg), leaf, V=V)
+    (dx,) = torch.autograd.grad(y, leaf, torch.tensor(grad))
+    return y.detach().numpy(), dx.numpy()
+
+
+def _jax_step(module, seg, x, V, grad):
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    y, pullback = jax.vjp(lambda u: module.forward(jnp.asarray(seg), u, V=V), jnp.asarray(x))
+    (dx,) = pullback(jnp.asarray(grad))
+    return np.asarray(y), np.asarray(dx)
+
+
+STEPS = {"tensorflow": _tf_step, "pytorch": _torch_step, "jax": _jax_step}
+
+
+@pytest.mark.parametrize("target", sorted(STEPS))
+@pytest.mark.parametrize("kind", sorted(FORMULAS))
+def test_segment_extrema_match_loops_with_ties_empty_segments_and_ids_out_of_range(
+    kind, target, tmp_path
+):
+    pytest.importorskip({"pytorch": "torch", "jax": "jax"}.get(target, "tensorflow"))
+    seg, x, V, grad = _data()
+    want_y, want_dx = _loops(kind, seg, x, V, grad)
+    assert np.isinf(want_y[[2, 4]]).all()  # the data has empty segments
+    if kind != "logsumexp":  # and ties: some gradient is split
+        assert 0 < np.abs(want_dx).min(initial=1, where=want_dx != 0) < np.abs(grad).max()
+    module = generate(_spec_case(kind), tmp_path, prefix="SegmentLoops", target=target)
+    y, dx = STEPS[target](module, seg, x, V, grad)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
+    assert np.isfinite(dx).all()
+
+
+def test_segment_max_with_unknown_sizes_under_tf_function(tmp_path):
+    seg, x, V, grad = _data(1)
+    want_y, want_dx = _loops("max", seg, x, V, grad)
+    module = generate(_spec_case("max"), tmp_path, prefix="SegmentUnknown")
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None], tf.int32),
+            tf.TensorSpec([None, None], tf.float64),
+            tf.TensorSpec([None, None], tf.float64),
+        ]
+    )
+    def step(seg, x, grad):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = module.forward(seg, x, V=V)
+        return y, tape.gradient(y, x, output_gradients=grad)
+
+    y, dx = step(tf.constant(seg), tf.constant(x), tf.constant(grad))
+    np.testing.assert_array_equal(y.numpy(), want_y)
+    np.testing.assert_allclose(dx.numpy(), want_dx, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------ 200k points into 50k segments: O(N·F), no N x V
+
+
+def _big(seed: int = 0):
+    """N = 200,000 rows of F = 4 into V = 50,000 segments (a dense mask: 4e10 entries)."""
+    rng = np.random.default_rng(seed)
+    seg = rng.integers(-1, 50_001, size=200_000).astype(np.int32)
+    x = rng.standard_normal((200_000, 4)).astype(np.float32)
+    grad = rng.standard_normal((50_000, 4)).astype(np.float32)
+    return seg, x, 50_000, grad
+
+
+def _torch_peak(step) -> int:
+    """The peak of the running sum of the allocations and frees torch.profiler records."""
+    import torch
+
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as profile:
+        step()
+    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    total = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        peak = max(peak, total)
+    return peak
+
+
+@pytest.mark.parametrize("target", sorted(STEPS))
+def test_a_segment_max_of_200k_rows_into_50k_segments_is_linear(target, tmp_path):
+    """A training step runs in seconds (the dense [F, V, N] mask would be 160 GB), and
+    PyTorch's and JAX's peaks stay within 4x the inputs and outputs plus the budget."""
+    pytest.importorskip({"pytorch": "torch", "jax": "jax"}.get(target, "tensorflow"))
+    seg, x, V, grad = _big()
+    module = generate(_spec_case("max"), tmp_path, prefix="SegmentBig", target=target)
+    io = seg.nbytes + x.nbytes + grad.nbytes
+    bound = 4 * io + module.MAX_TEMP_BYTES
+    start = time.perf_counter()
+    if target == "pytorch":
+        import torch
+
+        ts, tx, tg = torch.tensor(seg), torch.tensor(x, requires_grad=True), torch.tensor(grad)
+
+        def step():
+            return torch.autograd.grad(module.forward(ts, tx, V=V), tx, tg)
+
+        y, dx = STEPS[target](module, seg, x, V, grad)
+        assert _torch_peak(step) <= bound
+    elif target == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        def loss(u, seg, g):
+            return jnp.sum(module.forward(seg, u, V=V) * g)
+
+        compiled = jax.jit(jax.grad(loss)).lower(x, seg, grad).compile()
+        stats = compiled.memory_analysis()
+        assert stats.temp_size_in_bytes + stats.output_size_in_bytes <= bound
+        dx = np.asarray(compiled(x, seg, grad))
+        y = np.asarray(module.forward(seg, x, V=V))
+    else:
+        y, dx = STEPS[target](module, seg, x, V, grad)
+    assert time.perf_counter() - start < 60
+    # spot checks against the loops' rule at a few segments
+    for v in (0, 17, 49_999):
+        rows = np.flatnonzero(seg == v)
+        np.testing.assert_array_equal(y[v], x[rows].max(axis=0))
+        winners = x[rows] == y[v]
+        np.testing.assert_allclose(dx[rows], np.where(winners, grad[v], 0), rtol=1e-6)
+    assert not dx[(seg < 0) | (seg >= V)].any()
