@@ -106,10 +106,13 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
 def module_text(op, source_name: str, target: str) -> str:
     """A recurrence op's module for a target: its steps compiled and rendered like any
     op's, embedded, and the scan around them; formatted, validated, stamped."""
-    from . import pipeline
+    from . import assoc_scan, pipeline
     from .recurrence import plan
     from .spec import snake_case
 
+    linear = assoc_scan.linear(op)
+    if linear is not None:  # h[t] = a[t] * h[t-1] + b[t]: an associative scan
+        return assoc_scan.module_text(op, linear, source_name, target)
     found = plan(op)
     steps = {}
     for prefix, spec in (("_step", found.body), ("_init", found.init)):
