@@ -247,8 +247,9 @@ def is_linear(op: OpSpec) -> bool:
 # ----------------------------------------------------------------------------- rendering
 
 # State-sized temporaries per position of a chunk (the pairs, the states, the adjoint and
-# the scan's own), by which MAX_TEMP_BYTES is divided.
-PER_POSITION = 16
+# the scan's own), by which MAX_TEMP_BYTES is divided; measured on the selective scan's
+# training step (TensorFlow's gathers and selects and its while_loop hold more).
+PER_POSITION = {"jax": 16, "pytorch": 16, "tensorflow": 32}
 
 SCAN_KIND = {
     "jax": "jax.lax.associative_scan",
@@ -326,7 +327,7 @@ def module_text(op: OpSpec, lin: Linear, source_name: str, target: str) -> str:
             init_args=init_args,
             state_axis=lin.state_axis,
             contrib=contrib,
-            per_position=PER_POSITION,
+            per_position=PER_POSITION[target],
             scan_kind=SCAN_KIND[target],
         )
     )

@@ -103,14 +103,16 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
     )
 
 
-def module_text(op, source_name: str, target: str) -> str:
+def module_text(op, source_name: str, target: str, *, associative: bool = True) -> str:
     """A recurrence op's module for a target: its steps compiled and rendered like any
-    op's, embedded, and the scan around them; formatted, validated, stamped."""
+    op's, embedded, and the scan around them; formatted, validated, stamped. A linear
+    first-order recurrence is an associative scan instead (`assoc_scan`) unless
+    `associative` is false (benchmarks compare the two)."""
     from . import assoc_scan, pipeline
     from .recurrence import plan
     from .spec import snake_case
 
-    linear = assoc_scan.linear(op)
+    linear = assoc_scan.linear(op) if associative else None
     if linear is not None:  # h[t] = a[t] * h[t-1] + b[t]: an associative scan
         return assoc_scan.module_text(op, linear, source_name, target)
     found = plan(op)

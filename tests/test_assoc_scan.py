@@ -29,14 +29,14 @@ def test_only_linear_first_order_recurrences_take_the_associative_scan():
     assert found.coef.formulas[1] == "coefb[b, d, n, t] = B[b,n,t]*delta[b,d,t]*x[b,d,t]"
 
 
-def _budget(case, shapes, positions):
+def _budget(case, shapes, positions, target):
     """MAX_TEMP_BYTES for chunks of `positions` positions (float64)."""
     spec = CASES[case][0]
     found = linear(spec)
     state = 1
     for name, axis in found.plan.scan.state_axes:
         state *= shapes[name][axis]
-    return positions * PER_POSITION * state * 8
+    return positions * PER_POSITION[target] * state * 8
 
 
 # Each case in one target, taking turns, plus the selective scan everywhere.
@@ -67,7 +67,7 @@ def test_chunked_forward_and_gradient_match_loop(case, target, folder):
     grads_out = [rng.standard_normal(w.shape) for w in want]
     default = module.MAX_TEMP_BYTES
     try:
-        module.MAX_TEMP_BYTES = _budget(case, shapes, 2)
+        module.MAX_TEMP_BYTES = _budget(case, shapes, 2, target)
         got = module.forward(*args)
         found = module.vjp(*args, *[fw.tensor(g) for g in grads_out])
     finally:
@@ -106,7 +106,7 @@ def test_tensorflow_chunks_with_unknown_dims_and_xla(folder):
     ]
     default = module.MAX_TEMP_BYTES
     try:
-        module.MAX_TEMP_BYTES = _budget("selective_scan", shapes, 2)
+        module.MAX_TEMP_BYTES = _budget("selective_scan", shapes, 2, "tensorflow")
         for compiled in (
             tf.function(step, input_signature=signature),
             tf.function(step, jit_compile=True),
@@ -135,7 +135,7 @@ def test_pytorch_compile_fullgraph_of_the_associative_scan(folder):
 
     default = module.MAX_TEMP_BYTES
     try:
-        module.MAX_TEMP_BYTES = _budget("selective_scan", shapes, 4)
+        module.MAX_TEMP_BYTES = _budget("selective_scan", shapes, 4, "pytorch")
         compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
         value = compiled(*leaves)
         value.backward()
