@@ -2,14 +2,17 @@
 (a scan and its derived adjoint scan) against the same op written in plain framework
 ops and differentiated by the framework's own autodiff.
 
-    .venv/bin/python benchmarks/recurrences.py [--targets tensorflow,pytorch,jax] [--length 2048]
+    .venv/bin/python benchmarks/recurrences.py [--targets tensorflow,pytorch,jax]
+        [--ops selective_scan,linear,lfilter] [--impls symgrad,plain,sequential] [--length 2048]
 
-Ops (this repo's symgrad.toml): Mamba's selective scan (b=2, d=64, n=16) and lfilter
-(b=8, order 3, 4 feed-forward taps), float32, at length L. Each (target, op,
-implementation) runs in a fresh subprocess: one training step (forward, loss
-sum(y * y), the gradient of every input), one warm-up, then the median of 3 steps.
-TensorFlow runs both under `tf.function` (an eager while_loop would dispatch op by op),
-JAX under `jax.jit`, PyTorch eagerly.
+Ops (this repo's symgrad.toml): Mamba's selective scan (b=2, d=64, n=16), the linear
+recurrence (b=8, d=256) and lfilter (b=8, order 3, 4 feed-forward taps), float32, at
+length L. `sequential` is the generated module with the associative scan turned off: the
+sequential scan that linear recurrences ran as before (generated into a temporary
+folder). Each (target, op, implementation) runs in a fresh subprocess: one training step
+(forward, loss sum(y * y), the gradient of every input), one warm-up, then the median of
+3 steps. TensorFlow runs both under `tf.function` (an eager while_loop would dispatch op
+by op), JAX under `jax.jit`, PyTorch eagerly.
 
 Peak memory as in `memory.py`: TensorFlow the BFC allocator's peak, JAX the compiled
 step's `memory_analysis()` (temporaries + outputs + arguments), PyTorch the running sum of
@@ -41,6 +44,8 @@ def shapes(op: str, length: int) -> dict:
             "C": (b, n, length),
             "D": (d,),
         }
+    if op == "linear_recurrence":
+        return {"a": (8, length, 256), "x": (8, length, 256)}
     return {"x": (8, length), "a": (3,), "bb": (4,)}
 
 
@@ -54,6 +59,8 @@ arrays = {{n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items
 if op == "selective_scan":
     arrays["delta"] = np.abs(arrays["delta"]) * 0.1
     arrays["A"] = -np.abs(arrays["A"])
+elif op == "linear_recurrence":
+    arrays["a"] = 0.9 * np.tanh(arrays["a"])
 else:
     arrays["a"] = np.array([-0.5, 0.2, 0.1], np.float32)
     arrays["bb"] = np.array([0.4, -0.3, 0.2, 0.1], np.float32)
@@ -63,6 +70,14 @@ result = {{}}
 
 def plain_torch(*xs):
     import torch
+    if op == "linear_recurrence":
+        a, x = xs
+        h = torch.zeros_like(x[:, 0])
+        hs = []
+        for t in range(x.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            hs.append(h)
+        return torch.stack(hs, 1)
     if op == "selective_scan":
         delta, A, B, x, C, D = xs
         h = delta.new_zeros((x.shape[0], x.shape[1], A.shape[1]))
@@ -87,6 +102,13 @@ def plain_torch(*xs):
 
 def plain_jax(*xs):
     import jax, jax.numpy as jnp
+    if op == "linear_recurrence":
+        a, x = xs
+        def step(h, s):
+            h = s[0] * h + s[1]
+            return h, h
+        _, hs = jax.lax.scan(step, jnp.zeros_like(x[:, 0]), (jnp.moveaxis(a, 1, 0), jnp.moveaxis(x, 1, 0)))
+        return jnp.moveaxis(hs, 0, 1)
     if op == "selective_scan":
         delta, A, B, x, C, D = xs
         def body(h, s):
@@ -109,6 +131,11 @@ def plain_jax(*xs):
 
 def plain_tf(*xs):
     import tensorflow as tf
+    if op == "linear_recurrence":
+        a, x = xs
+        seq = (tf.transpose(a, [1, 0, 2]), tf.transpose(x, [1, 0, 2]))
+        hs = tf.scan(lambda h, s: s[0] * h + s[1], seq, initializer=tf.zeros_like(x[:, 0]))
+        return tf.transpose(hs, [1, 0, 2])
     if op == "selective_scan":
         delta, A, B, x, C, D = xs
         def body(carry, s):
@@ -131,7 +158,7 @@ def plain_tf(*xs):
     return tf.transpose(ys)
 
 
-if impl == "symgrad":
+if impl in ("symgrad", "sequential"):
     module = __import__(op)
     forward = module.forward
 else:
@@ -198,9 +225,27 @@ print(json.dumps(result))
 """
 
 
+def sequential_folder(target: str, op: str) -> str:
+    """A folder holding the op's module generated with the sequential scan."""
+    import tempfile
+
+    sys.path.insert(0, str(REPO))
+    from symgrad.scan_render import module_text
+    from symgrad.spec import load_spec
+
+    names = {"selective_scan": "SelectiveScan", "linear_recurrence": "LinearRecurrence"}
+    spec = load_spec(REPO / "symgrad.toml")
+    found = next(o for o in spec.ops if o.name == names.get(op, "Lfilter"))
+    folder = Path(tempfile.mkdtemp(prefix="sequential_"))
+    text = module_text(found, "symgrad.toml", target, associative=False)
+    (folder / f"{op}.py").write_text(text)
+    return str(folder)
+
+
 def measure(target: str, op: str, impl: str, length: int) -> dict:
+    folder = sequential_folder(target, op) if impl == "sequential" else REPO / FOLDERS[target]
     script = STEP.format(
-        folder=str(REPO / FOLDERS[target]),
+        folder=str(folder),
         target=target,
         op=op,
         impl=impl,
@@ -223,26 +268,29 @@ def measure(target: str, op: str, impl: str, length: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="tensorflow,pytorch,jax")
-    parser.add_argument("--ops", default="selective_scan,lfilter")
+    parser.add_argument("--ops", default="selective_scan,linear_recurrence,lfilter")
+    parser.add_argument("--impls", default="symgrad,plain,sequential")
     parser.add_argument("--length", type=int, default=2048)
     args = parser.parse_args()
     print(f"L = {args.length}, float32, a training step (forward + gradient of every input)")
+    impls = args.impls.split(",")
     print(
-        f"{'op':15} {'target':11} {'symgrad s':>10} {'plain s':>9} {'symgrad MB':>11} "
-        f"{'plain MB':>9} {'io MB':>7}"
+        f"{'op':18} {'target':11} "
+        + " ".join(f"{i + ' s':>13} {i + ' MB':>14}" for i in impls)
+        + f" {'io MB':>7}"
     )
     for op in args.ops.split(","):
         for target in args.targets.split(","):
-            ours = measure(target, op, "symgrad", args.length)
-            theirs = measure(target, op, "plain", args.length)
-            if "error" in ours or "error" in theirs:
-                print(op, target, ours.get("error", ""), theirs.get("error", ""))
-                continue
-            print(
-                f"{op:15} {target:11} {ours['time']:10.3f} {theirs['time']:9.3f} "
-                f"{ours['peak'] / 2**20:11.2f} {theirs['peak'] / 2**20:9.2f} "
-                f"{ours['io'] / 2**20:7.2f}"
-            )
+            row, io = [], None
+            for impl in impls:
+                found = measure(target, op, impl, args.length)
+                if "error" in found:
+                    row.append(f"{'error':>13} {found['error'][:14]:>14}")
+                    continue
+                io = found["io"]
+                row.append(f"{found['time']:13.3f} {found['peak'] / 2**20:14.2f}")
+            io_text = f"{io / 2**20:7.2f}" if io is not None else ""
+            print(f"{op:18} {target:11} " + " ".join(row) + " " + io_text, flush=True)
 
 
 if __name__ == "__main__":

@@ -110,14 +110,22 @@ def render(scan: ir.Scan, target: str, steps: dict[str, str]) -> str:
     )
 
 
-def module_text(op, source_name: str, target: str) -> str:
+def module_text(op, source_name: str, target: str, *, associative: bool | None = None) -> str:
     """A recurrence op's module for a target: its steps compiled and rendered like any
-    op's, embedded, and the scan around them; formatted, validated, stamped."""
-    from . import pipeline
+    op's, embedded, and the scan around them; formatted, validated, stamped. A linear
+    first-order recurrence is an associative scan instead (`assoc_scan`) when
+    `associative` is true; None takes the target's default (`assoc_scan.BY_DEFAULT`);
+    false keeps the sequential scan (benchmarks compare the two)."""
+    from . import assoc_scan, pipeline
     from .coupled import CoupledPlan, step_source
     from .recurrence import plan
     from .spec import snake_case
 
+    if associative is None:
+        associative = target in assoc_scan.BY_DEFAULT
+    linear = assoc_scan.linear(op) if associative else None
+    if linear is not None:  # h[t] = a[t] * h[t-1] + b[t]: an associative scan
+        return assoc_scan.module_text(op, linear, source_name, target)
     found = plan(op)
     steps = {}
     for prefix, spec in (("_step", found.body), ("_init", found.init)):

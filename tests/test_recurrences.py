@@ -493,10 +493,13 @@ def test_jax_jit_vmap_and_grad_of_the_backward(case, folder):
 
 
 def test_selective_scan_training_step_memory_is_bounded(folder):
-    """Mamba's internal state h[b,d,n,t] is N times the inputs; the forward keeps its
-    inputs and one window of states per chunk of about sqrt(L) positions, and a training
-    step's peak allocation (torch.profiler's memory events) stays under 4x the inputs and
-    outputs -- below the bytes of h over the whole sequence."""
+    """Mamba's internal state h[b,d,n,t] is N times the inputs. The associative scan runs
+    in chunks of as many positions as fit MAX_TEMP_BYTES (read at call time) and keeps
+    only the state before each chunk; a training step's peak allocation (torch.profiler's
+    memory events) stays under 4x the inputs and outputs plus the budget. At a budget of
+    a few positions the chunking bites: the forward keeps one state per chunk, not h over
+    the whole sequence, which a single chunk (the default budget, everything fits) holds several
+    times over, and the peak falls to a fraction of the single chunk's."""
     import torch
     from test_tiling import _torch_memory
 
@@ -515,10 +518,21 @@ def test_selective_scan_training_step_memory_is_bounded(folder):
     inputs = sum(x.numel() for x in xs) * 4
     outputs = b * d * length * 4
     state = b * d * n * 4
-    kept, peak = _torch_memory(module, xs, {})
-    assert kept <= inputs + 2 * 12 * state  # 12 chunks of 12 positions: one window each
-    assert peak < 4 * (inputs + outputs)
-    assert peak < state * length  # h over the whole sequence would not fit
+    default = module.MAX_TEMP_BYTES
+    _, whole = _torch_memory(module, xs, {})
+    assert whole < 4 * (inputs + outputs) + default
+    assert whole > 4 * state * length  # one chunk: several tensors of h's size
+    budget = 4 * 16 * state  # four positions' temporaries
+    try:
+        module.MAX_TEMP_BYTES = budget
+        chunk = module._chunk_length(length, (b, d, n), torch.float32)
+        assert chunk == 4
+        kept, peak = _torch_memory(module, xs, {})
+    finally:
+        module.MAX_TEMP_BYTES = default
+    assert kept <= inputs + (length // chunk + 1) * state  # one state per chunk
+    assert peak < 4 * (inputs + outputs) + budget
+    assert peak < whole / 4  # the chunking bites
 
 
 def test_lfilter_training_step_holds_no_copy_per_tap(folder):
