@@ -46,12 +46,12 @@ def _(a, x):
 
 
 @torch.library.custom_op("symgrad_scan_test::lfilter", mutates_args=())
-def lfilter_op(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(_ref("lfilter")(_numpy(x), _numpy(a))[0])
+def lfilter_op(x: torch.Tensor, a: torch.Tensor, bb: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(_ref("lfilter")(_numpy(x), _numpy(a), _numpy(bb))[0])
 
 
 @lfilter_op.register_fake
-def _(x, a):
+def _(x, a, bb):
     return torch.empty_like(x)
 
 
@@ -74,7 +74,7 @@ def _(delta, A, B, x, C, D):
 
 
 TORCH_OPS = {"linear": linear_op, "lfilter": lfilter_op, "selective_scan": selective_scan_op}
-SIGNATURES = {"linear": ("a", "x"), "lfilter": ("x", "a")}
+SIGNATURES = {"linear": ("a", "x"), "lfilter": ("x", "a", "bb")}
 
 
 def _training_step(case, target, forward, module):
@@ -117,7 +117,7 @@ def test_register_by_name_and_refusal_of_another_signature(folder):
     with pytest.raises(ValueError) as error:
         other.register(lfilter_op)
     message = str(error.value)
-    assert message.startswith(f"{other.OP_NAME}: op symgrad_scan_test::lfilter takes (x, a)")
+    assert message.startswith(f"{other.OP_NAME}: op symgrad_scan_test::lfilter takes (x, a, bb)")
     assert "\n" not in message
 
 
