@@ -267,6 +267,8 @@ class _Explained(ast.NodeTransformer):
     def visit_Call(self, node: ast.Call):
         self.generic_visit(node)
         name = node.func.id if isinstance(node.func, ast.Name) else None
+        if name is not None:  # a recurrence step's copy of a helper: `_step_step_gather`
+            name = re.sub(r"^(?:_step)+(?=_)", "", name)
         if name == "_size_limit":
             return node.args[0]
         if name == "_segment_extremum":  # (kernel, data, ids, n): -inf for an empty one
@@ -289,8 +291,9 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
 
     text = explain(capsys, "--op", op, REPO_SPEC)
     module = (REPO_SPEC.parent / "generated" / f"{snake_case(op)}.py").read_text("utf-8")
-    # explain prints sizes self-contained; modules read them through their `_dim` helper.
-    module = re.sub(r"_dim\((\w+), (\d+)\)", r"tf.shape(\1)[\2]", module)
+    # explain prints sizes self-contained; modules read them through their `_dim` helper
+    # (a recurrence's step through its prefixed copy, `_step_dim` or `_step_step_dim`).
+    module = re.sub(r"\b(?:_step)*_dim\((\w+), (\d+)\)", r"tf.shape(\1)[\2]", module)
     # A recurrence's module computes its step in `_step_compute`, which explain shows; a
     # recurrence whose step is a recurrence (soft-DTW's rows) in `_step_step_compute`; a
     # coupled recurrence (RWKV's scan) in `_step_coupled_compute`, around which
