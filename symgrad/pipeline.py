@@ -38,7 +38,7 @@ def compile_op(op: OpSpec) -> ir.Module:
     chunk_program = build(choice.chunk)
     chunk = lower(chunk_program, derive(chunk_program))
     if choice.index not in {i.name for i in program.outputs[0].level.indices}:
-        return replace(module, tiling=tile_sum.tiling(choice, program, backward, chunk))
+        return replace(module, tiling=tile.tiling(choice, program, backward, chunk, summed=True))
     tiling = tile.tiling(choice, program, backward, chunk)
     reason = tile_sum.why_not(op, program, choice)
     return replace(module, tiling=replace(tiling, untiled_reason=reason) if reason else tiling)

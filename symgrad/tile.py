@@ -378,11 +378,18 @@ class _Offset(ast.NodeTransformer):
         )
 
 
-def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.Tiling:
-    """The IR of a module's tiling: the chunk, and the sizes the call-time plan reads."""
+def tiling(
+    choice: Choice, program: Program, backward, chunk: ir.Module, *, summed: bool = False
+) -> ir.Tiling:
+    """The IR of a module's tiling: the chunk, and the sizes the call-time plan reads.
+    `summed`: the tiled index is summed (`tile_sum`), so the chunks' outputs are added
+    rather than placed along an output axis."""
     from .lower import lower_sizes
 
-    index = next(i for i in program.outputs[0].level.indices if i.name == choice.index)
+    if summed:
+        index = next(i for b in choice.big for i in b if i.name == choice.index)
+    else:
+        index = next(i for i in program.outputs[0].level.indices if i.name == choice.index)
     wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
     sizes, names = lower_sizes(program, backward, wanted)
     size_of = dict(zip(wanted, names, strict=True))
@@ -391,7 +398,7 @@ def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.T
         start=choice.start,
         length=choice.length,
         sliced=choice.sliced,
-        output_axes=tuple(o.level.indices.index(index) for o in program.outputs),
+        output_axes=() if summed else tuple(o.level.indices.index(index) for o in program.outputs),
         sizes=sizes,
         volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
         temporaries=tuple(
@@ -400,4 +407,5 @@ def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.T
         count=size_of[index],
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,
+        summed=summed,
     )

@@ -24,8 +24,8 @@ from __future__ import annotations
 import ast
 from dataclasses import replace
 
-from . import ir, splits
-from .model import Index, Program
+from . import splits
+from .model import Program
 from .spec import OpSpec
 from .tile import (
     LENGTH,
@@ -186,33 +186,3 @@ def _chunk(op, program, tree, reads, name, big) -> Choice:
     )
     chunk = replace(op, formulas=(formula,), attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, big, chunk, start, length)
-
-
-def tiling(choice: Choice, program: Program, backward, chunk: ir.Module) -> ir.Tiling:
-    """The IR of a tiling along a summed index: outputs added over the chunks."""
-    from .lower import lower_sizes
-
-    index = _index(choice, program)
-    wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
-    sizes, names = lower_sizes(program, backward, wanted)
-    size_of = dict(zip(wanted, names, strict=True))
-    return ir.Tiling(
-        index=choice.index,
-        start=choice.start,
-        length=choice.length,
-        sliced=choice.sliced,
-        output_axes=(),
-        sizes=sizes,
-        volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
-        temporaries=tuple(
-            "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
-        ),
-        count=size_of[index],
-        chunk=chunk,
-        max_temp_bytes=choice.chunk.max_temp_bytes,
-        summed=True,
-    )
-
-
-def _index(choice: Choice, program: Program) -> Index:
-    return next(i for b in choice.big for i in b if i.name == choice.index)
