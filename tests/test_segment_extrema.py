@@ -296,3 +296,55 @@ def test_a_segment_max_of_200k_rows_into_50k_segments_is_linear(target, tmp_path
         winners = x[rows] == y[v]
         np.testing.assert_allclose(dx[rows], np.where(winners, grad[v], 0), rtol=1e-6)
     assert not dx[(seg < 0) | (seg >= V)].any()
+
+
+TF_PEAK = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import tensorflow as tf
+import test_segment_extrema as T
+from harness import generate
+
+seg, x, V, grad = T._big()
+found = {{}}
+for kind in sorted(T.FORMULAS):
+    module = generate(T._spec_case(kind), Path(tempfile.mkdtemp()), prefix="SegmentBig")
+    T._tf_step(module, seg, x, V, grad)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    T._tf_step(module, seg, x, V, grad)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    found[kind] = (peak, module.MAX_TEMP_BYTES)
+print(json.dumps(found))
+"""
+
+
+def test_tensorflow_segment_extrema_of_200k_rows_stay_within_the_bound():
+    """TensorFlow's peak for a training step of the 200k-row segment max, min and
+    logsumexp (the BFC allocator's statistics, in a fresh process as CPU statistics need
+    `TF_CPU_ALLOCATOR_USE_BFC`), within 4x the inputs and outputs plus the budget."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    script = TF_PEAK.format(tests=str(Path(__file__).parent))
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    seg, x, _, grad = _big()
+    io = seg.nbytes + x.nbytes + grad.nbytes
+    assert sorted(found) == sorted(FORMULAS)
+    for kind, (peak, budget) in found.items():
+        print(f"{kind}: peak {peak / 2**20:.1f} MiB, in + out {io / 2**20:.1f} MiB")
+        assert peak <= 4 * io + budget, kind
