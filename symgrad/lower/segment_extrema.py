@@ -26,6 +26,7 @@ from ..model import Level
 from ..segment_forms import segment_extremum, segment_ties
 from .common import _Body, _index_set, align
 
+_SEGMENT_TABLE = "_segment_table"  # a product of reads at segment level, gathered as one
 _KERNELS = {"max": "segment_max", "min": "segment_min", "logsumexp": "segment_max"}
 
 
@@ -105,6 +106,7 @@ class SegmentExtrema:
             batch = tuple(i for i in n if i in out)
         flat = valid = None
         mapping = {}
+        rest, reads, tables = _segment_table(rest, reads, n, v, batch)
         for a in reads:
             labels = tuple(a.indices)
             if (
@@ -115,7 +117,8 @@ class SegmentExtrema:
                 return None
             if flat is None:
                 flat, valid = self._ids(body, ids, v, batch)
-            mapping[a] = self._read_rows(body, a, ids, v, batch, flat, valid)
+            source = tables.get(a, a)
+            mapping[a] = self._read_rows(body, a, source, ids, v, batch, flat, valid)
         if flat is None:
             return None
         rest = rest.xreplace(mapping)
@@ -125,13 +128,13 @@ class SegmentExtrema:
             return self._segment_sum(body, rest, ids, v, summed, out)
         return self._masked_rows(body, rest, n, valid, summed, v, out)
 
-    def _read_rows(self, body, a, ids, v, batch, flat, valid) -> sp.Indexed:
+    def _read_rows(self, body, a, source, ids, v, batch, flat, valid) -> sp.Indexed:
         """The read `a` (over v, batch.. and others) at row ids[n..] of its (batch.., v)
         rows: a tensor over (n.., others..); where an id is out of range, row 0 (the
         term is masked there)."""
         n = tuple(ids.indices)
         others = tuple(i for i in a.indices if i != v and i not in batch)
-        value, axes = self.contract(body, a, (), (*batch, v, *others), ())
+        value, axes = self.contract(body, source, (), (*batch, v, *others), ())
         table = self.full(body, value, axes, (*batch, v, *others))
         if batch:
             sizes = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
@@ -148,15 +151,54 @@ class SegmentExtrema:
         """Σ_(summed but v) of `rest` (over n.. and others) where the id is in range,
         zero elsewhere."""
         keep = (*n, *sorted(_index_set(rest) - set(n), key=sp.default_sort_key))
+        # A mask factor `[x[n,f] == y[seg[n],f]]` joins the range check in the `where`
+        # rather than being cast and multiplied: one [n.., f] tensor less at once.
+        masks = [f for f in sp.Mul.make_args(rest) if _mask_condition(f) is not None]
+        rest = sp.Mul(*(f for f in sp.Mul.make_args(rest) if f not in masks))
         value, axes = self.contract(body, rest, (), keep, ())
         value = self.full(body, value, axes, keep)
         shape = ir.List(tuple(ir.Var(self.index_size(body, i)) for i in n))
         in_range = ir.Var(body.bind(ir.Call("reshape", (valid, shape))))
+        condition = self.align(body, in_range, n, keep)
+        for mask in masks:
+            compared = self.condition(body, _mask_condition(mask), keep)
+            condition = ir.Call("logical_and", (condition, compared))
         body.uses_dtype = True
         zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
-        where = ir.Call("where", (self.align(body, in_range, n, keep), value, zero))
+        where = ir.Call("where", (condition, value, zero))
         name = body.bind(where)
         body.tensors[name] = name
         masked = sp.IndexedBase(name)[keep]
         inner = tuple(i for i in summed if i != v)
         return self.contract(body, masked, inner, out, ())
+
+
+def _mask_condition(factor: sp.Expr) -> sp.Basic | None:
+    """The condition of a 0/1 mask factor (`[x == m]`, `select(c, 1, 0)`), else None."""
+    if isinstance(factor, fn.select) and factor.args[1] == 1 and factor.args[2] == 0:
+        return factor.args[0]
+    relation = {fn.step_ge: sp.Ge, fn.step_le: sp.Le, fn.step_eq: sp.Eq}.get(type(factor))
+    return None if relation is None else relation(*factor.args, evaluate=False)
+
+
+def _segment_table(rest, reads, n, v, batch):
+    """`rest` with its factors that read only at segment level (over v, batch.. and
+    indices no id has: `g[f,v] / count[f,v]`) multiplied into one table, so that one
+    gather reads them at the rows (one [n.., f] tensor, not one per factor); the reads
+    left to gather; and the table's read -> the product it stands for."""
+    table_factors = [
+        factor
+        for factor in sp.Mul.make_args(rest)
+        if factor.has(sp.Indexed)
+        and v in factor.free_symbols
+        and not (factor.free_symbols & set(n)) - set(batch)
+        and all(v in a.indices for a in factor.atoms(sp.Indexed))
+    ]
+    if len(table_factors) < 2:
+        return rest, reads, {}
+    table = sp.Mul(*table_factors)
+    indices = sorted(table.free_symbols & _index_set(table), key=sp.default_sort_key)
+    read = sp.IndexedBase(_SEGMENT_TABLE)[tuple(indices)]
+    rest = sp.Mul(*(f for f in sp.Mul.make_args(rest) if f not in table_factors)) * read
+    reads = [a for a in reads if not any(a in f.atoms(sp.Indexed) for f in table_factors)]
+    return rest, sorted([*reads, read], key=sp.default_sort_key), {read: table}
