@@ -10,6 +10,10 @@ times the bound stays within 4x the inputs and outputs plus the budget.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +243,160 @@ def test_training_steps_in_parts_equal_todays(tmp_path):
         got = steps(module)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-12, err_msg=target)
+
+
+# ----------------------------------------------------------------------------- memory
+
+# b = 2, n = 1200, m = 1000, c = 3: a [2, 1200, 1000] matrix (9.2 MiB in float32) per
+# temporary, which today's modules (tiled along b) hold whole for each b
+MEMORY = {"x": (2, 1200, 3), "z": (2, 1000, 3)}
+BUDGET = 2**18  # TensorFlow and JAX
+TORCH_BUDGET = 2**20  # fewer chunks: the profiler's events make each one slow
+
+
+def _memory_inputs(module, make):
+    rng = np.random.default_rng(6)
+    return [make(rng.uniform(-1, 1, MEMORY[n]).astype(np.float32)) for n in module.INPUTS]
+
+
+def _io_bytes(xs, outputs):
+    return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))
+
+
+def _torch_step_peak(module, xs):
+    """Peak bytes allocated by a training step's forward and backward: the running sum of
+    torch.profiler's allocation events, in the order they happen."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+        outputs = module.forward(*xs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        loss = sum(torch.sin(o).sum() for o in outputs)
+        grads = torch.autograd.grad(loss, xs)
+        del outputs, loss, grads
+    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    total = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        peak = max(peak, total)
+    return peak
+
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, tmp_path):
+    module = _module(name, tmp_path, "pytorch")
+    xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = _torch_step_peak(module, xs)
+    module.MAX_TEMP_BYTES = TORCH_BUDGET
+    assert module._tile_plan(*xs) is not None
+    tiled = _torch_step_peak(module, xs)
+    outputs = module.forward(*xs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    bound = TORCH_BUDGET + 4 * _io_bytes([x.detach() for x in xs], [o.detach() for o in outputs])
+    print(f"{name}: PyTorch step peak {untiled} -> {tiled} bytes, bound {bound}")
+    assert untiled > 10 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, untiled)
+
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, tmp_path):
+    """The jitted gradient's temporaries (XLA's memory_analysis)."""
+    module = _module(name, tmp_path, "jax")
+    xs = _memory_inputs(module, jnp.asarray)
+
+    def temporaries():
+        def loss(*a):
+            outputs = module.forward(*a)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            return sum(jnp.sum(jnp.sin(o)) for o in outputs)
+
+        def grad(*a):  # a new function: traced with the current budget
+            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
+
+        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
+
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = temporaries()
+    module.MAX_TEMP_BYTES = BUDGET
+    assert module._tile_plan(*xs) is not None
+    tiled = temporaries()
+    outputs = module.forward(*xs)
+    bound = BUDGET + 4 * _io_bytes(xs, outputs if isinstance(outputs, tuple) else (outputs,))
+    print(f"{name}: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
+    assert untiled > 10 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, untiled)
+
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+from pathlib import Path
+from harness import Case, generate
+rng = np.random.default_rng(0)
+
+def peak(run):
+    run()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    run()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+found = {{}}
+for name, formulas in {cases}.items():
+    module = generate(Case(formulas, {{}}), Path({folder!r}), prefix="Memory")
+    args = [tf.constant(rng.uniform(-1, 1, {memory}[n]).astype(np.float32))
+            for n in module.INPUTS]
+
+    def outputs():
+        out = module.forward(*args)
+        return out if isinstance(out, tuple) else (out,)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in outputs()])
+        return [g.numpy() for g in tape.gradient(loss, args)]
+
+    io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = peak(run)
+    module.MAX_TEMP_BYTES = {budget}
+    tiled = peak(run)
+    found[name] = dict(io=io, untiled=untiled, tiled=tiled)
+print(json.dumps(found))
+"""
+
+
+def test_tensorflow_tiled_in_parts_step_memory_is_bounded(tmp_path):
+    """TensorFlow's allocator statistics (BFC), in a fresh process: a training step."""
+    code = MEASURE.format(
+        tests=str(REPO / "tests"),
+        cases={name: PARTS[name].formulas for name in PARTS},
+        memory=MEMORY,
+        folder=str(tmp_path),
+        budget=BUDGET,
+    )
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(found) == sorted(PARTS)
+    for name, m in found.items():
+        bound = 4 * m["io"] + BUDGET
+        print(f"{name}: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
+        assert m["untiled"] > 10 * bound, (name, m)
+        assert m["tiled"] <= bound, (name, m)
