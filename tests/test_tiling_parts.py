@@ -423,3 +423,30 @@ def test_pytorch_compile_fullgraph_takes_the_parts(tmp_path):
     compiled(*leaves).backward()
     for leaf, w in zip(leaves, want, strict=True):
         np.testing.assert_allclose(leaf.grad.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_jax_vmap_of_forward_and_grad_in_parts(name, tmp_path):
+    """jax.vmap over an extra leading axis, of forward and of its gradient, under jit: in
+    parts (a scan per part) as in one piece."""
+    module = _module(name, tmp_path, "jax")
+    stacked = [
+        jnp.stack([_arrays(module.INPUTS, seed)[k] for seed in range(3)])
+        for k in range(len(module.INPUTS))
+    ]
+
+    def loss(*xs):
+        outputs = module.forward(*xs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return sum(jnp.sum(jnp.sin(o)) for o in outputs)
+
+    def both(*xs):
+        return module.forward(*xs), jax.grad(loss, argnums=tuple(range(len(xs))))(*xs)
+
+    want = jax.jit(jax.vmap(both))(*stacked)
+    module.MAX_TEMP_BYTES = TINY
+    batched = jax.vmap(both)  # a new function: traced afresh, with the budget above
+    assert str(jax.make_jaxpr(batched)(*stacked)).count("scan") >= 2
+    got = jax.jit(batched)(*stacked)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-12, atol=1e-12)
