@@ -273,10 +273,25 @@ class Tiling:
     # sums, added up; every chunk's gradient gets the whole incoming gradient (`tile_sum`)
     summed: bool = False
     untiled_reason: str = ""  # why a summed index could not be chosen (for the docstring)
+    # An op in parts (`tile_parts`): every part with its own tiling; the fields above are
+    # the first part's. The module runs each part's loop and places or adds the outputs.
+    parts: tuple[TilingPart, ...] = ()
+    parts_doc: tuple[str, ...] = ()  # the docstring's lines on the parts
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
         return dict(self.sliced).get(name)
+
+
+@dataclass(frozen=True)
+class TilingPart:
+    """One part of an op in parts: its tiling (whose chunk computes the part's outputs) and,
+    per output of the part, the op's output it gives (the outputs of parts that give the
+    same output are added)."""
+
+    tiling: Tiling
+    outputs: tuple[int, ...]
+    formula: str  # the part's equation
 
 
 @dataclass(frozen=True)
@@ -383,10 +398,12 @@ def without_conds(module: Module) -> Module:
         steps = tuple(Assign(s.target, rewrite(s.value, otherwise), s.comment) for s in block.steps)
         return Block(prune(Block(steps, block.returns), wanted, set()).steps, block.returns)
 
-    tiling = module.tiling
-    if tiling is not None:  # the chunk is a module of its own
+    def stripped(tiling: Tiling) -> Tiling:  # the chunk is a module of its own
         sizes = strip(tiling.sizes, tuple(r for r in tiling.sizes.returns if r))
-        tiling = replace(tiling, chunk=without_conds(tiling.chunk), sizes=sizes)
+        parts = tuple(replace(p, tiling=stripped(p.tiling)) for p in tiling.parts)
+        return replace(tiling, chunk=without_conds(tiling.chunk), sizes=sizes, parts=parts)
+
+    tiling = module.tiling if module.tiling is None else stripped(module.tiling)
     return replace(
         module,
         forward=strip(module.forward, (*module.outputs, *module.saved)),

@@ -13,7 +13,7 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, recurrence, scan_render, tile, tile_sum
+from . import ir, recurrence, scan_render, tile, tile_parts, tile_sum
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -33,15 +33,25 @@ def compile_op(op: OpSpec) -> ir.Module:
     backward = derive(program)
     module = replace(lower(program, backward), max_temp_bytes=op.max_temp_bytes)
     choice = tile_sum.choose(op, program, tile.choose(op, program))
+    parts = tile_parts.split(op, program, choice)
+    if parts is not None:  # no one index serves the whole op: each part its own
+        return replace(module, tiling=tile_parts.tiling(op, program, parts, _tiling))
     if choice is None:
         return module
-    chunk_program = build(choice.chunk)
-    chunk = lower(chunk_program, derive(chunk_program))
-    if choice.index not in {i.name for i in program.outputs[0].level.indices}:
-        return replace(module, tiling=tile.tiling(choice, program, backward, chunk, summed=True))
-    tiling = tile.tiling(choice, program, backward, chunk)
+    tiling = _tiling(choice, program, backward)
+    if tiling.summed:
+        return replace(module, tiling=tiling)
     reason = tile_sum.why_not(op, program, choice)
     return replace(module, tiling=replace(tiling, untiled_reason=reason) if reason else tiling)
+
+
+def _tiling(choice, program, backward=None) -> ir.Tiling:
+    """The tiling of a program along its choice: the chunk through every stage."""
+    chunk_program = build(choice.chunk)
+    chunk = lower(chunk_program, derive(chunk_program))
+    summed = choice.index not in {i.name for i in program.outputs[0].level.indices}
+    backward = derive(program) if backward is None else backward
+    return tile.tiling(choice, program, backward, chunk, summed=summed)
 
 
 def _ruff() -> str:

@@ -94,6 +94,8 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             output_axes=repr(module.output_axes),
             vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
             tile_grads=_tile_grads(module),
+            tile_parts=_tile_parts(module),
+            tile_sources=_tile_sources(module),
             tile_output_axes=repr(
                 tuple(
                     (axis, len(axes))
@@ -122,3 +124,52 @@ def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None]]:
         else:
             found.append((name, "sum", None))
     return found
+
+
+def _tile_parts(module: ir.Module) -> list[dict]:
+    """Per part of a module in parts (`tile_parts`): its tiling; per input of the module,
+    how its gradient comes out of the part's chunks (name, "none" | "cut" | "sum", axis,
+    its position among the chunk's inputs); the incoming gradients the part reads; and
+    per output of the part, (axis of the tiled index, rank)."""
+    if module.tiling is None:
+        return []
+    found = []
+    for part in module.tiling.parts:
+        chunk = part.tiling.chunk
+        grads = []
+        for name in module.inputs:
+            at = chunk.inputs.index(name) if name in chunk.inputs else None
+            axis = part.tiling.cut_axis(name)
+            if at is None or chunk.backward.returns[at] is None:
+                grads.append((name, "none", None, at))
+            else:
+                grads.append((name, "sum" if axis is None else "cut", axis, at))
+        found.append(
+            {
+                "t": part.tiling,
+                "grads": grads,
+                "grad_names": tuple(module.grads[o] for o in part.outputs),
+                "output_axes": repr(
+                    tuple(
+                        (axis, len(module.output_axes[o]))
+                        for axis, o in zip(part.tiling.output_axes, part.outputs, strict=False)
+                    )
+                ),
+            }
+        )
+    return found
+
+
+def _tile_sources(module: ir.Module) -> list[list[tuple[int, int]]]:
+    """Per output of a module in parts, the (part, output of the part) pairs it adds."""
+    if module.tiling is None or not module.tiling.parts:
+        return []
+    return [
+        [
+            (k, i)
+            for k, part in enumerate(module.tiling.parts)
+            for i, o in enumerate(part.outputs)
+            if o == j
+        ]
+        for j in range(len(module.outputs))
+    ]

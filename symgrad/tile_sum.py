@@ -14,9 +14,10 @@ plainly on no cut input, the inputs that read `n` plainly on one axis cut to the
 and `n` ranging over the chunk (a `tile_length` range when no cut input gives its size).
 
 Covered: one formula, one output, a right-hand side that is one `sum(...)` (over several
-indices too: any of them may be chosen). Not covered: a sum of such terms over different
-indices (Chamfer's two directions) -- no one index can be cut in every term, and the
-module keeps the output-index tiling, with the reason in its docstring.
+indices too: any of them may be chosen). A sum of such terms over different indices
+(Chamfer's two directions) has no one index that can be cut in every term: `tile_parts`
+tiles each term along its own; where it cannot (subtracted terms), the module keeps the
+output-index tiling, with the reason in its docstring (`why_not`).
 """
 
 from __future__ import annotations

@@ -85,16 +85,31 @@ def test_an_output_index_that_bounds_the_temporaries_is_still_preferred():
     assert (tiling.index, tiling.summed) == ("i", False)
 
 
-def test_terms_summing_different_indices_keep_the_batch_tiling_and_say_why(tmp_path):
+def test_terms_summing_different_indices_are_tiled_in_parts(tmp_path):
     """A Chamfer loss per cloud: its first term sums n, its second m; neither can be cut
-    in both, so the module keeps the batch tiling, and its docstring says so."""
+    in both, so each term is a part tiled along its own summed index (`tile_parts`, tested
+    in tests/test_tiling_parts.py), and the docstring says so."""
     case = Case(
         "y[b] = sum(min(sum((p[b,n,c] - q[b,m,c])**2, c), m), n)"
         " + sum(min(sum((p[b,n,c] - q[b,m,c])**2, c), n), m)",
         {"p": (2, 9, 3), "q": (2, 7, 3)},
     )
     tiling = compile_op(op_spec(case, "Probe")).tiling
-    assert (tiling.index, tiling.summed) == ("b", False)
+    assert [(p.tiling.index, p.tiling.summed) for p in tiling.parts] == [("n", True), ("m", True)]
+    module = _module_of(case, tmp_path)
+    assert "its terms sum different indices" in " ".join(module.__doc__.split())
+
+
+def test_subtracted_terms_summing_different_indices_keep_the_batch_tiling_and_say_why(tmp_path):
+    """A difference of such terms is not split (`tile_parts` adds parts only): the module
+    keeps the batch tiling, and its docstring says why."""
+    case = Case(
+        "y[b] = sum(min(sum((p[b,n,c] - q[b,m,c])**2, c), m), n)"
+        " - sum(min(sum((p[b,n,c] - q[b,m,c])**2, c), n), m)",
+        {"p": (2, 9, 3), "q": (2, 7, 3)},
+    )
+    tiling = compile_op(op_spec(case, "Probe")).tiling
+    assert (tiling.index, tiling.summed, tiling.parts) == ("b", False, ())
     module = _module_of(case, tmp_path)
     assert "Its terms sum different indices (n; m)" in module.__doc__
 
