@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
@@ -236,3 +237,144 @@ def test_the_sizes_are_the_ops_layouts():
         assert list(shapes) == list(program.inputs), op
         for name, shape in shapes.items():
             assert program.rank(name) == len(shape), (op, name)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def _at(a, *pos):
+    """a[pos], or 0 outside a (the kernels' zero padding)."""
+    if any(not 0 <= p < n for p, n in zip(pos, a.shape, strict=True)):
+        return 0.0
+    return a[pos]
+
+
+def _carafe(features, masks, K, S):
+    N, C, H, W = features.shape
+    P = (K - 1) // 2
+    y = np.zeros((N, C, H * S, W * S))
+    for n, c, i, j in np.ndindex(*y.shape):
+        for u, v in np.ndindex(K, K):
+            y[n, c, i, j] += masks[n, u * K + v, i, j] * _at(
+                features[n, c], i // S + u - P, j // S + v - P
+            )
+    return y
+
+
+def _involution(x, weight):
+    C, G, K = x.shape[1], weight.shape[1], weight.shape[2]
+    y = np.zeros_like(x)
+    for b, c, i, j in np.ndindex(*y.shape):
+        for u, v in np.ndindex(K, K):
+            y[b, c, i, j] += weight[b, c // (C // G), u, v, i, j] * _at(
+                x[b, c], i + u - (K - 1) // 2, j + v - (K - 1) // 2
+            )
+    return y
+
+
+def _dynamic_conv(x, weight):
+    C, H, K = x.shape[1], weight.shape[1], weight.shape[2]
+    y = np.zeros_like(x)
+    for b, c, t in np.ndindex(*y.shape):
+        for k in range(K):
+            y[b, c, t] += weight[b, c // (C // H), k, t] * _at(x[b, c], t + k - (K - 1) // 2)
+    return y
+
+
+def _natten_av2d(attn, value, K):
+    H, W = value.shape[2:4]
+    y = np.zeros_like(value)
+    for b, h, i, j in np.ndindex(*value.shape[:4]):
+        si, sj = max(min(i - K // 2, H - K), 0), max(min(j - K // 2, W - K), 0)
+        for u, v in np.ndindex(K, K):
+            y[b, h, i, j] += attn[b, h, i, j, u * K + v] * value[b, h, si + u, sj + v]
+    return y
+
+
+def _longformer_av(X, Y, D, w):
+    y = np.zeros((*X.shape[:3], Y.shape[3]))
+    for b, i, q, j in np.ndindex(*y.shape):
+        for k in range(2 * w + 1):
+            y[b, i, q, j] += X[b, i, q, k] * _at(Y[b, :, q, j], i + D[q] * (k - w))
+    return y
+
+
+def _mmcv_correlation(input1, input2, r):
+    N, C, H, W = input1.shape
+    y = np.zeros((N, 2 * r + 1, 2 * r + 1, H, W))
+    for n, u, v, i, j in np.ndindex(*y.shape):
+        for c in range(C):
+            y[n, u, v, i, j] += input1[n, c, i, j] * _at(input2[n, c], i + u - r, j + v - r)
+    return y
+
+
+# op -> (the kernel's loop, tiny shapes, int inputs, attrs); each index its own size
+LOOPS = {
+    "Carafe": (_carafe, {"features": (2, 3, 4, 5), "masks": (2, 9, 8, 10)}, {}, {"K": 3, "S": 2}),
+    "Involution": (_involution, {"x": (2, 4, 5, 6), "weight": (2, 2, 3, 3, 5, 6)}, {}, {}),
+    "DynamicConv": (_dynamic_conv, {"input": (2, 6, 9), "weight": (2, 3, 5, 9)}, {}, {}),
+    "NattenAv2d": (
+        _natten_av2d,
+        {"attn": (2, 2, 5, 6, 9), "value": (2, 2, 5, 6, 4)},
+        {},
+        {"K": 3},
+    ),
+    "LongformerAv": (
+        _longformer_av,
+        {"X": (2, 9, 3, 5), "Y": (2, 9, 3, 4), "D": (3,)},
+        {"D": [1, 2, 1]},
+        {"w": 2},
+    ),
+    "MmcvCorrelation": (
+        _mmcv_correlation,
+        {"input1": (2, 3, 4, 5), "input2": (2, 3, 4, 5)},
+        {},
+        {"r": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("op", sorted(LOOPS))
+def test_a_real_windowed_op_is_its_kernels_loop_untiled_and_in_chunks(op, target, folder):
+    """float64: forward against the kernel's loop, and the vjp against central differences
+    of the loop along a random direction per float input, with today's code and in chunks
+    of one position (budget 1 KiB)."""
+    loop, shapes, ints, attrs = LOOPS[op]
+    module = _module(op, target, folder)
+    jax.config.update("jax_enable_x64", True)  # as test_tiling does on import
+    rng = np.random.default_rng(7)
+    arrays = [
+        np.asarray(ints[n]) if n in ints else rng.standard_normal(s) for n, s in shapes.items()
+    ]
+    tensor = {
+        "tensorflow": tf.constant,
+        "pytorch": torch.tensor,
+        "jax": jnp.asarray,
+    }[target]
+
+    def reference(*a):
+        return loop(*a, **attrs)
+
+    want = reference(*arrays)
+    cotangent = rng.standard_normal(want.shape)
+    default = module.MAX_TEMP_BYTES
+    try:
+        for budget in (default, 1024):
+            module.MAX_TEMP_BYTES = budget
+            assert (module._tile_plan(*map(tensor, arrays), **attrs) is None) == (budget == default)
+            got = np.asarray(module.forward(*map(tensor, arrays), **attrs))
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12, err_msg=f"{op} {budget}")
+            grads = module.vjp(*map(tensor, arrays), tensor(cotangent), **attrs)
+            for k, name in enumerate(shapes):
+                if name in ints:
+                    continue
+                d = rng.standard_normal(arrays[k].shape)
+                eps = 1e-6
+                plus = [a + eps * d if j == k else a for j, a in enumerate(arrays)]
+                minus = [a - eps * d if j == k else a for j, a in enumerate(arrays)]
+                fd = ((reference(*plus) - reference(*minus)) / (2 * eps) * cotangent).sum()
+                got = (np.asarray(grads[k]) * d).sum()
+                assert abs(got - fd) <= 1e-6 * max(1.0, abs(fd)), (op, name, budget, got, fd)
+    finally:
+        module.MAX_TEMP_BYTES = default
