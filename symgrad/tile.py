@@ -98,6 +98,39 @@ def _no_larger(program: Program):
     return small
 
 
+def _one_window(program: Program, reads: dict[str, list[list[ast.AST]]]):
+    """`window(index, indices)`: whether a tensor over `indices` (one position of `index`)
+    has a single index beyond the outputs', of no output axis's size, that a read moves
+    together with `index` (`Y[l, i + D[q] * (k - w), q, j]`: the offsets `k` of a window
+    centred at `i`). One window per position is small at any real size, so such a position
+    bounds a chunk as well as one no larger than an input; the tie goes to the rules after
+    it (the window's centre, a long axis). Else an attention-times-values product would be
+    cut along the values' channel `j`, one position of which is the whole `[l,i,q,k]` of
+    the attention weights, held several times over by each chunk."""
+    key = _size_key(program)
+    outputs = {i for o in program.outputs for i in o.level.indices}
+    output_sizes = {key(i) for i in outputs}
+    together = [
+        _names(p)
+        for positions_list in reads.values()
+        for positions in positions_list
+        for p in positions
+        if not isinstance(p, ast.Name)
+    ]
+
+    def window(index: Index, indices) -> bool:
+        extra = {i for i in indices if i not in outputs}
+        if len(extra) != 1:
+            return False
+        (offset,) = extra
+        name = offset.name.replace("'", "")
+        return key(offset) not in output_sizes and any(
+            {index.name, name} <= names for names in together
+        )
+
+    return window
+
+
 def _materialized(expr: sp.Expr, ids: tuple[str, ...]) -> list[sp.Expr]:
     """The factors of a product that lowering computes as tensors of their own: not plain
     reads (einsum operands), not polynomials (expanded), and not a mask comparing two
@@ -208,12 +241,13 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     ranged = dict(op.ranges)
 
     small = _no_larger(program)
+    window = _one_window(program, reads)
 
     def score(index: Index) -> tuple:
         sliced = _sliced(index.name, reads, op)
         return (
             # a chunk of one position larger than the inputs would outgrow the bound
-            sum(not small(set(b) - {index}) for b in big),
+            sum(not small(set(b) - {index}) and not window(index, set(b) - {index}) for b in big),
             program.outputs[0].level.indices.index(index) == 0,  # a batch axis: few chunks
             not _in_positions(index.name, reads),  # a window's centre: a long axis
             not any(axis > 0 for _, axis in sliced),  # a cut input, not at its batch axis
