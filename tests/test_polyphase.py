@@ -300,3 +300,134 @@ def test_explain_and_the_docstring_show_the_substitution(capsys, modules):
         doc = module.__doc__
         assert "y[b,c,i,j] = sum(x[b,c,n,m] * f[KH - 1 + down_y*i - up_y*n - pad_y0" in doc
         assert line in doc and "so the formula lowered is" in doc
+
+
+# ----------------------------------------------------------------------------- memory
+
+# x 2x3x24x20, f 4x3, up 2: y 2x3x47x41. The lowering without the rewrite gathers f over
+# [i, n, j, m] (47*24*41*20 floats, 3.7 MB); io is 0.07 MB, the bound 4 io + 256 KiB.
+MEMORY_SHAPES = {"x": (2, 3, 24, 20), "f": (4, 3)}
+MEMORY_ATTRS = dict(zip(ATTRS, (2, 2, 1, 1, 2, 1, 2, 1), strict=True))
+BUDGET = 2**18
+
+
+@pytest.fixture(scope="module")
+def before(tmp_path_factory):
+    """The modules generated without the polyphase rewrite (the lowering before it)."""
+    folder = tmp_path_factory.mktemp("before")
+    op = _repo_op("Upfirdn2d")
+    found = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(polyphase, "rewrite", lambda op: (op, ()))
+        for target in ("tensorflow", "pytorch", "jax"):
+            stem = f"symgrad_{target}_upfirdn2d_before_{next(_counter)}"
+            found[target] = load_module(module_text(op, "symgrad.toml", target), folder, stem)
+    return found
+
+
+def _memory_arrays():
+    rng = np.random.default_rng(8)
+    return [rng.standard_normal(MEMORY_SHAPES[n]).astype(np.float32) for n in ("x", "f")]
+
+
+def _bound(arrays, y_bytes):
+    return 4 * (sum(a.nbytes for a in arrays) + y_bytes) + BUDGET
+
+
+def test_pytorch_upfirdn2d_training_step_memory_is_bounded(modules, before, monkeypatch):
+    from test_tiling import _torch_memory
+
+    arrays = _memory_arrays()
+    peaks = {}
+    for name, module in (("polyphase", modules["pytorch"]), ("before", before["pytorch"])):
+        monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET if name == "polyphase" else 2**40)
+        xs = [torch.tensor(a, requires_grad=True) for a in arrays]
+        _, peaks[name] = _torch_memory(module, xs, MEMORY_ATTRS)
+        with torch.no_grad():
+            y_bytes = module.forward(*xs, **MEMORY_ATTRS).nbytes
+    bound = _bound(arrays, y_bytes)
+    print(f"pytorch peaks {peaks}, bound {bound}")
+    assert peaks["polyphase"] <= bound, (peaks, bound)
+    assert peaks["before"] > 4 * bound, (peaks, bound)
+
+
+def test_jax_upfirdn2d_gradient_memory_is_bounded(modules, before, monkeypatch):
+    arrays = [jnp.asarray(a) for a in _memory_arrays()]
+    found = {}
+    for name, module in (("polyphase", modules["jax"]), ("before", before["jax"])):
+        monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET if name == "polyphase" else 2**40)
+
+        def loss(x, f, module=module):
+            return jnp.sum(jnp.sin(module.forward(x, f, **MEMORY_ATTRS)))
+
+        stats = jax.jit(jax.grad(loss, (0, 1))).lower(*arrays).compile().memory_analysis()
+        found[name] = stats.temp_size_in_bytes
+    y_bytes = np.asarray(modules["jax"].forward(*arrays, **MEMORY_ATTRS)).nbytes
+    bound = _bound([np.asarray(a) for a in arrays], y_bytes)
+    print(f"jax gradient temporaries {found}, bound {bound}")
+    assert found["polyphase"] <= bound, (found, bound)
+    assert found["before"] > 4 * bound, (found, bound)
+
+
+TF_MEASURE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+sys.path.insert(0, {folder!r})
+attrs = {attrs!r}
+rng = np.random.default_rng(8)
+arrays = [rng.standard_normal(s).astype(np.float32) for s in {shapes!r}]
+found = {{}}
+for name, budget in (({new!r}, {budget}), ({old!r}, 2**40)):
+    module = __import__(name)
+    module.MAX_TEMP_BYTES = budget
+    args = [tf.constant(a) for a in arrays]
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = module.forward(*args, **attrs)
+            loss = tf.reduce_sum(y * y)
+        return [g.numpy() for g in tape.gradient(loss, args)], y.numpy().nbytes
+    _, y_bytes = run()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    start = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    run()
+    found[name] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - start
+found["y_bytes"] = y_bytes
+print(json.dumps(found))
+"""
+
+
+def test_tensorflow_upfirdn2d_training_step_memory_is_bounded(modules, before, tmp_path):
+    import inspect
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    for name, module in (("new_upfirdn2d", modules), ("old_upfirdn2d", before)):
+        shutil.copy(inspect.getfile(module["tensorflow"]), tmp_path / f"{name}.py")
+    code = TF_MEASURE.format(
+        folder=str(tmp_path),
+        attrs=MEMORY_ATTRS,
+        shapes=[MEMORY_SHAPES["x"], MEMORY_SHAPES["f"]],
+        new="new_upfirdn2d",
+        old="old_upfirdn2d",
+        budget=BUDGET,
+    )
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    bound = _bound(_memory_arrays(), found["y_bytes"])
+    print(f"tensorflow peaks {found}, bound {bound}")
+    assert found["new_upfirdn2d"] <= bound, (found, bound)
+    assert found["old_upfirdn2d"] > 4 * bound, (found, bound)
