@@ -254,6 +254,15 @@ def test_upfirdn2d_sums_over_the_filter_taps_only():
     _, (literal,) = polyphase.rewrite(
         _op("y[b,i] = sum(x[b,n] * f[2*n - 3*i + 1], n)", ranges=(("i", "x.shape[1]"),))
     )
+    # a stride of 1 (a downsampling filter): a plain window of x, f read at the tap
+    _, (unit,) = polyphase.rewrite(
+        _op("y[b,i] = sum(x[b,n] * f[3 + 2*i - n], n)", ranges=(("i", "x.shape[1] // 2"),))
+    )
+    assert (unit.substitute, unit.new_position, unit.range) == (
+        "(3 + 2 * i) - kn",
+        "kn",
+        "f.shape[0]",
+    )
     assert (literal.substitute, literal.range) == (
         "kn - (-(3 * i) + 1) // 2",
         "(f.shape[0] + 1) // 2",
