@@ -79,6 +79,8 @@ def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
     rewritten; the op itself when nothing matches or a formula does not parse (the parser
     then reports it)."""
     int_names = {n for n, kind in op.attrs if kind == "int"} | {n for n, _ in op.lets}
+    # float and bool attrs: a position holding one is a sampled read, never rewritten
+    others = {n for n, kind in op.attrs if kind != "int"}
     ranged = {n for n, _ in op.ranges}
     defined = set()
     trees = []
@@ -106,7 +108,7 @@ def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
         for call in [n for n in ast.walk(statement.value) if _is_sum(n)]:
             for position, name in enumerate(call.args[1:], start=1):
                 done_here = _rewrite_index(
-                    call, position, name.id, statement, int_names, ranged, defined, taken
+                    call, position, name.id, statement, (int_names, others), ranged, defined, taken
                 )
                 if done_here is not None:
                     taken.add(done_here.fresh)
@@ -138,8 +140,10 @@ def _is_sum(node: ast.AST) -> bool:
     )
 
 
-def _rewrite_index(call, position, n, statement, int_names, ranged, defined, taken):
-    """Rewrite summed index `n` of `call` in place and return what was done, or None."""
+def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
+    """Rewrite summed index `n` of `call` in place and return what was done, or None.
+    `names`: the int attrs and lets, and the other attrs."""
+    int_names, others = names
     if n in ranged or n in int_names:
         return None
     outside = [x for x in ast.walk(statement) if isinstance(x, ast.Name) and x.id == n]
@@ -169,7 +173,7 @@ def _rewrite_index(call, position, n, statement, int_names, ranged, defined, tak
     f = read.value.id
     if f in defined or any(r.value.id == f for r in plain):
         return None
-    linear = _linear(element, n, int_names)
+    linear = _linear(element, n, int_names, others)
     if linear is None:
         return None
     sign, a, rest = linear
@@ -224,7 +228,7 @@ def _replace_element(read: ast.Subscript, axis: int, node: ast.AST) -> None:
         read.slice = node
 
 
-def _linear(node, n, int_names):
+def _linear(node, n, int_names, others=frozenset()):
     """(sign, coefficient text, the rest or None) when `node` is `±a*n + E` with `a` a
     positive int literal or int name and E an integer expression free of n; else None."""
     terms = []
@@ -247,7 +251,7 @@ def _linear(node, n, int_names):
     if coefficient is None:
         return None
     rest = [(s, t) for s, t in terms if t is not term]
-    if not all(_is_int_expression(t) for _, t in rest):
+    if not all(_is_int_expression(t, others) for _, t in rest):
         return None
     expression = None
     for s, t in rest:
@@ -279,10 +283,13 @@ def _mentions(node, n) -> bool:
     return any(isinstance(x, ast.Name) and x.id == n for x in ast.walk(node))
 
 
-def _is_int_expression(node) -> bool:
+def _is_int_expression(node, others=frozenset()) -> bool:
     """Indices, int literals and names combined with + - * // %: no reads, no calls, no
-    floats (names are checked by the parser once the formula is rewritten)."""
+    floats, no names in `others` (the float and bool attrs; other names are checked by
+    the parser once the formula is rewritten)."""
     for x in ast.walk(node):
+        if isinstance(x, ast.Name) and x.id in others:
+            return False
         if isinstance(x, ast.BinOp) and not isinstance(x.op, _INT_OPS):
             return False
         if isinstance(x, ast.UnaryOp) and not isinstance(x.op, ast.USub | ast.UAdd):

@@ -234,6 +234,7 @@ def test_upfirdn2d_training_step_in_every_target(target, modules):
 
 def _op(formula: str, **table) -> OpSpec:
     attrs = tuple((name, "int") for name in table.pop("attrs", ()))
+    attrs += (("alpha", "float"),) if "alpha" in formula else ()
     return OpSpec("Probe", (formula,), None, attrs, (), "test [ops.Probe]", **table)
 
 
@@ -281,6 +282,8 @@ def test_upfirdn2d_sums_over_the_filter_taps_only():
         # n in a condition, and n as a value
         ("y[b,i] = sum(where(n < i, x[b,n], 0) * f[2*n - i], n)", (), (("i", "x.shape[1]"),)),
         ("y[b,i] = sum(n * x[b,n] * f[2*n - i], n)", (), (("i", "x.shape[1]"),)),
+        # a float attr in the position: a sampled read (interpolation), not a stride
+        ("y[b,i] = sum(x[b,n] * f[2*n - i + alpha], n)", (), (("i", "x.shape[1]"),)),
         # n at two computed positions, or times an index
         ("y[b,i] = sum(x[b,n] * f[2*n - i] * f[n + i], n)", (), (("i", "x.shape[1]"),)),
         ("y[b,i] = sum(x[b,n] * f[i*n], n)", (), (("i", "x.shape[1]"),)),
