@@ -67,10 +67,10 @@ class Rewrite:
 
     def note(self) -> str:
         return (
-            f"{self.index} = {self.substitute} with {self.fresh} in [0, {self.range}): only "
-            f"the {self.index} whose {self.tensor}[{self.position}] lies inside "
-            f"{self.tensor}.shape[{self.axis}] add to the sum, so it runs over those "
-            f"({self.tensor} is read at {self.new_position})"
+            f"{self.index} = {self.substitute}, {self.fresh} in [0, {self.range}): the only "
+            f"{self.index} that add anything have {self.position} in [0, "
+            f"{self.tensor}.shape[{self.axis}]), one per {self.fresh}; {self.tensor} is then "
+            f"read at {self.new_position}"
         )
 
 

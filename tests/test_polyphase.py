@@ -305,7 +305,7 @@ def test_explain_and_the_docstring_show_the_substitution(capsys, modules):
 
     assert main(["explain", "--op", "Upfirdn2d", "--spec", str(ROOT / "symgrad.toml")]) == 0
     text = capsys.readouterr().out
-    line = "n = (KH - 1 + down_y * i - pad_y0) // up_y - kn with kn in [0, (f.shape[0] + up_y - 1)"
+    line = "n = (KH - 1 + down_y * i - pad_y0) // up_y - kn, kn in [0, (f.shape[0] + up_y - 1)"
     assert text.startswith("Polyphase (symgrad/polyphase.py)")
     assert line in text
     for module in modules.values():
