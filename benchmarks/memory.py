@@ -40,6 +40,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
+# upfirdn2d's attrs for StyleGAN2's Upsample(factor 2) with a 4x4 filter: pads (2, 1)
+UPSAMPLE_2X = {"up_x": 2, "up_y": 2, "down_x": 1, "down_y": 1}
+UPSAMPLE_2X.update({"pad_x0": 2, "pad_x1": 1, "pad_y0": 2, "pad_y1": 1})
+
 # op -> (module name, input shapes, attrs): real-world sizes, each index its own size.
 CASES = {
     "MemCorrelation": ("mem_correlation", {"f1": (4, 48, 64, 64), "f2": (4, 48, 64, 64)}, {"r": 4}),
@@ -63,6 +67,8 @@ CASES = {
         {},
     ),
     "MemChamferBoth": ("mem_chamfer_both", {"x": (8, 2048, 3), "z": (8, 1536, 3)}, {}),
+    # StyleGAN2's 2x upsampling with a 4x4 filter (pads as its Upsample layer): 32 -> 64
+    "MemUpfirdn2d": ("mem_upfirdn2d", {"x": (4, 64, 32, 32), "f": (4, 4)}, UPSAMPLE_2X),
 }
 
 

@@ -17,7 +17,7 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, recurrence
+from . import __version__, polyphase, recurrence
 from .emit import diff, plan, write
 from .errors import SymgradError
 from .explain import FORMATS, explain
@@ -323,8 +323,8 @@ def _explain(args) -> int:
     elif args.formula:
         if args.spec_file:
             raise SymgradError("--spec goes with --op NAME, not with a FORMULA")
-        program = _formula_program(args.formula, _declarations(args))
-        sys.stdout.write(explain(program, args.format))
+        program, rewritten = _formula_program(args.formula, _declarations(args), args.format)
+        sys.stdout.write(rewritten + explain(program, args.format))
         return EXIT_OK
     else:
         raise SymgradError("explain needs a FORMULA or --op NAME")
@@ -333,7 +333,10 @@ def _explain(args) -> int:
 
         sys.stdout.write(explain_recurrence(op, args.format))
         return EXIT_OK
-    sys.stdout.write(explain(build(op), args.format))
+    op, rewrites = polyphase.rewrite(op)  # a polyphase sum, said first
+    sys.stdout.write(
+        polyphase.explained(op, rewrites, args.format) + explain(build(op), args.format)
+    )
     return EXIT_OK
 
 
@@ -371,9 +374,10 @@ def _name_value(text: str, flag: str, form: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
-def _formula_program(formula: str, declared: dict | None = None):
+def _formula_program(formula: str, declared: dict | None = None, fmt: str = "text"):
     """A bare formula to explain, with the declarations of `explain`'s flags; scalar names
-    it does not declare (`alpha`) are taken as float attrs."""
+    it does not declare (`alpha`) are taken as float attrs. With what a polyphase rewrite
+    did to it (`polyphase.explained`, "" when nothing)."""
     declared = declared or {}
     attrs = dict(declared.get("attrs", {}))
     while True:
@@ -383,7 +387,8 @@ def _formula_program(formula: str, declared: dict | None = None):
         except SymgradError as exc:  # a bad declaration: say where, as a formula's errors
             raise SymgradError(exc.message, where="formula") from None
         try:
-            return build(op)
+            op, rewrites = polyphase.rewrite(op)
+            return build(op), polyphase.explained(op, rewrites, fmt)
         except SymgradError as exc:
             match = re.match(r"unknown name '([A-Za-z][A-Za-z0-9_]*)'", exc.message)
             if not match or match.group(1) in attrs or len(attrs) >= 16:

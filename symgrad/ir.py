@@ -323,6 +323,8 @@ class Module:
     unsized_outputs: bool = False  # an output axis is sized by a range, not an input axis
     tiling: Tiling | None = None  # how the work is split when temporaries are large
     max_temp_bytes: int = 16 * 2**20  # the default of the module's MAX_TEMP_BYTES
+    # formula rewrites applied before lowering (polyphase.py), as docstring lines
+    rewrites: tuple[str, ...] = ()
 
     @property
     def value_inputs(self) -> tuple[str, ...]:

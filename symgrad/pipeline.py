@@ -13,7 +13,7 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, recurrence, scan_render, tile, tile_parts, tile_sum
+from . import ir, polyphase, recurrence, scan_render, tile, tile_parts, tile_sum
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -28,10 +28,18 @@ INIT = "__init__.py"
 def compile_op(op: OpSpec) -> ir.Module:
     """An op through the framework-neutral stages: parse and model, derive, lower; and,
     when its temporaries can outgrow its inputs and outputs, its chunk the same way
-    (`tile`)."""
+    (`tile`). A polyphase sum is rewritten first (`polyphase`); the docstring keeps the
+    formula as written and says what was substituted."""
+    written = op
+    op, rewrites = polyphase.rewrite(op)
     program = build(op)
     backward = derive(program)
-    module = replace(lower(program, backward), max_temp_bytes=op.max_temp_bytes)
+    module = replace(
+        lower(program, backward),
+        max_temp_bytes=op.max_temp_bytes,
+        formulas=written.formulas,
+        rewrites=polyphase.doc_lines(op, rewrites),
+    )
     choice = tile_sum.choose(op, program, tile.choose(op, program))
     parts = tile_parts.split(op, program, choice)
     if parts is not None:  # no one index serves the whole op: each part its own
