@@ -100,6 +100,8 @@ OPS = {
     "range": "range(n): 0, 1, .., n-1",
     "reshape": "reshape(x, shape)",
     "shape": "shape(x): the sizes, as an int32 vector",
+    "shift": "shift(x, start): x + start in x's dtype (a chunk's first position); nothing "
+    "runs when start is the Python int 0 (the whole op)",
     "slice": "slice(x, begin, size) with size -1 to the end",
     "squeeze": "squeeze(x, axis=k)",
     "tile": "tile(x, multiples)",
@@ -195,6 +197,16 @@ class Cond:
     otherwise: Expr
 
 
+@dataclass(frozen=True)
+class Whole:
+    """`whole if name is None else part`: a value that differs between the whole op (the
+    attr `name`, a chunk's length, not given) and one chunk of it (`tile_once`)."""
+
+    name: str
+    whole: Expr
+    part: Expr
+
+
 Expr = (
     Lit
     | Var
@@ -209,6 +221,7 @@ Expr = (
     | Shape
     | List
     | Cond
+    | Whole
 )
 
 
@@ -273,6 +286,11 @@ class Tiling:
     # sums, added up; every chunk's gradient gets the whole incoming gradient (`tile_sum`)
     summed: bool = False
     untiled_reason: str = ""  # why a summed index could not be chosen (for the docstring)
+    # The op's one program, parameterised by `start` (and `length`): the chunk's formulas,
+    # which the whole op runs at start 0 (`tile_once`); None when the chunk's lowering
+    # differs from the op's and the module keeps both.
+    program: Module | None = None
+    separate: str = ""  # when `program` is None: how the chunk's lowering differs
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
@@ -341,6 +359,8 @@ def names_in(e: Expr) -> set[str]:
         return set().union(*(names_in(a) for a in parts))
     if isinstance(e, Cond):
         return names_in(e.predicate) | names_in(e.then) | names_in(e.otherwise)
+    if isinstance(e, Whole):
+        return {e.name} | names_in(e.whole) | names_in(e.part)
     return set()
 
 
@@ -368,6 +388,8 @@ def rewrite(e: Expr, swap: Callable[[Expr], Expr | None]) -> Expr:
         return List(tuple(rewrite(a, swap) for a in e.items))
     if isinstance(e, Cond):
         return Cond(rewrite(e.predicate, swap), rewrite(e.then, swap), rewrite(e.otherwise, swap))
+    if isinstance(e, Whole):
+        return Whole(e.name, rewrite(e.whole, swap), rewrite(e.part, swap))
     return e
 
 
@@ -386,7 +408,8 @@ def without_conds(module: Module) -> Module:
     tiling = module.tiling
     if tiling is not None:  # the chunk is a module of its own
         sizes = strip(tiling.sizes, tuple(r for r in tiling.sizes.returns if r))
-        tiling = replace(tiling, chunk=without_conds(tiling.chunk), sizes=sizes)
+        program = tiling.program and without_conds(tiling.program)
+        tiling = replace(tiling, chunk=without_conds(tiling.chunk), sizes=sizes, program=program)
     return replace(
         module,
         forward=strip(module.forward, (*module.outputs, *module.saved)),

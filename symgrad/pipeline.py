@@ -13,7 +13,7 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, recurrence, scan_render, tile, tile_sum
+from . import ir, recurrence, scan_render, tile, tile_once, tile_sum
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -38,10 +38,16 @@ def compile_op(op: OpSpec) -> ir.Module:
     chunk_program = build(choice.chunk)
     chunk = lower(chunk_program, derive(chunk_program))
     if choice.index not in {i.name for i in program.outputs[0].level.indices}:
-        return replace(module, tiling=tile.tiling(choice, program, backward, chunk, summed=True))
-    tiling = tile.tiling(choice, program, backward, chunk)
-    reason = tile_sum.why_not(op, program, choice)
-    return replace(module, tiling=replace(tiling, untiled_reason=reason) if reason else tiling)
+        tiling = tile.tiling(choice, program, backward, chunk, summed=True)
+    else:
+        tiling = tile.tiling(choice, program, backward, chunk)
+        reason = tile_sum.why_not(op, program, choice)
+        tiling = replace(tiling, untiled_reason=reason) if reason else tiling
+    # One program for the op and its chunks, where the chunk's at start 0 is the op's.
+    merged, why = tile_once.merge(replace(module, tiling=tiling))
+    if merged.tiling.program is None:
+        return replace(module, tiling=replace(tiling, separate=why))
+    return merged
 
 
 def _ruff() -> str:
