@@ -180,6 +180,51 @@ def test_pytorch_and_jax_untiled_calls_are_bit_identical_too(name, tmp_path, mon
             np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
 
 
+def test_the_untiled_call_runs_the_ops_of_the_two_program_module(tmp_path, monkeypatch):
+    """What the untiled path costs: the same TF graph ops and the same PyTorch dispatches,
+    op for op, as the module that kept both programs (a start of 0 adds nothing)."""
+    tf = pytest.importorskip("tensorflow")
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    arrays = _inputs_of(("w", "x"), CASES["LightconvSame"][0])
+    graphs = []
+    for module in _both(_spec_op("LightconvSame"), "tensorflow", tmp_path, monkeypatch):
+
+        def step(w, x, module=module):
+            with tf.GradientTape() as tape:
+                tape.watch([w, x])
+                y = module.forward(w, x)
+            return tape.gradient(y, [w, x], output_gradients=tf.ones_like(y))
+
+        xs = [tf.constant(a) for a in arrays]
+        graph = tf.function(step).get_concrete_function(*xs).graph
+        graphs.append([op.type for op in graph.get_operations()])
+    assert graphs[0] == graphs[1]
+    dispatched = []
+    for module in _both(_spec_op("LightconvSame"), "pytorch", tmp_path, monkeypatch):
+        xs = [torch.tensor(a, requires_grad=True) for a in arrays]
+        with Record() as record:
+            y = module.forward(*xs)
+            torch.autograd.grad(y, xs, torch.ones_like(y))
+        dispatched.append(record.ops)
+    assert dispatched[0] == dispatched[1] and len(dispatched[0]) > 10
+
+
+def _inputs_of(names, shapes):
+    rng = np.random.default_rng(6)
+    return [rng.standard_normal(shapes[n]) for n in names]
+
+
 def test_the_whole_op_adds_no_start():
     """`_shift` with the Python int 0 hands its positions back: no op runs."""
     import generated.correlation as tf_module
