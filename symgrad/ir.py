@@ -100,6 +100,8 @@ OPS = {
     "range": "range(n): 0, 1, .., n-1",
     "reshape": "reshape(x, shape)",
     "shape": "shape(x): the sizes, as an int32 vector",
+    "shift": "shift(x, start): x + start in x's dtype (a chunk's first position); nothing "
+    "runs when start is the Python int 0 (the whole op)",
     "slice": "slice(x, begin, size) with size -1 to the end",
     "squeeze": "squeeze(x, axis=k)",
     "tile": "tile(x, multiples)",
@@ -195,6 +197,16 @@ class Cond:
     otherwise: Expr
 
 
+@dataclass(frozen=True)
+class Whole:
+    """`whole if name is None else part`: a value that differs between the whole op (the
+    attr `name`, a chunk's length, not given) and one chunk of it (`tile_once`)."""
+
+    name: str
+    whole: Expr
+    part: Expr
+
+
 Expr = (
     Lit
     | Var
@@ -209,6 +221,7 @@ Expr = (
     | Shape
     | List
     | Cond
+    | Whole
 )
 
 
@@ -277,6 +290,11 @@ class Tiling:
     # the first part's. The module runs each part's loop and places or adds the outputs.
     parts: tuple[TilingPart, ...] = ()
     parts_doc: tuple[str, ...] = ()  # the docstring's lines on the parts
+    # The op's one program, parameterised by `start` (and `length`): the chunk's formulas,
+    # which the whole op runs at start 0 (`tile_once`); None when the chunk's lowering
+    # differs from the op's and the module keeps both.
+    program: Module | None = None
+    separate: str = ""  # when `program` is None: how the chunk's lowering differs
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
@@ -358,6 +376,8 @@ def names_in(e: Expr) -> set[str]:
         return set().union(*(names_in(a) for a in parts))
     if isinstance(e, Cond):
         return names_in(e.predicate) | names_in(e.then) | names_in(e.otherwise)
+    if isinstance(e, Whole):
+        return {e.name} | names_in(e.whole) | names_in(e.part)
     return set()
 
 
@@ -385,6 +405,8 @@ def rewrite(e: Expr, swap: Callable[[Expr], Expr | None]) -> Expr:
         return List(tuple(rewrite(a, swap) for a in e.items))
     if isinstance(e, Cond):
         return Cond(rewrite(e.predicate, swap), rewrite(e.then, swap), rewrite(e.otherwise, swap))
+    if isinstance(e, Whole):
+        return Whole(e.name, rewrite(e.whole, swap), rewrite(e.part, swap))
     return e
 
 
@@ -403,7 +425,14 @@ def without_conds(module: Module) -> Module:
     def stripped(tiling: Tiling) -> Tiling:  # the chunk is a module of its own
         sizes = strip(tiling.sizes, tuple(r for r in tiling.sizes.returns if r))
         parts = tuple(replace(p, tiling=stripped(p.tiling)) for p in tiling.parts)
-        return replace(tiling, chunk=without_conds(tiling.chunk), sizes=sizes, parts=parts)
+        program = tiling.program and without_conds(tiling.program)
+        return replace(
+            tiling,
+            chunk=without_conds(tiling.chunk),
+            sizes=sizes,
+            parts=parts,
+            program=program,
+        )
 
     tiling = module.tiling if module.tiling is None else stripped(module.tiling)
     return replace(

@@ -13,7 +13,7 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, polyphase, recurrence, scan_render, tile, tile_parts, tile_sum
+from . import ir, polyphase, recurrence, scan_render, tile, tile_once, tile_parts, tile_sum
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -43,14 +43,20 @@ def compile_op(op: OpSpec) -> ir.Module:
     choice = tile_sum.choose(op, program, tile.choose(op, program))
     parts = tile_parts.split(op, program, choice)
     if parts is not None:  # no one index serves the whole op: each part its own
-        return replace(module, tiling=tile_parts.tiling(op, program, parts, _tiling))
+        tiling = tile_parts.tiling(op, program, parts, _tiling)
+        separate = "in parts: each part's chunk is an op of its own, not the whole op's"
+        return replace(module, tiling=replace(tiling, separate=separate))
     if choice is None:
         return module
     tiling = _tiling(choice, program, backward)
-    if tiling.summed:
-        return replace(module, tiling=tiling)
-    reason = tile_sum.why_not(op, program, choice)
-    return replace(module, tiling=replace(tiling, untiled_reason=reason) if reason else tiling)
+    if not tiling.summed:
+        reason = tile_sum.why_not(op, program, choice)
+        tiling = replace(tiling, untiled_reason=reason) if reason else tiling
+    # One program for the op and its chunks, where the chunk's at start 0 is the op's.
+    merged, why = tile_once.merge(replace(module, tiling=tiling))
+    if merged.tiling.program is None:
+        return replace(module, tiling=replace(tiling, separate=why))
+    return merged
 
 
 def _tiling(choice, program, backward=None) -> ir.Tiling:

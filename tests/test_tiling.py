@@ -160,9 +160,16 @@ def budget_of(monkeypatch):
     return set_budget
 
 
+def chunk_program(module) -> str:
+    """The name of the function a tiled module runs per chunk: its one program `_compute`,
+    or `_chunk_compute` where it keeps the op's and the chunk's apart (`tile_once`)."""
+    return "_chunk_compute" if hasattr(module, "_chunk_compute") else "_compute"
+
+
 def _counting(monkeypatch, module) -> list[int]:
-    """Count the chunks the module computes (its `_chunk_compute` calls, and the
-    backward's `_chunk_saved` calls where the chunk's gradient reads no output)."""
+    """Count the chunks the module computes (the chunk program's calls: `_compute`, or
+    `_chunk_compute` where the module keeps two programs; and the backward's
+    `_chunk_saved` calls where the chunk's gradient reads no output)."""
     calls = []
 
     def counting(chunk):
@@ -172,7 +179,7 @@ def _counting(monkeypatch, module) -> list[int]:
 
         return counted
 
-    for name in ("_chunk_compute", "_chunk_saved"):
+    for name in (chunk_program(module), "_chunk_saved"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, counting(getattr(module, name)))
     return calls
@@ -281,7 +288,7 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
 def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, budget_of):
     """A chunk's gradient that reads no output of the chunk recomputes only the
     intermediates it reads (`_chunk_saved`), never the outputs' contraction: the backward
-    calls `_chunk_compute` not once."""
+    calls the chunk's `_compute` not once."""
     module = modules(name, "pytorch")
     attrs = CASES[name].attrs
     xs = _torch(_arrays(name, module))
@@ -290,13 +297,13 @@ def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, b
     budget_of(module, budgets(module, xs, attrs)[-1])
     y = module.forward(*xs, **attrs)
     computed = []
-    chunk = module._chunk_compute
+    chunk = getattr(module, chunk_program(module))
 
     def counted(*args, **kwargs):
         computed.append(1)
         return chunk(*args, **kwargs)
 
-    monkeypatch.setattr(module, "_chunk_compute", counted)
+    monkeypatch.setattr(module, chunk_program(module), counted)
     n, c = module._tile_plan(*xs, **attrs)
     got = torch.autograd.grad(y, xs, grad)
     assert not computed, f"{name}: the backward recomputed {len(computed)} chunks' outputs"

@@ -96,8 +96,10 @@ def is_integer(e: ir.Expr) -> bool:
         return is_integer(e.operand)
     if isinstance(e, ir.Binary):
         return e.op in ("+", "-", "*", "//", "%") and is_integer(e.left) and is_integer(e.right)
+    if isinstance(e, ir.Whole):
+        return is_integer(e.whole) and is_integer(e.part)
     if isinstance(e, ir.Call):
-        integral = ("maximum", "minimum", "to_int64", "size_limit", "exact_div")
+        integral = ("maximum", "minimum", "to_int64", "size_limit", "exact_div", "shift")
         return e.function in integral and all(is_integer(a) for a in e.args)
     return False
 
@@ -176,6 +178,9 @@ class JaxPrinter(Printer):
 
     def call_size_limit(self, e: ir.Call) -> str:
         return f"_size_limit({self.arguments(e)})"
+
+    def call_shift(self, e: ir.Call) -> str:
+        return f"_shift({self.arguments(e)})"
 
     def call_cast(self, e: ir.Call) -> str:
         return f"jnp.asarray({self.arguments(e)})"

@@ -81,6 +81,8 @@ class Printer:
             return self.view(e)
         if isinstance(e, ir.Cond):
             return self.cond(e)
+        if isinstance(e, ir.Whole):
+            return f"({self.code(e.whole)} if {e.name} is None else {self.code(e.part)})"
         raise TypeError(f"not an IR expression: {e!r}")
 
     def binary(self, e: ir.Binary) -> str:

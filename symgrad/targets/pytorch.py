@@ -87,6 +87,7 @@ PARAMETERS = {
     "segment_min": ("data", "ids", "n"),
     "shape": ("x",),
     "size_limit": ("n", "where", "others"),
+    "shift": ("x", "start"),
     "exact_div": ("n", "d", "where"),
     "slice": ("x", "begin", "size"),
     "sparse_rows": ("values", "rows", "shape"),
@@ -121,6 +122,10 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Call) and e.function == "size_limit":
         return is_python(e.args[0], names)
+    if isinstance(e, ir.Call) and e.function == "shift":
+        return all(is_python(a, names) for a in e.args)
+    if isinstance(e, ir.Whole):
+        return is_python(e.whole, names) and is_python(e.part, names)
     if isinstance(e, ir.Call) and e.function == "exact_div":
         return is_python(e.args[0], names) and is_python(e.args[1], names)
     return False
@@ -425,6 +430,9 @@ class PyTorchPrinter(Printer):
     def call_exact_div(self, args: dict) -> str:
         n, d, where = (self.code(args[k]) for k in ("n", "d", "where"))
         return f"_exact_div({n}, {d}, {where})"
+
+    def call_shift(self, args: dict) -> str:
+        return f"_shift({self.code(args['x'])}, {self.code(args['start'])})"
 
     def call_size_limit(self, args: dict) -> str:
         return f"_size_limit({self.code(args['n'])}, {self.code(args['where'])}, {self.code(args['others'])})"

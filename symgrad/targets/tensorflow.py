@@ -111,6 +111,11 @@ class TensorFlowPrinter(Printer):
             return self.code(ir.Binary("//", e.args[0], e.args[1]))
         if e.function == "size_limit":  # a module checks it (`_size_limit`); explain not
             return f"_size_limit({self.arguments(e)})" if self.in_module else self.code(e.args[0])
+        if e.function == "shift":  # a module skips adding the Python int 0 (`_shift`)
+            x, start = e.args
+            if self.in_module:
+                return f"_shift({self.arguments(e)})"
+            return self.code(ir.Binary("+", start, x))
         if self.in_module and e.function in KERNELS:
             # The module's helper: zeros, never the kernel, when an axis is empty.
             helper, *kernel = KERNELS[e.function]

@@ -1,0 +1,120 @@
+"""A tiled module's program, written once: the chunk's, which the whole op runs at start 0.
+
+A tiled op is compiled twice (`tile`): the op, and its chunk (the same formulas with the
+tiled index `t` -> `t + tile_start`, inputs cut to the chunk, and `t` ranging over
+`tile_length` where no cut input gives its length). Lowered, the two programs are
+usually the same steps, except that the chunk adds `tile_start` to a few positions and
+sizes `t` by `tile_length`. Then the module carries the chunk's program alone, with
+`tile_start=0` and `tile_length=None` (the whole op) as defaults:
+
+- `tile_start + positions` becomes `shift(positions, tile_start)`, which runs nothing for
+  the Python int 0, so the untiled call costs what the op's own program cost;
+- a step that differs only where it reads `tile_length` becomes `Whole`: the op's value
+  when no length is given, the chunk's otherwise.
+
+This is checked step by step on the lowered programs: at start 0, every step of the
+chunk's must be the op's own (same name, same expression), or differ only through the
+length. Where the lowering differs in any other way (a pattern such as a convolution or a
+prefix sum recognized in the op but not after `t + tile_start`, other saved tensors), the
+module keeps both programs (`merge` returns why not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from . import ir
+
+CASTS = ("to_int64", "cast")  # how lowering turns the int start into a position's dtype
+PARTS = {
+    "inputs": "inputs",
+    "outputs": "outputs",
+    "saved": "intermediates for its gradient",
+    "grads": "incoming gradients",
+}
+
+
+def merge(module: ir.Module) -> tuple[ir.Module, str]:
+    """The module with its tiling's `program` set when the chunk's program at start 0 is
+    the op's own; else the module unchanged and the reason."""
+    tiling = module.tiling
+    if tiling is None:
+        return module, "not tiled"
+    chunk = tiling.chunk
+    for part, what in PARTS.items():
+        if getattr(chunk, part) != getattr(module, part):
+            return module, f"the chunk has other {what}"
+    start = f"_int_{tiling.start}" if tiling.start else None
+    starts = {start, tiling.start} - {None}
+    length = f"_int_{tiling.length}" if tiling.length else None
+    blocks = []
+    for kind in ("forward", "backward"):
+        merged = _merge_block(getattr(module, kind), getattr(chunk, kind), start, starts, length)
+        if isinstance(merged, str):
+            return module, f"{kind}: {merged}"
+        blocks.append(merged)
+    forward, backward = blocks
+    own = tuple(a for a in chunk.attrs if a.name in (tiling.start, tiling.length))
+    attrs = (*module.attrs, *own)
+    positive = tuple(dict.fromkeys((*module.positive_attrs, *chunk.positive_attrs)))
+    program = replace(
+        chunk, forward=forward, backward=backward, attrs=attrs, positive_attrs=positive
+    )
+    # The loop passes the op's every attr: the one program reads them all.
+    chunk = replace(chunk, attrs=attrs, positive_attrs=positive)
+    return replace(module, tiling=replace(tiling, chunk=chunk, program=program)), ""
+
+
+def _merge_block(
+    whole: ir.Block, part: ir.Block, start: str | None, starts: set[str], length: str | None
+) -> ir.Block | str:
+    if len(whole.steps) != len(part.steps):
+        return f"{len(whole.steps)} steps against the chunk's {len(part.steps)}"
+    if whole.returns != part.returns:
+        return "other results"
+    steps = []
+    for ours, theirs in zip(whole.steps, part.steps, strict=True):
+        if ours.target != theirs.target:
+            return f"step {ours.target} against the chunk's {theirs.target}"
+        shifted = shifts(theirs.value, start, starts) if start else theirs.value
+        at_zero = _at_zero(shifted)
+        if starts & ir.names_in(at_zero):
+            return f"{ours.target} reads the start other than as a shift"
+        if at_zero == ours.value:
+            steps.append(ir.Assign(ours.target, shifted, ours.comment))
+        elif length and length in ir.names_in(theirs.value):
+            steps.append(
+                ir.Assign(ours.target, ir.Whole(length, ours.value, shifted), ours.comment)
+            )
+        else:
+            return f"{ours.target} is computed otherwise in the chunk"
+    return ir.Block(tuple(steps), whole.returns)
+
+
+def shifts(e: ir.Expr, start: str, starts: set[str]) -> ir.Expr:
+    """`e` with every `start + x` (the start perhaps cast to x's dtype) as `shift(x, start)`."""
+
+    def is_start(x: ir.Expr) -> bool:
+        if isinstance(x, ir.Call) and x.function in CASTS and x.args:
+            x = x.args[0]
+        return isinstance(x, ir.Var) and x.name in starts
+
+    def swap(x: ir.Expr) -> ir.Expr | None:
+        if isinstance(x, ir.Binary) and x.op == "+":
+            for s, other in ((x.left, x.right), (x.right, x.left)):
+                if is_start(s):
+                    return ir.Call("shift", (ir.rewrite(other, swap), ir.Var(start)))
+        return None
+
+    return ir.rewrite(e, swap)
+
+
+def _at_zero(e: ir.Expr) -> ir.Expr:
+    """`e` at start 0: every `shift(x, start)` as `x`."""
+
+    def swap(x: ir.Expr) -> ir.Expr | None:
+        if isinstance(x, ir.Call) and x.function == "shift":
+            return ir.rewrite(x.args[0], swap)
+        return None
+
+    return ir.rewrite(e, swap)
