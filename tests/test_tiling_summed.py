@@ -57,6 +57,22 @@ SUMMED = {
         "y[b] = sum(min(sum((x[b,n,c] - z[b,m,c])**2, c), m), n)",
         {"x": (2, 9, 3), "z": (2, 7, 3)},
     ),
+    # A mean over both point sets (MMD's cross term): each chunk's mean scaled by its
+    # share, length / total, of n; nothing is cut (the total reads x.shape[1])
+    "mean_energy": Case(
+        "y[b] = mean(exp(-sum((x[b,n,c] - z[b,m,c])**2, c)), n, m)",
+        {"x": (2, 9, 3), "z": (2, 7, 3)},
+        low=-0.6,
+        high=0.6,
+    ),
+    # The outer sum negated and divided by an attr: a chunk's output is its share
+    "scaled_loss": Case(
+        "y[b] = -sum(w[b,n] * log(sum(exp(-sum((x[b,n,c]-z[b,m,c])**2, c)), m)), n) / T",
+        {"w": (2, 9), "x": (2, 9, 3), "z": (2, 7, 3)},
+        attrs={"T": 3.0},
+        low=-0.6,
+        high=0.6,
+    ),
     # The summed index read at a moved position by an input that is not cut: the chunk
     # reads x at n + tile_start and sizes n by tile_length
     "moved_read": Case(
@@ -111,12 +127,12 @@ def test_tensorflow_summed_tiling_is_exact_everywhere(name, tmp_path):
     module = _module(name, tmp_path)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
-    n, c = module._tile_plan(*tensors)
+    n, c = module._tile_plan(*tensors, **case.attrs)
     assert c < n == 9
     check(case, module)
 
 
-@pytest.mark.parametrize("name", ["rbf_energy", "moved_read"])
+@pytest.mark.parametrize("name", ["rbf_energy", "moved_read", "mean_energy"])
 def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, tmp_path):
     case = SUMMED[name]
     module = _module(name, tmp_path)
@@ -139,7 +155,9 @@ def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, tmp_path):
     [
         *((name, "pytorch") for name in sorted(SUMMED)),
         ("kernel_loss", "jax"),
+        ("mean_energy", "jax"),
         ("rbf_energy", "jax"),
+        ("scaled_loss", "jax"),
     ],
 )
 def test_pytorch_and_jax_summed_tiling_is_exact(name, target, tmp_path):
@@ -150,7 +168,7 @@ def test_pytorch_and_jax_summed_tiling_is_exact(name, target, tmp_path):
     module = _module(name, tmp_path, target)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_NAME)))
-    n, c = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors))
+    n, c = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors), **case.attrs)
     assert c < n == 9
     check_target(case, module, fw)
 
