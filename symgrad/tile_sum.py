@@ -15,9 +15,10 @@ and `n` ranging over the chunk (a `tile_length` range when no cut input gives it
 
 Covered: one formula, one output, a right-hand side that is one `sum(...)` (over several
 indices too: any of them may be chosen) or `mean(...)` (each chunk's mean scaled by its
-length over the whole size), negated, or times or divided by a constant. Not covered: a sum of such terms over different
-indices (Chamfer's two directions) -- no one index can be cut in every term, and the
-module keeps the output-index tiling, with the reason in its docstring.
+length over the whole size), negated, or times or divided by a constant.
+Not covered: a sum of such terms over different indices (Chamfer's two directions) --
+no one index can be cut in every term, and the module keeps the output-index tiling, with
+the reason in its docstring.
 """
 
 from __future__ import annotations
