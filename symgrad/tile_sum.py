@@ -24,6 +24,7 @@ the reason in its docstring.
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import replace
 
 from . import splits
@@ -125,7 +126,17 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
     if bounded(choice, program) or not pairwise(choice, program):
         return None
     terms = summed_terms(op)
-    if terms is None or len(terms) < 2 or not all(terms):
+    if terms is None:
+        return None
+    if len(terms) == 1 and not terms[0] and _extremum_of_reductions(op):
+        return (
+            f"One position of {choice.index} still holds a pairwise matrix, and the "
+            "right-hand side is an outer max or min of a reduction (not a sum or mean), so "
+            "no summed index can be cut: the bound is exceeded by that matrix. Write the "
+            "inner part as an op of its own (tiled along its output index) and reduce its "
+            "output with the framework."
+        )
+    if len(terms) < 2 or not all(terms):
         return None
     common = set(terms[0]).intersection(*terms[1:])
     if common:
@@ -135,6 +146,26 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
         + "; ".join(", ".join(t) for t in terms)
         + "), so no summed index can be cut in every term: write each term as an op of "
         "its own to tile it along its summed index."
+    )
+
+
+def _extremum_of_reductions(op: OpSpec) -> bool:
+    """Whether the right-hand side is a `max` or `min` over indices of a body that reduces
+    again (Hausdorff's `max(min(d, m), n)`), not a window's extremum (`max(x[..], u, v)`)."""
+    (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
+    rhs = assign.value
+    return (
+        isinstance(rhs, ast.Call)
+        and isinstance(rhs.func, ast.Name)
+        and rhs.func.id in ("max", "min")
+        and len(rhs.args) >= 2
+        and any(
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in REDUCTIONS
+            and len(node.args) >= 2
+            for node in ast.walk(rhs.args[0])
+        )
     )
 
 
@@ -178,7 +209,7 @@ def _choose_summed(op: OpSpec, program: Program) -> Choice | None:
             continue  # cutting it would leave some temporary whole
         if _rebound(_outer_sum(assign.value, _constants(op)), name) or splits.in_group(name, reads):
             continue
-        choice = _chunk(op, program, tree, reads, name, tuple(big))
+        choice = _chunk(op, program, copy.deepcopy(tree), reads, name, tuple(big))
         if bounded(choice, program):
             return choice
     return None

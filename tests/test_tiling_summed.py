@@ -29,6 +29,7 @@ from test_tiling import _torch_memory
 
 from symgrad.model import build
 from symgrad.pipeline import compile_op
+from symgrad.spec import parse_spec
 
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp
@@ -376,3 +377,30 @@ def test_tensorflow_summed_tiled_step_memory_is_bounded(tmp_path):
         print(f"{name}: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
         assert m["untiled"] > 10 * bound, (name, m)
         assert m["tiled"] <= bound, (name, m)
+
+
+def test_an_outer_extremum_of_a_reduction_says_why_it_stays_unbounded(tmp_path):
+    """Hausdorff's `max(min(d, m), n)`: no outer sum, so chunks of b; the docstring says
+    one position still holds the matrix and what to write instead. An MMD of three mean
+    terms over different index pairs says its terms sum different indices."""
+    hausdorff = Case("h[b] = max(min(sum((x[b,c,n] - z[b,c,m])**2, c), m), n)", {})
+    assert compile_op(op_spec(hausdorff, "Probe")).tiling.index == "b"
+    doc = " ".join(_module_of(hausdorff, tmp_path).__doc__.split())
+    assert "One position of b still holds a pairwise matrix" in doc, doc
+    assert "an outer max or min of a reduction" in doc, doc
+    mmd = Case(
+        "y[b] = mean(exp(-sum((x[b,n,c] - x[b,k,c])**2, c)), n, k)"
+        " + mean(exp(-sum((z[b,m,c] - z[b,l,c])**2, c)), m, l)"
+        " - 2 * mean(exp(-sum((x[b,n,c] - z[b,m,c])**2, c)), n, m)",
+        {},
+    )
+    assert "Its terms sum different indices (n, k; m, l; n, m)" in _module_of(mmd, tmp_path).__doc__
+
+
+def test_an_outer_mean_none_of_whose_indices_bounds_keeps_the_output_tiling():
+    """ROI Align's `mean(.., a, q)`: each summed index is tried on a fresh copy of the
+    formula (trying `a` once rewrote the tree `q` was then tried on)."""
+    spec = parse_spec((REPO / "symgrad.toml").read_text(encoding="utf-8"), "symgrad.toml")
+    op = next(op for op in spec.ops if op.name == "RoiAlign")
+    tiling = compile_op(op).tiling
+    assert tiling is not None and not tiling.summed
