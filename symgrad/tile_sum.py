@@ -14,15 +14,18 @@ plainly on no cut input, the inputs that read `n` plainly on one axis cut to the
 and `n` ranging over the chunk (a `tile_length` range when no cut input gives its size).
 
 Covered: one formula, one output, a right-hand side that is one `sum(...)` (over several
-indices too: any of them may be chosen). A sum of such terms over different indices
-(Chamfer's two directions) has no one index that can be cut in every term: `tile_parts`
-tiles each term along its own; where it cannot (subtracted terms), the module keeps the
-output-index tiling, with the reason in its docstring (`why_not`).
+indices too: any of them may be chosen) or `mean(...)` (each chunk's mean scaled by its
+length over the whole size), negated, or times or divided by a constant. A sum of such
+terms over different indices (Chamfer's two directions) has no one index that can be cut
+in every term: `tile_parts` tiles each term along its own; where it cannot (subtracted
+terms), the module keeps the output-index tiling, with the reason in its docstring
+(`why_not`).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import replace
 
 from . import splits
@@ -41,6 +44,7 @@ from .tile import (
     big_sets,
 )
 
+TOTAL = "tile_total"  # a mean's whole size along the tiled index, in its chunks
 REDUCTIONS = {"sum", "min", "max", "logsumexp", "prod", "mean"}
 
 
@@ -61,7 +65,7 @@ def summed_terms(op: OpSpec) -> list[tuple[str, ...]] | None:
     (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
     terms = []
     for term in _terms(assign.value):
-        outer = _outer_sum(term)
+        outer = _outer_sum(term, _constants(op))
         terms.append(() if outer is None else tuple(a.id for a in outer.args[1:]))
     return terms
 
@@ -72,12 +76,15 @@ def _terms(expr: ast.AST) -> list[ast.AST]:
     return [expr]
 
 
-def _outer_sum(expr: ast.AST) -> ast.Call | None:
-    """`sum(body, n, ...)` with plain index names, or None."""
+def _outer_sum(expr: ast.AST, constants: frozenset[str] = frozenset()) -> ast.Call | None:
+    """`sum(body, n, ...)` or `mean(body, n, ...)` with plain index names, perhaps negated,
+    times or divided by a constant (`-sum(..)`, `2 * mean(..)`, `sum(..) / T` with T an
+    attr or let): a chunk's output is then its share of the whole. None otherwise."""
+    expr = _scaled(expr, constants)
     if (
         isinstance(expr, ast.Call)
         and isinstance(expr.func, ast.Name)
-        and expr.func.id == "sum"
+        and expr.func.id in ("sum", "mean")
         and len(expr.args) >= 2
         and not expr.keywords
         and all(isinstance(a, ast.Name) for a in expr.args[1:])
@@ -86,13 +93,51 @@ def _outer_sum(expr: ast.AST) -> ast.Call | None:
     return None
 
 
+def _scaled(expr: ast.AST, constants: frozenset[str]) -> ast.AST:
+    """What a linear wrapper scales: `-e`, `+e`, `c * e`, `e * c`, `e / c` -> `e`, for a
+    constant `c` (numbers, `pi`, `e`, and the names in `constants`; no tensor read)."""
+
+    def constant(node: ast.AST) -> bool:
+        return not any(isinstance(n, ast.Subscript | ast.Call) for n in ast.walk(node)) and (
+            _names(node) <= constants | {"pi", "e"}
+        )
+
+    while True:
+        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub | ast.UAdd):
+            expr = expr.operand
+        elif isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult) and constant(expr.left):
+            expr = expr.right
+        elif (
+            isinstance(expr, ast.BinOp)
+            and isinstance(expr.op, ast.Mult | ast.Div)
+            and constant(expr.right)
+        ):
+            expr = expr.left
+        else:
+            return expr
+
+
+def _constants(op: OpSpec) -> frozenset[str]:
+    return frozenset(a for a, _ in (*op.attrs, *op.lets))
+
+
 def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
     """A sentence for the docstring when one position of the chosen output index still
     holds a pairwise matrix and the op's terms sum different indices."""
     if bounded(choice, program) or not pairwise(choice, program):
         return None
     terms = summed_terms(op)
-    if terms is None or len(terms) < 2 or not all(terms):
+    if terms is None:
+        return None
+    if len(terms) == 1 and not terms[0] and _extremum_of_reductions(op):
+        return (
+            f"One position of {choice.index} still holds a pairwise matrix, and the "
+            "right-hand side is an outer max or min of a reduction (not a sum or mean), so "
+            "no summed index can be cut: the bound is exceeded by that matrix. Write the "
+            "inner part as an op of its own (tiled along its output index) and reduce its "
+            "output with the framework."
+        )
+    if len(terms) < 2 or not all(terms):
         return None
     common = set(terms[0]).intersection(*terms[1:])
     if common:
@@ -102,6 +147,26 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
         + "; ".join(", ".join(t) for t in terms)
         + "), so no summed index can be cut in every term: write each term as an op of "
         "its own to tile it along its summed index."
+    )
+
+
+def _extremum_of_reductions(op: OpSpec) -> bool:
+    """Whether the right-hand side is a `max` or `min` over indices of a body that reduces
+    again (Hausdorff's `max(min(d, m), n)`), not a window's extremum (`max(x[..], u, v)`)."""
+    (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
+    rhs = assign.value
+    return (
+        isinstance(rhs, ast.Call)
+        and isinstance(rhs.func, ast.Name)
+        and rhs.func.id in ("max", "min")
+        and len(rhs.args) >= 2
+        and any(
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in REDUCTIONS
+            and len(node.args) >= 2
+            for node in ast.walk(rhs.args[0])
+        )
     )
 
 
@@ -143,9 +208,9 @@ def _choose_summed(op: OpSpec, program: Program) -> Choice | None:
     for name in terms[0]:
         if not all(name in {i.name for i in b} for b in big):
             continue  # cutting it would leave some temporary whole
-        if _rebound(assign.value, name) or splits.in_group(name, reads):
+        if _rebound(_outer_sum(assign.value, _constants(op)), name) or splits.in_group(name, reads):
             continue
-        choice = _chunk(op, program, tree, reads, name, tuple(big))
+        choice = _chunk(op, program, copy.deepcopy(tree), reads, name, tuple(big))
         if bounded(choice, program):
             return choice
     return None
@@ -163,16 +228,27 @@ def _rebound(rhs: ast.Call, name: str) -> bool:
 
 
 def _chunk(op, program, tree, reads, name, big) -> Choice:
-    sliced = _sliced(name, reads, op)
+    (assign,) = tree.body
+    outer = _outer_sum(assign.value, _constants(op))
     taken = _names(tree) | {a for a, _ in (*op.attrs, *op.lets)}
+    lets = op.lets
+    if outer.func.id == "mean":
+        # A chunk's mean divides by its own length: scale it by length / total (a let of
+        # the whole size, read from an uncut input) to make it its share of the whole.
+        total = _fresh(TOTAL, taken)
+        lets += ((total, _size_of(op, program, name)),)
+        sliced = ()
+    else:
+        sliced = _sliced(name, reads, op)
     start = _fresh(START, taken)
     length = None if sliced else _fresh(LENGTH, taken)
     # Only the body is moved: the outer sum's own index arguments stay (`_rebound`: no
     # reduction inside runs over `name` again).
     offset = _Offset(name, start, {n for n, _ in sliced})
-    (assign,) = tree.body
-    outer = assign.value
     outer.args[0] = offset.visit(outer.args[0])
+    if outer.func.id == "mean":
+        share = ast.BinOp(ast.Name(length, ast.Load()), ast.Div(), ast.Name(total, ast.Load()))
+        assign.value = ast.BinOp(assign.value, ast.Mult(), share)
     formula = ast.unparse(tree)
     if not offset.count:
         start = None
@@ -185,5 +261,19 @@ def _chunk(op, program, tree, reads, name, big) -> Choice:
         *((a, kind) for a, kind in op.attrs if a in used),
         *((a, "int") for a in (start, length) if a),
     )
-    chunk = replace(op, formulas=(formula,), attrs=attrs, ranges=ranges, inputs=program.inputs)
+    chunk = replace(
+        op, formulas=(formula,), attrs=attrs, ranges=ranges, lets=lets, inputs=program.inputs
+    )
     return Choice(name, sliced, big, chunk, start, length)
+
+
+def _size_of(op: OpSpec, program: Program, name: str) -> str:
+    """The size of index `name` as a let's text: its range, else an input axis it reads."""
+    ranges = dict(op.ranges)
+    if name in ranges:
+        return ranges[name]
+    return next(
+        f"{sources[0][0]}.shape[{sources[0][1]}]"
+        for index, sources in program.dims
+        if index.name.replace("'", "") == name and sources
+    )

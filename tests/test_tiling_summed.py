@@ -29,6 +29,7 @@ from test_tiling import _torch_memory
 
 from symgrad.model import build
 from symgrad.pipeline import compile_op
+from symgrad.spec import parse_spec
 
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp
@@ -56,6 +57,22 @@ SUMMED = {
     "chamfer_one_way": Case(
         "y[b] = sum(min(sum((x[b,n,c] - z[b,m,c])**2, c), m), n)",
         {"x": (2, 9, 3), "z": (2, 7, 3)},
+    ),
+    # A mean over both point sets (MMD's cross term): each chunk's mean scaled by its
+    # share, length / total, of n; nothing is cut (the total reads x.shape[1])
+    "mean_energy": Case(
+        "y[b] = mean(exp(-sum((x[b,n,c] - z[b,m,c])**2, c)), n, m)",
+        {"x": (2, 9, 3), "z": (2, 7, 3)},
+        low=-0.6,
+        high=0.6,
+    ),
+    # The outer sum negated and divided by an attr: a chunk's output is its share
+    "scaled_loss": Case(
+        "y[b] = -sum(w[b,n] * log(sum(exp(-sum((x[b,n,c]-z[b,m,c])**2, c)), m)), n) / T",
+        {"w": (2, 9), "x": (2, 9, 3), "z": (2, 7, 3)},
+        attrs={"T": 3.0},
+        low=-0.6,
+        high=0.6,
     ),
     # The summed index read at a moved position by an input that is not cut: the chunk
     # reads x at n + tile_start and sizes n by tile_length
@@ -126,12 +143,12 @@ def test_tensorflow_summed_tiling_is_exact_everywhere(name, tmp_path):
     module = _module(name, tmp_path)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
-    n, c = module._tile_plan(*tensors)
+    n, c = module._tile_plan(*tensors, **case.attrs)
     assert c < n == 9
     check(case, module)
 
 
-@pytest.mark.parametrize("name", ["rbf_energy", "moved_read"])
+@pytest.mark.parametrize("name", ["rbf_energy", "moved_read", "mean_energy"])
 def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, tmp_path):
     case = SUMMED[name]
     module = _module(name, tmp_path)
@@ -154,7 +171,9 @@ def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, tmp_path):
     [
         *((name, "pytorch") for name in sorted(SUMMED)),
         ("kernel_loss", "jax"),
+        ("mean_energy", "jax"),
         ("rbf_energy", "jax"),
+        ("scaled_loss", "jax"),
     ],
 )
 def test_pytorch_and_jax_summed_tiling_is_exact(name, target, tmp_path):
@@ -165,7 +184,7 @@ def test_pytorch_and_jax_summed_tiling_is_exact(name, target, tmp_path):
     module = _module(name, tmp_path, target)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_NAME)))
-    n, c = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors))
+    n, c = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors), **case.attrs)
     assert c < n == 9
     check_target(case, module, fw)
 
@@ -373,3 +392,30 @@ def test_tensorflow_summed_tiled_step_memory_is_bounded(tmp_path):
         print(f"{name}: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
         assert m["untiled"] > 10 * bound, (name, m)
         assert m["tiled"] <= bound, (name, m)
+
+
+def test_an_outer_extremum_of_a_reduction_says_why_it_stays_unbounded(tmp_path):
+    """Hausdorff's `max(min(d, m), n)`: no outer sum, so chunks of b; the docstring says
+    one position still holds the matrix and what to write instead. An MMD of three mean
+    terms over different index pairs says its terms sum different indices."""
+    hausdorff = Case("h[b] = max(min(sum((x[b,c,n] - z[b,c,m])**2, c), m), n)", {})
+    assert compile_op(op_spec(hausdorff, "Probe")).tiling.index == "b"
+    doc = " ".join(_module_of(hausdorff, tmp_path).__doc__.split())
+    assert "One position of b still holds a pairwise matrix" in doc, doc
+    assert "an outer max or min of a reduction" in doc, doc
+    mmd = Case(
+        "y[b] = mean(exp(-sum((x[b,n,c] - x[b,k,c])**2, c)), n, k)"
+        " + mean(exp(-sum((z[b,m,c] - z[b,l,c])**2, c)), m, l)"
+        " - 2 * mean(exp(-sum((x[b,n,c] - z[b,m,c])**2, c)), n, m)",
+        {},
+    )
+    assert "Its terms sum different indices (n, k; m, l; n, m)" in _module_of(mmd, tmp_path).__doc__
+
+
+def test_an_outer_mean_none_of_whose_indices_bounds_keeps_the_output_tiling():
+    """ROI Align's `mean(.., a, q)`: each summed index is tried on a fresh copy of the
+    formula (trying `a` once rewrote the tree `q` was then tried on)."""
+    spec = parse_spec((REPO / "symgrad.toml").read_text(encoding="utf-8"), "symgrad.toml")
+    op = next(op for op in spec.ops if op.name == "RoiAlign")
+    tiling = compile_op(op).tiling
+    assert tiling is not None and not tiling.summed
