@@ -22,7 +22,9 @@ and every part has an index one position of which leaves its temporaries no larg
 its inputs and outputs. Every other op keeps its tiling. Not split: ops with internal
 tensors (`outputs = [...]`: a part would need another part's internal values, which it
 cannot recompute per chunk), an equation reading another's output, composite outputs,
-index tensors and float positions, and terms subtracted (`a - b`) rather than added.
+index tensors and float positions. A subtracted term is a part with its sign (`-b`),
+tiled like any (`tile_sum` takes a negated or scaled sum); when it cannot be bounded the
+op is not split.
 """
 
 from __future__ import annotations
@@ -96,20 +98,21 @@ def _parts(op: OpSpec, program: Program) -> list[Part] | None:
         return [Part(_part_op(op, program, t), (k,), t) for k, t in enumerate(texts)]
     (assign,) = assigns
     terms = _added(assign.value)
-    if terms is None or len(terms) < 2:
+    if len(terms) < 2:
         return None
     left = ast.unparse(assign.targets[0])
     texts = [f"{left} = {ast.unparse(t)}" for t in terms]
     return [Part(_part_op(op, program, t), (0,), t) for t in texts]
 
 
-def _added(expr: ast.AST) -> list[ast.AST] | None:
-    """The terms of a sum `a + b + ...`, or None when a term is subtracted."""
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Sub):
-        return None
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
-        left, right = _added(expr.left), _added(expr.right)
-        return None if left is None or right is None else [*left, *right]
+def _added(expr: ast.AST) -> list[ast.AST]:
+    """The terms of a sum `a + b - c ...`, a subtracted term negated (`-c`: the part
+    computes it with its sign, and the parts' outputs are added)."""
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add | ast.Sub):
+        right = _added(expr.right)
+        if isinstance(expr.op, ast.Sub):
+            right = [ast.UnaryOp(ast.USub(), term) for term in right]
+        return [*_added(expr.left), *right]
     return [expr]
 
 

@@ -17,9 +17,9 @@ Covered: one formula, one output, a right-hand side that is one `sum(...)` (over
 indices too: any of them may be chosen) or `mean(...)` (each chunk's mean scaled by its
 length over the whole size), negated, or times or divided by a constant. A sum of such
 terms over different indices (Chamfer's two directions) has no one index that can be cut
-in every term: `tile_parts` tiles each term along its own; where it cannot (subtracted
-terms), the module keeps the output-index tiling, with the reason in its docstring
-(`why_not`).
+in every term: `tile_parts` tiles each term along its own (a subtracted one with its
+sign); where it cannot (a term no index bounds), the module keeps the output-index
+tiling, with the reason in its docstring (`why_not`).
 """
 
 from __future__ import annotations

@@ -117,18 +117,20 @@ def test_terms_summing_different_indices_are_tiled_in_parts(tmp_path):
     assert "its terms sum different indices" in " ".join(module.__doc__.split())
 
 
-def test_subtracted_terms_summing_different_indices_keep_the_batch_tiling_and_say_why(tmp_path):
-    """A difference of such terms is not split (`tile_parts` adds parts only): the module
-    keeps the batch tiling, and its docstring says why."""
+def test_subtracted_terms_summing_different_indices_are_parts_with_their_sign(tmp_path):
+    """A difference of such terms is split too: the subtracted term is a part of its own
+    with its sign, `-sum(..)`, tiled along its summed index (tests/test_tiling_parts.py
+    checks the values), and the docstring names each part."""
     case = Case(
         "y[b] = sum(min(sum((p[b,n,c] - q[b,m,c])**2, c), m), n)"
         " - sum(min(sum((p[b,n,c] - q[b,m,c])**2, c), n), m)",
         {"p": (2, 9, 3), "q": (2, 7, 3)},
     )
     tiling = compile_op(op_spec(case, "Probe")).tiling
-    assert (tiling.index, tiling.summed, tiling.parts) == ("b", False, ())
+    assert [(p.tiling.index, p.tiling.summed) for p in tiling.parts] == [("n", True), ("m", True)]
+    assert tiling.parts[1].formula.startswith("y[b] = -sum(")
     module = _module_of(case, tmp_path)
-    assert "Its terms sum different indices (n; m)" in module.__doc__
+    assert "part 1: y[b] = -sum(" in module.__doc__
 
 
 def _module_of(case, tmp_path):
