@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 
 from .. import ir
+from . import torch_overwrite
 from .printer import ATOM, Printer, precedence
 
 # Elementwise ops on tensors, and reductions (axis= -> dim=, keepdims= -> keepdim=).
@@ -63,6 +64,15 @@ REDUCTIONS = {
     "reduce_min": "torch.amin",
     "reduce_sum": "torch.sum",
     "softmax": "torch.softmax",
+}
+# A comparison cast to numbers is one torch call writing into a tensor of that dtype.
+COMPARISONS = {
+    "==": "torch.eq",
+    "!=": "torch.ne",
+    "<": "torch.lt",
+    "<=": "torch.le",
+    ">": "torch.gt",
+    ">=": "torch.ge",
 }
 # Each op's parameter names in TF's order (the IR passes some by position, some by name).
 PARAMETERS = {
@@ -140,16 +150,15 @@ class PyTorchPrinter(Printer):
     # Steps of the body being printed that hold a Python number (a literal position, as in
     # `W[b, 1]`): torch ops get them as tensors, like sizes.
     python_names: frozenset[str] = frozenset()
+    # While a body's steps are printed: the names the step may write over, and whether
+    # fresh sub-expressions may be written over (`torch_overwrite`).
+    owned: frozenset[str] = frozenset()
+    overwrite_on = False
 
     def is_python(self, e: ir.Expr) -> bool:
         return is_python(e, self.python_names)
 
     # -- function bodies ----------------------------------------------------------------
-
-    def code(self, e, module: ir.Module | None = None, kind: str = "", raw=()) -> str:
-        if isinstance(e, ir.Block):
-            return self.body(e, module, kind, tuple(raw))
-        return super().code(e)
 
     def body(self, block: ir.Block, m: ir.Module, kind: str, raw: tuple[str, ...] = ()) -> str:
         """The statements of `_compute` (kind "forward"), `_recompute`, `_backward` or a
@@ -177,6 +186,9 @@ class PyTorchPrinter(Printer):
             live |= _names_read(text)
             kept.append((step, text))
         kept.reverse()
+        if self.in_module and kind != "sizes":
+            backward = kind == "backward"
+            kept = self.overwriting(kept, block.returns if backward else roots, backward)
         reference = m.value_inputs[0]
         lines = []
         if kind == "backward" and len(m.grads) > 1:
@@ -219,6 +231,32 @@ class PyTorchPrinter(Printer):
                 lines += _statement(step, text)
         return "".join(f"    {line}\n" for line in lines)
 
+    def overwriting(self, kept: list, returns, backward: bool) -> list:
+        """`kept` with each step that may write over a dead temporary printed so
+        (`torch_overwrite`), judged in the order the body is printed."""
+        order = [i for _, items in _groups(kept, returns)[0] for i in items] if backward else kept
+        reads = {step.target: _names_list(text) for step, text in order}
+        keep = {name for name in returns if name}
+        owned = torch_overwrite.overwritable(
+            [step for step, _ in order], reads, keep, self.is_python
+        )
+        texts = {}
+        self.overwrite_on = True
+        for (step, _), names in zip(order, owned, strict=True):
+            self.owned = frozenset(names)
+            texts[step.target] = self.code(step.value)
+        self.owned, self.overwrite_on = frozenset(), False
+        return [(step, texts[step.target]) for step, _ in kept]
+
+    def code(self, e, module: ir.Module | None = None, kind: str = "", raw=()) -> str:
+        if isinstance(e, ir.Block):
+            return self.body(e, module, kind, tuple(raw))
+        if self.overwrite_on and isinstance(e, ir.Binary | ir.Negate | ir.Call):
+            spelled = torch_overwrite.spell(e, self, self.owned)
+            if spelled is not None:
+                return spelled
+        return Printer.code(self, e)
+
     # -- expressions ----------------------------------------------------------------------
 
     def atom(self, e: ir.Expr) -> str:
@@ -252,6 +290,9 @@ class PyTorchPrinter(Printer):
 
     def einsum(self, e: ir.Einsum) -> str:
         operands = ", ".join(self.tensor(o) for o in e.operands)
+        if self.in_module and len(e.operands) == 2 and "." not in e.subscripts:
+            # A module helper: the output's small axes first (see `_einsum`).
+            return f'_einsum("{e.subscripts}", {operands})'
         return f'torch.einsum("{e.subscripts}", {operands})'
 
     def view(self, e: ir.View) -> str:
@@ -341,6 +382,11 @@ class PyTorchPrinter(Printer):
         x, dtype = args["x"], self.code(args["dtype"])
         if self.is_python(x):
             return f"torch.as_tensor({self.code(x)}, dtype={dtype}, device=_device)"
+        if self.in_module and isinstance(x, ir.Binary) and x.op in COMPARISONS:
+            # A module helper: written straight as 0 and 1 of the dtype (see `_compare`).
+            left, right = self.code(x.left), self.code(x.right)
+            if not self.is_python(x.left):
+                return f"_compare({COMPARISONS[x.op]}, {left}, {right}, {dtype})"
         return f"{self.atom(x)}.to({dtype})"
 
     def call_to_int64(self, args: dict) -> str:
@@ -531,24 +577,10 @@ def _only_if_needed(kept: list[tuple[ir.Assign, str]], returns: tuple) -> list[s
     gradients of some inputs k read it (torch's ctx.needs_input_grad): no work is done for
     a gradient nobody asked for. Steps every gradient reads come first, then one block per
     set of inputs, larger sets first (a step only reads steps of a superset of its own)."""
-    users: dict[str, set[int]] = {}
-    reads = {step.target: _names_read(text) for step, text in kept}
-    for k, name in enumerate(returns):
-        if name is None:
-            continue
-        stack = [name]
-        while stack:
-            current = stack.pop()
-            if current in reads and k not in users.setdefault(current, set()):
-                users[current].add(k)
-                stack.extend(reads[current])
-    every = {k for k, name in enumerate(returns) if name is not None}
-    groups: dict[frozenset[int], list[tuple[ir.Assign, str]]] = {}
-    for step, text in kept:
-        groups.setdefault(frozenset(users[step.target]), []).append((step, text))
+    groups, users, every = _groups(kept, returns)
     lines: list[str] = []
-    for needed in sorted(groups, key=lambda g: (-len(g), sorted(g))):
-        body = [line for step, text in groups[needed] for line in _statement(step, text)]
+    for needed, items in groups:
+        body = [line for step, text in items for line in _statement(step, text)]
         if needed >= every:
             lines += body
             continue
@@ -564,6 +596,35 @@ def _only_if_needed(kept: list[tuple[ir.Assign, str]], returns: tuple) -> list[s
             parts.append(f"{name} if _needs[{k}] else None")
     lines.append(f"return ({', '.join(parts)}{',' if len(parts) == 1 else ''})")
     return lines
+
+
+def _groups(kept: list[tuple[ir.Assign, str]], returns: tuple):
+    """The backward's steps grouped by the set of inputs whose gradients read them, in
+    the order they are printed; each step's set; the set of every input with a gradient."""
+    users: dict[str, set[int]] = {}
+    reads = {step.target: _names_read(text) for step, text in kept}
+    for k, name in enumerate(returns):
+        if name is None:
+            continue
+        stack = [name]
+        while stack:
+            current = stack.pop()
+            if current in reads and k not in users.setdefault(current, set()):
+                users[current].add(k)
+                stack.extend(reads[current])
+    every = {k for k, name in enumerate(returns) if name is not None}
+    groups: dict[frozenset[int], list[tuple[ir.Assign, str]]] = {}
+    for step, text in kept:
+        groups.setdefault(frozenset(users[step.target]), []).append((step, text))
+    ordered = sorted(groups, key=lambda g: (-len(g), sorted(g)))
+    return [(needed, groups[needed]) for needed in ordered], users, every
+
+
+def _names_list(text: str) -> list[str]:
+    """The names a printed expression reads, once per reading."""
+    return [
+        node.id for node in ast.walk(ast.parse(text, mode="eval")) if isinstance(node, ast.Name)
+    ]
 
 
 def _is_zero(e: ir.Expr) -> bool:
