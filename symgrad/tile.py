@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from . import functions as fn
-from . import ir, patterns, splits
+from . import ir, patterns, sampled_temps, splits
 from .indexing import IOTA
 from .model import Index, Level, Program, accesses
 from .segment_forms import segment_extremum, ties_at_rows
@@ -53,7 +53,8 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     """Index sets of the tensors the program materializes that are larger than every input
     and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
     product of plain reads is an einsum and is never materialized; nor is a polynomial,
-    which lowering expands)."""
+    which lowering expands); and the sets of sampled reads' corners at any size
+    (`sampled_temps`)."""
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
@@ -71,11 +72,13 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
             found += [
                 _indices_of(f, allowed) for f in _materialized(term.expr, program.index_inputs)
             ]
+    sampled = sampled_temps.sets(program)
+    found += sampled
     small = _no_larger(program)
     big: list[tuple[Index, ...]] = []
     for indices in found:
         s = set(indices)
-        if small(s):
+        if small(s) and indices not in sampled:
             continue  # no larger than an input or output (the same sizes, other names)
         if any(s <= set(other) for other in big):
             continue
@@ -434,7 +437,11 @@ def tiling(
         sliced=choice.sliced,
         output_axes=() if summed else tuple(o.level.indices.index(index) for o in program.outputs),
         sizes=sizes,
-        volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
+        volumes=tuple(
+            tuple(size_of[i] for i in b)
+            for b in choice.big
+            for _ in range(sampled_temps.weight(b, program))
+        ),
         temporaries=tuple(
             "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
         ),

@@ -524,6 +524,36 @@ def test_deformable_conv_runs_in_chunks_under_a_small_budget(tmp_path, target):
         np.testing.assert_allclose(got, want, atol=1e-12)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_grid_sample_runs_in_chunks_of_output_rows_and_is_still_torchs(tmp_path, target):
+    """A bilinear read's corners are no larger than the output but number about ten
+    (symgrad/sampled_temps.py): the module tiles the output rows h under a small budget,
+    is exact in chunks (forward and both gradients, float64), and below the budget runs
+    untiled as before."""
+    spec = parse_op("GridChunks", GRID_SAMPLE, "test.toml")
+    m = load_module(module_text(spec, "test.toml", target), tmp_path, f"grid_chunks_{target}")
+    assert "chunks of h" in m.__doc__
+    rng = np.random.default_rng(11)
+    n, c, h, w, ho, wo = 2, 3, 5, 4, 6, 7
+    x = rng.standard_normal((n, c, h, w))
+    g = rng.uniform(-1.3, 1.3, (n, ho, wo, 2))
+    grad = rng.standard_normal((n, c, ho, wo))
+    args = [to(target, a) for a in (x, g)]
+    assert m._tile_plan(*args) is None  # the default budget: untiled, as before
+    whole_y = numpy(m.forward(*args))
+    whole_grads = [numpy(t) for t in m.vjp(*args, to(target, grad))]
+    m.MAX_TEMP_BYTES = 64  # one output row per chunk
+    assert m._tile_plan(*args) is not None
+    y = numpy(m.forward(*args))
+    grads = [numpy(t) for t in m.vjp(*args, to(target, grad))]
+    want_y, want_gx, want_gg = grid_sample_torch(x, g, grad)
+    np.testing.assert_allclose(y, want_y, atol=1e-12)
+    np.testing.assert_allclose(y, whole_y, atol=1e-12)
+    for got, whole, want in zip(grads, whole_grads, (want_gx, want_gg), strict=True):
+        np.testing.assert_allclose(got, whole, atol=1e-12)
+        np.testing.assert_allclose(got, want, atol=1e-12)
+
+
 def test_non_integer_coefficients_in_brackets_interpolate(folder):
     """`A[b, 0.5*i]` and `A[b, i + 0.5]` were refused as non-integer index expressions;
     they are sampled reads: halfway between neighbours, the last one past the end."""

@@ -1,0 +1,39 @@
+"""The temporaries of a sampled read (sampling.py), counted for tiling (tile.py).
+
+A bilinear read `x[n, c, P, Q]` materializes, over the indices of the read, its four
+corners' gathers, their weights and, in the backward, the corners' scatters: about ten
+tensors of the read's size where the call-time plan (`_HELD` in the templates' `_plan`)
+assumes one per large temporary. So the read's index set is a large temporary even when it
+is no larger than an output (grid_sample: the output's own size), and every large
+temporary that holds a sampled read's indices counts `WEIGHT` times in the plan's
+volumes, which keeps a chunk's step within the budget.
+"""
+
+from __future__ import annotations
+
+from . import functions as fn
+from .model import Index, Program
+
+# Times a sampled read's index set is counted in the plan's volumes (measured: JAX's
+# training step of deformable convolution at x 1x16x64x20, w 24x16x3x3 and a budget of
+# 1 MiB holds 3.16, 1.77, 0.96, 1.04, 0.60 times its bound at 1, 2, 3, 4, 6; TensorFlow
+# and PyTorch 0.52 and 0.50 at 6; tests/test_memory_sampled_reads.py).
+WEIGHT = 6
+
+
+def sets(program: Program) -> list[tuple[Index, ...]]:
+    """The index sets of the program's gathers at sampled (floor) positions."""
+    found: list[tuple[Index, ...]] = []
+    for level in program.intermediates:
+        if level.gather is None or level.indices in found:
+            continue
+        if any(p.has(fn.floor_index) for p in level.gather.positions):
+            found.append(level.indices)
+    return found
+
+
+def weight(indices: tuple[Index, ...], program: Program) -> int:
+    """How many times a large temporary over `indices` counts in the plan: `WEIGHT` when
+    it holds a sampled read's indices, else once."""
+    held = set(indices)
+    return WEIGHT if any(set(s) <= held for s in sets(program)) else 1

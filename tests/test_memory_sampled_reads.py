@@ -1,0 +1,186 @@
+"""The memory bound on sampled reads (bilinear interpolation, symgrad/sampled_temps.py) in
+all three targets: a float32 training step (forward, a scalar loss, the gradient of every
+float input) holds at most 4x the bytes of the op's inputs and outputs plus the budget.
+
+grid_sample's temporaries are no larger than its output, so it was never tiled (the step
+held its four corners, their weights and the backward's scatters: 2-3x the bound);
+deformable convolution was tiled, but each chunk held 5-6x the budget, since the plan
+counted its columns once (over the bound at a budget of 1 MiB, where the chunk dominates).
+Peaks as in tests/test_memory_real_ops.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+from harness import load_module
+from test_tiling import _torch_memory
+
+from symgrad.pipeline import module_text
+from symgrad.spec import parse_spec
+
+REPO = Path(__file__).resolve().parent.parent
+
+# op -> (module, input shapes, attrs, budget); each index its own size.
+SIZES = {
+    # x (N, C, H, W) into the grid's (N, Ho, Wo, 2): tiled along the output rows
+    "GridSample": ("grid_sample", {"x": (3, 16, 24, 28), "g": (3, 52, 60, 2)}, {}, 2**18),
+    # x (B, C, H, W), w (O, C, KH, KW), off (B, 2*KH*KW, H, W): a budget larger than the
+    # inputs and outputs, so that a chunk's excess over it shows
+    "DeformConv2d": (
+        "deform_conv2d",
+        {"x": (1, 16, 64, 20), "w": (24, 16, 3, 3), "off": (1, 18, 64, 20)},
+        {"s": 1, "p": 1},
+        2**20,
+    ),
+}
+
+
+def _arrays(op: str) -> list[np.ndarray]:
+    _, shapes, _, _ = SIZES[op]
+    rng = np.random.default_rng(7)
+    arrays = []
+    for name, shape in shapes.items():
+        if name == "g":  # grid points inside and a little past the border
+            arrays.append(rng.uniform(-1.1, 1.1, shape).astype(np.float32))
+        else:
+            arrays.append((2 * rng.standard_normal(shape)).astype(np.float32))
+    return arrays
+
+
+def _op(name: str):
+    spec = parse_spec((REPO / "symgrad.toml").read_text(encoding="utf-8"), "symgrad.toml")
+    return next(op for op in spec.ops if op.name == name)
+
+
+MEASURE = """
+import json, sys
+import tensorflow as tf
+sys.path.insert(0, {repo!r})
+sys.path.insert(0, {tests!r})
+import importlib
+from test_memory_sampled_reads import SIZES, _arrays
+
+def peak(run):
+    run()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    run()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+found = {{}}
+for op, (stem, shapes, attrs, budget) in SIZES.items():
+    module = importlib.import_module("generated." + stem)
+    args = [tf.constant(a) for a in _arrays(op)]
+
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            loss = tf.reduce_sum(tf.sin(module.forward(*args, **attrs)))
+        return [g.numpy() for g in tape.gradient(loss, args)]
+
+    io = sum(a.numpy().nbytes for a in args) + module.forward(*args, **attrs).numpy().nbytes
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = peak(step)
+    module.MAX_TEMP_BYTES = budget
+    tiled = module._tile_plan(*args, **attrs) is not None and peak(step)
+    found[op] = dict(io=io, untiled=untiled, tiled=tiled)
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def tensorflow_peaks():
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    script = MEASURE.format(repo=str(REPO), tests=str(REPO / "tests"))
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _check(op, target, io, untiled, tiled):
+    budget = SIZES[op][3]
+    bound = 4 * io + budget
+    print(f"{op} {target}: io {io}, untiled {untiled / bound:.2f}x, tiled {tiled / bound:.2f}x")
+    assert tiled, f"{op} {target}: not tiled at a budget of {budget}"
+    if op == "GridSample":  # untiled: the step this tiling bounds
+        assert untiled > 2 * bound, f"{op} {target}: the size does not test the bound"
+    assert tiled <= bound, f"{op} {target}: a tiled step peaks at {tiled} > {bound}"
+
+
+@pytest.mark.parametrize("op", sorted(SIZES))
+def test_tensorflow_training_step_of_a_sampled_read_is_bounded(op, tensorflow_peaks):
+    found = tensorflow_peaks[op]
+    _check(op, "tensorflow", found["io"], found["untiled"], found["tiled"])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("sampled_memory")
+
+
+def _module(op, target, folder):
+    text = module_text(_op(op), "symgrad.toml", target)
+    return load_module(text, folder, f"sampled_{target}_{op}")
+
+
+@pytest.mark.parametrize("op", sorted(SIZES))
+def test_pytorch_training_step_of_a_sampled_read_is_bounded(op, folder, monkeypatch):
+    module = _module(op, "pytorch", folder)
+    _, _, attrs, budget = SIZES[op]
+    args = [torch.tensor(a, requires_grad=True) for a in _arrays(op)]
+    with torch.no_grad():
+        io = sum(a.nbytes for a in args) + module.forward(*args, **attrs).nbytes
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
+    _, untiled = _torch_memory(module, args, attrs)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", budget)
+    tiled = module._tile_plan(*args, **attrs) is not None and _torch_memory(module, args, attrs)[1]
+    _check(op, "pytorch", io, untiled, tiled)
+
+
+@pytest.mark.parametrize("op", sorted(SIZES))
+def test_jax_training_step_of_a_sampled_read_is_bounded(op, folder, monkeypatch):
+    module = _module(op, "jax", folder)
+    _, _, attrs, budget = SIZES[op]
+    args = [jnp.asarray(a) for a in _arrays(op)]
+    wrt = tuple(range(len(args)))
+
+    def peak():
+        def loss(*a):
+            return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
+
+        def grad(*a):  # a new function: traced with the current budget
+            return jax.grad(loss, argnums=wrt)(*a)
+
+        analysis = jax.jit(grad).lower(*args).compile().memory_analysis()
+        return (
+            analysis.temp_size_in_bytes
+            + analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+        )
+
+    out = jax.eval_shape(lambda *a: module.forward(*a, **attrs), *args)
+    io = sum(a.nbytes for a in args) + out.size * out.dtype.itemsize
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
+    untiled = peak()
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", budget)
+    tiled = module._tile_plan(*args, **attrs) is not None and peak()
+    _check(op, "jax", io, untiled, tiled)
