@@ -222,8 +222,6 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     big = big_sets(program)
     if not big:
         return None
-    if any(len(group) > 1 for o in program.outputs for group in o.groups):
-        return None  # composite outputs: not tiled (the chunk would need its own groups)
     trees = [ast.parse(text.strip(" "), mode="exec") for text in op.formulas]
     free = [set(o.level.indices) for o in program.outputs]
     candidates = [
@@ -232,6 +230,7 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         if all(index in f for f in free)
         and all(index in b for b in big)
         and _cut_internals(index.name, trees, op) is not None
+        and not in_composite_output(index, program)
     ]
     reads = _reads(trees, set(program.inputs))
     # An index inside a composite read `x[b, (h, r)]` cannot be moved by an offset.
@@ -279,6 +278,18 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
+
+
+def in_composite_output(index: Index, program: Program) -> bool:
+    """Whether `index` is a member of a composite output axis (`y[b, (u, v)]`): the chunk
+    of a slice of it would not be a slice of the output's axis."""
+    return any(index in group and len(group) > 1 for o in program.outputs for group in o.groups)
+
+
+def output_axis(index: Index, output) -> int:
+    """The axis of the actual output tensor that `index` runs along: a composite group
+    (`y[b, i, (u, v)]`) is one axis."""
+    return next(a for a, group in enumerate(output.groups) if index in group)
 
 
 def _names(tree: ast.AST) -> set[str]:
@@ -432,7 +443,7 @@ def tiling(
         start=choice.start,
         length=choice.length,
         sliced=choice.sliced,
-        output_axes=() if summed else tuple(o.level.indices.index(index) for o in program.outputs),
+        output_axes=() if summed else tuple(output_axis(index, o) for o in program.outputs),
         sizes=sizes,
         volumes=tuple(tuple(size_of[i] for i in b) for b in choice.big),
         temporaries=tuple(
