@@ -28,6 +28,8 @@ import jax.numpy as jnp
 
 REPO = Path(__file__).resolve().parent.parent
 GROUP_FIRST = "y[b,(p,q),i] = sum(exp(x[b,i,c] * w[p,q,c] * z[b,j,c]), j, c)"
+# a composite output beside a plain one: chunks placed along axis 2 of y, axis 1 of s
+TWO_OUTPUTS = [GROUP_FIRST, "s[b,i] = sum(tanh(x[b,i,c] * z[b,j,c]), j, c)"]
 TENSOR = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}
 
 
@@ -36,23 +38,34 @@ def _op(name: str = "NattenQk2d") -> OpSpec:
     return next(op for op in spec.ops if op.name == name)
 
 
-def _spec_op(formula: str) -> OpSpec:
-    (op,) = parse_spec(f'[ops.Probe]\nformula = "{formula}"\n', "probe.toml").ops
+def _spec_op(formula: str | list[str]) -> OpSpec:
+    text = (
+        f'"{formula}"'
+        if isinstance(formula, str)
+        else "[" + ", ".join(f'"{f}"' for f in formula) + "]"
+    )
+    (op,) = parse_spec(f"[ops.Probe]\nformula = {text}\n", "probe.toml").ops
     return op
 
 
-# op -> (input shapes, attrs, output shape); each index its own size
+# op -> (input shapes, attrs, output shapes); each index its own size
 CASES = {
     # query, key (b=2, h=3, i=5, j=4, d=6), K=3: attn (2, 3, 5, 4, 9), tiled along i
-    "natten_qk2d": ({"query": (2, 3, 5, 4, 6), "key": (2, 3, 5, 4, 6)}, {"K": 3}, (2, 3, 5, 4, 9)),
+    "natten_qk2d": (
+        {"query": (2, 3, 5, 4, 6), "key": (2, 3, 5, 4, 6)},
+        {"K": 3},
+        [(2, 3, 5, 4, 9)],
+    ),
     # x (b=2, i=5, c=3), w (p=4, q=6, c=3), z (b=2, j=7, c=3): y (2, 24, 5), tiled along i
-    "group_first": ({"x": (2, 5, 3), "w": (4, 6, 3), "z": (2, 7, 3)}, {}, (2, 24, 5)),
+    "group_first": ({"x": (2, 5, 3), "w": (4, 6, 3), "z": (2, 7, 3)}, {}, [(2, 24, 5)]),
+    "two_outputs": ({"x": (2, 5, 3), "w": (4, 6, 3), "z": (2, 7, 3)}, {}, [(2, 24, 5), (2, 5)]),
 }
 SHAPES, ATTRS, _ = CASES["natten_qk2d"]
 
 
 def _case_op(name: str) -> OpSpec:
-    return _op() if name == "natten_qk2d" else _spec_op(GROUP_FIRST)
+    formulas = {"group_first": GROUP_FIRST, "two_outputs": TWO_OUTPUTS}
+    return _op() if name == "natten_qk2d" else _spec_op(formulas[name])
 
 
 def _arrays(seed: int = 11, shapes=SHAPES) -> list[np.ndarray]:
@@ -71,6 +84,9 @@ def test_a_composite_output_is_tiled_along_a_plain_axis_counted_by_groups():
     tiling = compile_op(op).tiling
     assert tiling is not None and tiling.index == "i"
     assert tiling.output_axes == (2,)
+    tiling = compile_op(_spec_op(TWO_OUTPUTS)).tiling
+    assert tiling is not None and tiling.index == "i"
+    assert tiling.output_axes == (2, 1)
 
 
 def test_an_index_inside_a_composite_output_group_is_not_tiled():
@@ -87,32 +103,38 @@ def test_an_index_inside_a_composite_output_group_is_not_tiled():
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_composite_output_in_chunks_equals_the_untiled_module(case, target, tmp_path):
-    shapes, attrs, out = CASES[case]
+    shapes, attrs, outs = CASES[case]
     text = module_text(_case_op(case), "symgrad.toml", target)
     module = load_module(text, tmp_path, f"{case}_{target}")
     arrays = _arrays(shapes=shapes)
     tensor = TENSOR[target]
     rng = np.random.default_rng(3)
-    cotangent = rng.standard_normal(out)
+    cotangents = [tensor(rng.standard_normal(out)) for out in outs]
     default = module.MAX_TEMP_BYTES
     try:
         module.MAX_TEMP_BYTES = 2**40
         assert module._tile_plan(*map(tensor, arrays), **attrs) is None
-        want = np.asarray(module.forward(*map(tensor, arrays), **attrs))
-        want_grads = [
-            np.asarray(g) for g in module.vjp(*map(tensor, arrays), tensor(cotangent), **attrs)
-        ]
+        want = _listed(module.forward(*map(tensor, arrays), **attrs))
+        want_grads = _listed(module.vjp(*map(tensor, arrays), *cotangents, **attrs))
         module.MAX_TEMP_BYTES = 256  # one query row per chunk
         assert module._tile_plan(*map(tensor, arrays), **attrs) is not None
-        got = np.asarray(module.forward(*map(tensor, arrays), **attrs))
-        grads = module.vjp(*map(tensor, arrays), tensor(cotangent), **attrs)
+        got = _listed(module.forward(*map(tensor, arrays), **attrs))
+        grads = _listed(module.vjp(*map(tensor, arrays), *cotangents, **attrs))
     finally:
         module.MAX_TEMP_BYTES = default
-    assert want.shape == out
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    assert [w.shape for w in want] == outs
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
     for g, w in zip(grads, want_grads, strict=True):
         assert np.abs(w).max() > 0.1
-        np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+def _listed(results) -> list[np.ndarray]:
+    """One output, or a tuple of outputs or gradients, as a list of arrays."""
+    if isinstance(results, tuple | list):
+        return [np.asarray(r) for r in results]
+    return [np.asarray(results)]
 
 
 def test_natten_qk2d_in_chunks_under_tf_function_with_unknown_sizes(tmp_path):
