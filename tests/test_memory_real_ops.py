@@ -3,8 +3,9 @@ that cite mmcv's CARAFE and correlation, involution, fairseq's dynamicconv, NATT
 NATTEN's 2-D QK in its K*K layout (a composite output axis) and Longformer's AV), in all
 three targets: a float32 training step (forward, a scalar loss, the gradient of every float
 input) at a budget of 256 KiB holds at most 4x the bytes of the op's inputs and outputs
-plus the budget, at sizes where the untiled step needs several times that bound. Each size keeps one position of the tiled index within the
-budget (a chunk holds at least one position).
+plus the budget, at sizes where the untiled step needs several times that bound. Each
+size keeps one position of the tiled index within the budget (a chunk holds at least one
+position).
 
 Peaks as in tests/test_tiling.py: TensorFlow's BFC allocator statistics (in a subprocess,
 which the allocator needs), the running sum of torch.profiler's allocation events, and the
