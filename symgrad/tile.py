@@ -16,6 +16,12 @@ along that axis; every other use of `t` (inside brackets, in conditions) becomes
 over the chunk's positions and read there unmoved; lets are computed by the chunk from
 the same inputs. The chunk's gradient is then exact by the same derivation as the op's,
 and out-of-range reads still read zero.
+
+An output with a composite axis (`attn[b, h, i, j, (u, v)]`) is tiled along a plain output
+index like any other: the chunk keeps the composite axis, and its outputs are placed along
+the tiled index's axis of the output tensor, a composite group counting as one axis
+(`output_axis`). An index inside a composite output group is never tiled: a slice of it is
+no slice of the output's axis.
 """
 
 from __future__ import annotations

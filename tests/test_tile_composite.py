@@ -157,3 +157,22 @@ def test_natten_qk2d_in_chunks_under_tf_function_with_unknown_sizes(tmp_path):
     np.testing.assert_allclose(got_y, want_y, rtol=0, atol=1e-12)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+def test_a_psa_mask_has_no_large_temporary_and_is_not_tiled():
+    """mmcv's psamask COLLECT, y[n, (p, q), h, w] (a composite output): its `where` reads
+    x at computed channels, no temporary larger than the output, so nothing needs tiling
+    (README's psamask bullet)."""
+    (op,) = parse_spec(PSA_MASK, "psamask.toml").ops
+    assert tile.big_sets(build(op)) == []
+    assert compile_op(op).tiling is None
+
+
+PSA_MASK = """
+[ops.PsaMaskCollect]
+formula = "y[n,(p,q),h,w] = where(0 <= p - h + HH < Hm and 0 <= q - w + HW < Wm, x[n, (p - h + HH) * Wm + q - w + HW, h, w], 0)"
+inputs = ["x"]
+attrs = { Hm = "int", Wm = "int" }
+let = { HH = "(Hm - 1) // 2", HW = "(Wm - 1) // 2" }
+ranges = { p = "x.shape[2]", q = "x.shape[3]" }
+"""
