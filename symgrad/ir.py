@@ -275,7 +275,7 @@ class Tiling:
     start: str | None  # the chunk's int attr holding its first position (None: unused)
     length: str | None  # the chunk's int attr holding its length (None: a cut input gives it)
     sliced: tuple[tuple[str, int], ...]  # (input, axis): inputs cut to the chunk
-    output_axes: tuple[int, ...]  # per output, the axis of `index`
+    output_axes: tuple[int, ...]  # per output, the axis of `index` (a composite group: one)
     sizes: Block  # inputs, attrs -> the size variables below
     volumes: tuple[tuple[str, ...], ...]  # per large temporary, the sizes of its axes
     temporaries: tuple[str, ...]  # per large temporary, its axes in index notation: "[b,i,j]"

@@ -16,6 +16,12 @@ along that axis; every other use of `t` (inside brackets, in conditions) becomes
 over the chunk's positions and read there unmoved; lets are computed by the chunk from
 the same inputs. The chunk's gradient is then exact by the same derivation as the op's,
 and out-of-range reads still read zero.
+
+An output with a composite axis (`attn[b, h, i, j, (u, v)]`) is tiled along a plain output
+index like any other: the chunk keeps the composite axis, and its outputs are placed along
+the tiled index's axis of the output tensor, a composite group counting as one axis
+(`output_axis`). An index inside a composite output group is never tiled: a slice of it is
+no slice of the output's axis.
 """
 
 from __future__ import annotations
@@ -225,8 +231,6 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     big = big_sets(program)
     if not big:
         return None
-    if any(len(group) > 1 for o in program.outputs for group in o.groups):
-        return None  # composite outputs: not tiled (the chunk would need its own groups)
     trees = [ast.parse(text.strip(" "), mode="exec") for text in op.formulas]
     free = [set(o.level.indices) for o in program.outputs]
     candidates = [
@@ -235,6 +239,7 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
         if all(index in f for f in free)
         and all(index in b for b in big)
         and _cut_internals(index.name, trees, op) is not None
+        and not in_composite_output(index, program)
     ]
     reads = _reads(trees, set(program.inputs))
     # An index inside a composite read `x[b, (h, r)]` cannot be moved by an offset.
@@ -282,6 +287,18 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
+
+
+def in_composite_output(index: Index, program: Program) -> bool:
+    """Whether `index` is a member of a composite output axis (`y[b, (u, v)]`): the chunk
+    of a slice of it would not be a slice of the output's axis."""
+    return any(index in group and len(group) > 1 for o in program.outputs for group in o.groups)
+
+
+def output_axis(index: Index, output) -> int:
+    """The axis of the actual output tensor that `index` runs along: a composite group
+    (`y[b, i, (u, v)]`) is one axis."""
+    return next(a for a, group in enumerate(output.groups) if index in group)
 
 
 def _names(tree: ast.AST) -> set[str]:
@@ -435,7 +452,7 @@ def tiling(
         start=choice.start,
         length=choice.length,
         sliced=choice.sliced,
-        output_axes=() if summed else tuple(o.level.indices.index(index) for o in program.outputs),
+        output_axes=() if summed else tuple(output_axis(index, o) for o in program.outputs),
         sizes=sizes,
         volumes=tuple(
             tuple(size_of[i] for i in b)

@@ -1,10 +1,11 @@
 """The memory bound on windowed ops in their published layouts (the ops of symgrad.toml
-that cite mmcv's CARAFE and correlation, involution, fairseq's dynamicconv, NATTEN's 2-D AV
-and Longformer's AV), in all three targets: a float32 training step (forward, a scalar
-loss, the gradient of every float input) at a budget of 256 KiB holds at most 4x the bytes
-of the op's inputs and outputs plus the budget, at sizes where the untiled step needs
-several times that bound. Each size keeps one position of the tiled index within the
-budget (a chunk holds at least one position).
+that cite mmcv's CARAFE and correlation, involution, fairseq's dynamicconv, NATTEN's 2-D AV,
+NATTEN's 2-D QK in its K*K layout (a composite output axis) and Longformer's AV), in all
+three targets: a float32 training step (forward, a scalar loss, the gradient of every float
+input) at a budget of 256 KiB holds at most 4x the bytes of the op's inputs and outputs
+plus the budget, at sizes where the untiled step needs several times that bound. Each
+size keeps one position of the tiled index within the budget (a chunk holds at least one
+position).
 
 Peaks as in tests/test_tiling.py: TensorFlow's BFC allocator statistics (in a subprocess,
 which the allocator needs), the running sum of torch.profiler's allocation events, and the
@@ -54,6 +55,13 @@ SIZES = {
     "NattenAv2d": (
         "natten_av2d",
         {"attn": (1, 1, 64, 8, 25), "value": (1, 1, 64, 8, 32)},
+        {},
+        {"K": 5},
+    ),
+    # query, key (B, heads, H, W, D), attn (B, heads, H, W, K*K): tiled along the rows i
+    "NattenQk2d": (
+        "natten_qk2d",
+        {"query": (1, 2, 80, 5, 24), "key": (1, 2, 80, 5, 24)},
         {},
         {"K": 5},
     ),
@@ -291,6 +299,16 @@ def _natten_av2d(attn, value, K):
     return y
 
 
+def _natten_qk2d(query, key, K):
+    H, W = query.shape[2:4]
+    attn = np.zeros((*query.shape[:4], K * K))
+    for b, h, i, j in np.ndindex(*query.shape[:4]):
+        si, sj = max(min(i - K // 2, H - K), 0), max(min(j - K // 2, W - K), 0)
+        for u, v in np.ndindex(K, K):
+            attn[b, h, i, j, u * K + v] = query[b, h, i, j] @ key[b, h, si + u, sj + v]
+    return attn
+
+
 def _longformer_av(X, Y, D, w):
     y = np.zeros((*X.shape[:3], Y.shape[3]))
     for b, i, q, j in np.ndindex(*y.shape):
@@ -316,6 +334,12 @@ LOOPS = {
     "NattenAv2d": (
         _natten_av2d,
         {"attn": (2, 2, 5, 6, 9), "value": (2, 2, 5, 6, 4)},
+        {},
+        {"K": 3},
+    ),
+    "NattenQk2d": (
+        _natten_qk2d,
+        {"query": (2, 2, 5, 6, 4), "key": (2, 2, 5, 6, 4)},
         {},
         {"K": 3},
     ),
