@@ -269,7 +269,7 @@ class _Explained(ast.NodeTransformer):
         name = node.func.id if isinstance(node.func, ast.Name) else None
         if name is not None:  # a recurrence step's copy of a helper: `_step_step_gather`
             name = re.sub(r"^(?:_step)+(?=_)", "", name)
-        if name == "_size_limit":
+        if name in ("_size_limit", "_shift"):  # _shift(positions, start): at start 0, positions
             return node.args[0]
         if name == "_segment_extremum":  # (kernel, data, ids, n): -inf for an empty one
             return ast.Call(func=node.args[0], args=node.args[1:], keywords=[])
@@ -277,9 +277,24 @@ class _Explained(ast.NodeTransformer):
             node.func = ast.parse(_HELPERS[name], mode="eval").body
         return node
 
+    def visit_IfExp(self, node: ast.IfExp):
+        # A tiled op's one program (`tile_once`) takes a chunk's length, else the op's own
+        # size: explain shows the whole op, the branch taken when no length is given.
+        self.generic_visit(node)
+        test = node.test
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id.endswith("tile_length")
+            and isinstance(test.ops[0], ast.Is)
+        ):
+            return node.body
+        return node
+
 
 def _as_explained(tree: ast.Module) -> ast.Module:
-    """A module's code as explain shows it: the TF ops its helpers call."""
+    """A module's code as explain shows it: the TF ops its helpers call, and a tiled op's
+    one program at its defaults (tile_start 0, no tile_length: the whole op)."""
     return ast.fix_missing_locations(_Explained().visit(tree))
 
 
