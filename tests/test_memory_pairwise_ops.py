@@ -14,10 +14,6 @@ sum, `test_tiling._torch_memory`; JAX: the jitted gradient's temporaries).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +25,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from harness import Case, generate
+from peaks import run_tensorflow
 from test_tiling import _torch_memory
 
 jax.config.update("jax_enable_x64", True)
@@ -268,12 +265,7 @@ from pathlib import Path
 from harness import Case, generate
 from test_memory_pairwise_ops import OPS, _arrays
 
-def peak(run):
-    run()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    run()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+from peaks import peak
 
 found = {{}}
 for name, op in OPS.items():
@@ -301,17 +293,7 @@ print(json.dumps(found))
 def test_tensorflow_training_steps_are_bounded(tmp_path):
     """Every op's step in one fresh process (TF's BFC allocator statistics)."""
     code = MEASURE.format(tests=str(REPO / "tests"), folder=str(tmp_path), budget=BUDGET)
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_tensorflow(code)
     assert set(found) == set(OPS)
     for name, m in found.items():
         bound = 4 * m["io"] + BUDGET

@@ -14,10 +14,6 @@ compiled JAX step's memory_analysis() (temporaries, arguments and outputs).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +24,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 from harness import load_module
+from peaks import run_tensorflow
 from test_tiling import _torch_memory
 
 from symgrad.model import build
@@ -122,12 +119,7 @@ sys.path.insert(0, {tests!r})
 import importlib
 from test_memory_real_ops import SIZES, _arrays
 
-def peak(run):
-    run()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    run()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+from peaks import peak
 
 found = {{}}
 for op, (stem, shapes, ints, attrs) in SIZES.items():
@@ -153,18 +145,8 @@ print(json.dumps(found))
 
 @pytest.fixture(scope="module")
 def tensorflow_peaks():
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     script = MEASURE.format(repo=str(REPO), tests=str(REPO / "tests"), budget=BUDGET)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_tensorflow(script)
 
 
 def _check(op, target, io, untiled, tiled):

@@ -16,6 +16,7 @@ import tensorflow as tf
 import torch
 import torch.nn.functional as F
 from harness import load_module
+from peaks import run_tensorflow
 
 from symgrad import polyphase
 from symgrad.pipeline import module_text
@@ -412,11 +413,7 @@ print(json.dumps(found))
 
 def test_tensorflow_upfirdn2d_training_step_memory_is_bounded(modules, before, tmp_path):
     import inspect
-    import json
-    import os
     import shutil
-    import subprocess
-    import sys
 
     for name, module in (("new_upfirdn2d", modules), ("old_upfirdn2d", before)):
         shutil.copy(inspect.getfile(module["tensorflow"]), tmp_path / f"{name}.py")
@@ -428,17 +425,7 @@ def test_tensorflow_upfirdn2d_training_step_memory_is_bounded(modules, before, t
         old="old_upfirdn2d",
         budget=BUDGET,
     )
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_tensorflow(code)
     bound = _bound(_memory_arrays(), found["y_bytes"])
     print(f"tensorflow peaks {found}, bound {bound}")
     assert found["new_upfirdn2d"] <= bound, (found, bound)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from harness import Case, check, generate, op_spec
+from peaks import run_tensorflow, torch_peak
 
 from symgrad.pipeline import module_text
 
@@ -238,22 +239,6 @@ def _big(seed: int = 0):
     return seg, x, 50_000, grad
 
 
-def _torch_peak(step) -> int:
-    """The peak of the running sum of the allocations and frees torch.profiler records."""
-    import torch
-
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as profile:
-        step()
-    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
-    total = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        total += event.nbytes()
-        peak = max(peak, total)
-    return peak
-
-
 @pytest.mark.parametrize("target", sorted(STEPS))
 def test_a_segment_max_of_200k_rows_into_50k_segments_is_linear(target, tmp_path):
     """A training step runs in seconds (the dense [F, V, N] mask would be 160 GB), and
@@ -273,7 +258,7 @@ def test_a_segment_max_of_200k_rows_into_50k_segments_is_linear(target, tmp_path
             return torch.autograd.grad(module.forward(ts, tx, V=V), tx, tg)
 
         y, dx = STEPS[target](module, seg, x, V, grad)
-        assert _torch_peak(step) <= bound
+        assert torch_peak(step) <= bound
     elif target == "jax":
         import jax
         import jax.numpy as jnp
@@ -329,7 +314,7 @@ def test_wide_segment_extrema_hold_at_most_4x_their_inputs_and_outputs(target, k
             return torch.autograd.grad(module.forward(ts, tx, V=V), tx, tg)
 
         step()
-        assert _torch_peak(step) <= bound
+        assert torch_peak(step) <= bound
     else:
         import jax
         import jax.numpy as jnp
@@ -393,24 +378,10 @@ def test_tensorflow_segment_extrema_of_200k_rows_stay_within_the_bound():
     """TensorFlow's peak for a training step of the 200k-row segment max, min and
     logsumexp (the BFC allocator's statistics, in a fresh process as CPU statistics need
     `TF_CPU_ALLOCATOR_USE_BFC`), within 4x the inputs and outputs plus the budget."""
-    import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     script = TF_PEAK.format(tests=str(Path(__file__).parent))
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = run_tensorflow(script)
     seg, x, _, grad = _big()
     io = seg.nbytes + x.nbytes + grad.nbytes
     wide = found.pop("wide under tf.function")

@@ -10,10 +10,6 @@ times the bound stays within 4x the inputs and outputs plus the budget.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +20,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from harness import Case, check, generate, make_inputs, op_spec
+from peaks import run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -264,21 +261,15 @@ def _io_bytes(xs, outputs):
 
 
 def _torch_step_peak(module, xs):
-    """Peak bytes allocated by a training step's forward and backward: the running sum of
-    torch.profiler's allocation events, in the order they happen."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+    """Peak bytes allocated by a training step's forward and backward (tests/peaks.py)."""
+
+    def step():
         outputs = module.forward(*xs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         loss = sum(torch.sin(o).sum() for o in outputs)
-        grads = torch.autograd.grad(loss, xs)
-        del outputs, loss, grads
-    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
-    total = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        total += event.nbytes()
-        peak = max(peak, total)
-    return peak
+        torch.autograd.grad(loss, xs)
+
+    return torch_peak(step)
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
@@ -341,12 +332,7 @@ from pathlib import Path
 from harness import Case, generate
 rng = np.random.default_rng(0)
 
-def peak(run):
-    run()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    run()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+from peaks import peak
 
 found = {{}}
 for name, formulas in {cases}.items():
@@ -383,17 +369,7 @@ def test_tensorflow_tiled_in_parts_step_memory_is_bounded(tmp_path):
         folder=str(tmp_path),
         budget=BUDGET,
     )
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_tensorflow(code)
     assert sorted(found) == sorted(PARTS)
     for name, m in found.items():
         bound = 4 * m["io"] + BUDGET

@@ -10,10 +10,6 @@ untiled code needs many times the bound.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +20,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from harness import Case, FakeOp, check, generate, make_inputs, op_spec
+from peaks import run_tensorflow
 from test_indexing import KNOWN
 from test_numeric import CORPUS
 
@@ -285,17 +282,13 @@ import json, sys
 import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
+sys.path.insert(0, {repo!r} + "/tests")
 from generated import chamfer_distance, correlation, lightconv_same, rwkv_wkv, strided_conv1d
 
 rng = np.random.default_rng(0)
 f = lambda *s: tf.constant(rng.normal(size=s).astype(np.float32))
 
-def peak(run):
-    run()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    run()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+from peaks import peak
 
 def step(module, args, attrs):
     def run():
@@ -326,17 +319,7 @@ print(json.dumps(found))
 
 
 def test_a_training_step_holds_at_most_4x_its_inputs_and_outputs_plus_the_budget():
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE.format(repo=str(REPO))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = run_tensorflow(MEASURE.format(repo=str(REPO)))
     budget = 2**20
     for op, m in found.items():
         bound = 4 * m["io"] + budget

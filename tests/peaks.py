@@ -1,0 +1,60 @@
+"""Peak memory of a training step, read the way each framework allows (README, "Memory").
+
+- TensorFlow: the BFC allocator's peak after `reset_memory_stats`, minus the bytes in use
+  before. CPU statistics need `TF_CPU_ALLOCATOR_USE_BFC`, set before TensorFlow starts, so
+  a test writes a script that measures with `peak` and runs it with `run_tensorflow`.
+- PyTorch: the running sum of torch.profiler's allocation events, in the order they happen
+  (`torch_peak`).
+- JAX: the compiled step's `memory_analysis()`, read in each test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def peak(run) -> int:
+    """TensorFlow's peak bytes for `run()` (once to warm up, then measured); in a process
+    started by `run_tensorflow`."""
+    import tensorflow as tf
+
+    run()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    run()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+
+def run_tensorflow(script: str, timeout: int = 600):
+    """Run a measuring script in a fresh process with TensorFlow's CPU statistics on; the
+    JSON of its last printed line."""
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def torch_peak(step) -> int:
+    """Peak bytes PyTorch allocates while `step()` runs: the running sum of the profiler's
+    allocation and free events."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as profile:
+        step()
+    events = [e for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    total = top = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        total += event.nbytes()
+        top = max(top, total)
+    return top
