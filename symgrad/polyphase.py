@@ -29,13 +29,14 @@ in `sum(body, ..., n, ...)`, a summed index n without a range of its own is rewr
   integer expression of indices, int literals, int attrs and lets);
 - every other read of n is a plain axis `x[.., n, ..]`, and n appears nowhere else (not as
   a value, not in a condition);
-- the tensor read at the computed position (the filter f) reads no index the plain readers
-  do not, and the plain readers read an output index f does not (a batch or channel that
-  the filter is shared across).
+- the tensor read at the computed position (the filter f) reads no plain index at all
+  (each of its axes is a computed position), and the plain readers read an output index f
+  does not (a batch or channel that the filter is shared across).
 
 The last condition tells the filter from the data: in a convolution written with its
-window on the data, `x[b, s*i + d*k, c] * w[k,c,o]`, the strided read is of x, which has a
-batch index w lacks, so it is left alone (rewriting it would sum over x's length). The
+window on the data, `x[b, s*i + d*k, c] * w[k,c,o]` or without a batch `x[i + k, c] *
+w[k,c,o]`, the strided read is of x, which reads the channel c plainly, so it is left
+alone (rewriting it would sum over x's length, and size i from w). The
 rewritten sum has ceil(K/a) terms instead of N: fewer whenever the filter is shorter than
 a times the input, which is what a filter is.
 """
@@ -311,7 +312,8 @@ def _is_int_expression(node, others=frozenset()) -> bool:
 
 
 def _filter_is_shared(read, plain, statement, n) -> bool:
-    """f reads no index the plain readers do not, and they read an output index f lacks."""
+    """f reads no plain index (a filter: every axis a computed position), and the plain
+    readers read an output index f lacks."""
 
     def names(r):
         return {x.id for el in _elements(r) for x in ast.walk(el) if isinstance(x, ast.Name)}
@@ -325,9 +327,8 @@ def _filter_is_shared(read, plain, statement, n) -> bool:
         if isinstance(target, ast.Subscript)
         else set()
     )
-    f_plain = plain_names(read)
-    if any(not f_plain <= plain_names(r) for r in plain):
-        return False
+    if plain_names(read):
+        return False  # `x[i + k, c]`: data read along a window, not a filter
     f_names = names(read)
     return all((plain_names(r) & outputs) - f_names for r in plain)
 

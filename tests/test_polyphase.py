@@ -276,6 +276,10 @@ def test_upfirdn2d_sums_over_the_filter_taps_only():
     [
         # a convolution with its window on the data: x has a batch index w lacks
         ("y[b,i,o] = sum(x[b, s*i + d*k - p, c] * w[k,c,o], k, c)", ("s", "d", "p"), ()),
+        # without a batch axis: x reads the channel c plainly, so it is data, not a filter
+        # (rewritten, the sum ran over x's length and i was sized 1 from w)
+        ("y[i,o] = sum(x[i + k, c] * w[k,c,o], k, c)", (), ()),
+        ("y[i,o] = sum(x[2*i + k, c] * w[k,c,o], k, c)", (), ()),
         # an FIR filter, window on the data
         ("y[b,t] = sum(w[k] * x[b, t - k], k)", (), (("t", "x.shape[1]"),)),
         # no output index tells the filter from the data: left alone
