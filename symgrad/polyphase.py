@@ -29,6 +29,8 @@ in `sum(body, ..., n, ...)`, a summed index n without a range of its own is rewr
   integer expression of indices, int literals, int attrs and lets);
 - every other read of n is a plain axis `x[.., n, ..]`, and n appears nowhere else (not as
   a value, not in a condition);
+- every index in E has a range of its own (`ranges`): sized by this read, it would be
+  sized by f after the rewrite;
 - the tensor read at the computed position (the filter f) reads no plain index at all
   (each of its axes is a computed position), and the plain readers read an output index f
   does not (a batch or channel that the filter is shared across).
@@ -180,6 +182,9 @@ def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
     sign, a, rest = linear
     if not _filter_is_shared(read, plain, statement, n):
         return None
+    indices = {x.id for x in ast.walk(rest) if isinstance(x, ast.Name)} if rest else set()
+    if indices - set(int_names) - set(others) - set(ranged):
+        return None  # an index sized by this read: after the rewrite, f would size it
     fresh = _fresh(n, taken)
     e = ast.unparse(rest) if rest is not None else "0"
     if a == "1":

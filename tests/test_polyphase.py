@@ -280,6 +280,8 @@ def test_upfirdn2d_sums_over_the_filter_taps_only():
         # (rewritten, the sum ran over x's length and i was sized 1 from w)
         ("y[i,o] = sum(x[i + k, c] * w[k,c,o], k, c)", (), ()),
         ("y[i,o] = sum(x[2*i + k, c] * w[k,c,o], k, c)", (), ()),
+        # a single-channel signal, x[i + k]: i is sized by this read (no range of its own)
+        ("y[i,o] = sum(x[i + k] * w[k,o], k)", (), ()),
         # an FIR filter, window on the data
         ("y[b,t] = sum(w[k] * x[b, t - k], k)", (), (("t", "x.shape[1]"),)),
         # no output index tells the filter from the data: left alone
