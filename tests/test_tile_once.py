@@ -31,7 +31,7 @@ FOLDERS = ["generated", "generated_torch", "generated_jax", "benchmarks/generate
 # The ops whose chunk lowers otherwise than the op (a read the op lowers to a slice, a
 # reshape or a kernel is a gather at shifted positions): they keep two programs.
 SEPARATE = {"cc_attention_map", "cc_attention_scores", "max_pool2x2", "rwkv_wkv"}
-SEPARATE |= {"segment_csr_sum", "bench_max_pool"}
+SEPARATE |= {"segment_csr_sum", "bench_max_pool", "natten_qk2d"}
 _counter = itertools.count()
 
 
