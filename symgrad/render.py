@@ -96,13 +96,8 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             tile_grads=_tile_grads(module),
             tile_parts=_tile_parts(module),
             tile_sources=_tile_sources(module),
-            tile_output_axes=repr(
-                tuple(
-                    (axis, len(axes))
-                    for axis, axes in zip(
-                        module.tiling.output_axes if module.tiling else (), module.output_axes
-                    )
-                )
+            tile_output_axes=_axes_and_ranks(
+                module.tiling.output_axes if module.tiling else (), module.output_axes
             ),
         )
     )
@@ -149,11 +144,8 @@ def _tile_parts(module: ir.Module) -> list[dict]:
                 "t": part.tiling,
                 "grads": grads,
                 "grad_names": tuple(module.grads[o] for o in part.outputs),
-                "output_axes": repr(
-                    tuple(
-                        (axis, len(module.output_axes[o]))
-                        for axis, o in zip(part.tiling.output_axes, part.outputs, strict=False)
-                    )
+                "output_axes": _axes_and_ranks(
+                    part.tiling.output_axes, [module.output_axes[o] for o in part.outputs]
                 ),
             }
         )
@@ -173,3 +165,8 @@ def _tile_sources(module: ir.Module) -> list[list[tuple[int, int]]]:
         ]
         for j in range(len(module.outputs))
     ]
+
+
+def _axes_and_ranks(tiled_axes, output_axes) -> str:
+    """Per output, (the axis of the tiled index, the output's rank), as Python text."""
+    return repr(tuple((axis, len(axes)) for axis, axes in zip(tiled_axes, output_axes)))
