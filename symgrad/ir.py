@@ -295,6 +295,9 @@ class Tiling:
     # differs from the op's and the module keeps both.
     program: Module | None = None
     separate: str = ""  # when `program` is None: how the chunk's lowering differs
+    # An op in stages (`tile_stages`): the internal tensors its parts compute, in order;
+    # a part reads the ones before it, and the gradient runs the parts in reverse.
+    stages: tuple[str, ...] = ()
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
@@ -310,6 +313,11 @@ class TilingPart:
     tiling: Tiling
     outputs: tuple[int, ...]
     formula: str  # the part's equation
+    # A stage (`tile_stages`): the tensors its functions read (the op's inputs, then the
+    # internal tensors of the stages before it; empty: the op's inputs), and the tensor
+    # each of its outputs computes (an output of the op or an internal tensor).
+    env: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,17 @@ import ast
 import subprocess
 from dataclasses import replace
 
-from . import ir, polyphase, recurrence, scan_render, tile, tile_once, tile_parts, tile_sum
+from . import (
+    ir,
+    polyphase,
+    recurrence,
+    scan_render,
+    tile,
+    tile_once,
+    tile_parts,
+    tile_stages,
+    tile_sum,
+)
 from .derive import derive
 from .errors import SymgradError
 from .lower import lower
@@ -45,6 +55,11 @@ def compile_op(op: OpSpec) -> ir.Module:
     if parts is not None:  # no one index serves the whole op: each part its own
         tiling = tile_parts.tiling(op, program, parts, _tiling)
         separate = "in parts: each part's chunk is an op of its own, not the whole op's"
+        return replace(module, tiling=replace(tiling, separate=separate))
+    stages = tile_stages.split(op, program, choice)
+    if stages is not None:  # dependent equations: each its own stage, in order
+        tiling = tile_stages.tiling(op, program, stages, _tiling)
+        separate = "in stages: each stage's chunk is an op of its own, not the whole op's"
         return replace(module, tiling=replace(tiling, separate=separate))
     if choice is None:
         return module

@@ -129,10 +129,11 @@ def _tile_parts(module: ir.Module) -> list[dict]:
     if module.tiling is None:
         return []
     found = []
-    for part in module.tiling.parts:
+    for k, part in enumerate(module.tiling.parts):
         chunk = part.tiling.chunk
+        env = part.env or module.inputs  # a stage also reads earlier internal tensors
         grads = []
-        for name in module.inputs:
+        for name in env:
             at = chunk.inputs.index(name) if name in chunk.inputs else None
             axis = part.tiling.cut_axis(name)
             if at is None or chunk.backward.returns[at] is None:
@@ -143,13 +144,41 @@ def _tile_parts(module: ir.Module) -> list[dict]:
             {
                 "t": part.tiling,
                 "grads": grads,
-                "grad_names": tuple(module.grads[o] for o in part.outputs),
+                "grad_names": _part_grad_names(module, part),
+                "env": env,
+                "k": k,
+                "ranks": {
+                    **dict(zip(module.inputs, module.ranks)),
+                    **dict(zip(chunk.inputs, chunk.ranks)),
+                },
+                "names": part.names,
+                # a stage's chunk may read more tensors than the op has inputs
+                "needs": (
+                    f", _needs={(True,) * len(chunk.inputs)!r}"
+                    if len(chunk.inputs) > len(module.inputs)
+                    else ""
+                ),
                 "output_axes": _axes_and_ranks(
-                    part.tiling.output_axes, [module.output_axes[o] for o in part.outputs]
+                    part.tiling.output_axes,
+                    # a stage's outputs may be internal tensors: its chunk's own ranks
+                    chunk.output_axes
+                    if part.names
+                    else [module.output_axes[o] for o in part.outputs],
                 ),
             }
         )
     return found
+
+
+def _part_grad_names(module: ir.Module, part: ir.TilingPart) -> tuple[str, ...]:
+    """The incoming gradients of a part's outputs: the op's, or for a stage's internal
+    tensor (`tile_stages`), the variable that sums what the later stages give it."""
+    if not part.names:
+        return tuple(module.grads[o] for o in part.outputs)
+    return tuple(
+        module.grads[module.outputs.index(n)] if n in module.outputs else f"_d_{n}"
+        for n in part.names
+    )
 
 
 def _tile_sources(module: ir.Module) -> list[list[tuple[int, int]]]:

@@ -225,11 +225,13 @@ def _input_sizes(program: Program, name: str, key) -> Counter:
     return Counter(canonical.get((name, axis), (name, axis)) for axis in range(program.rank(name)))
 
 
-def choose(op: OpSpec, program: Program) -> Choice | None:
+def choose(op: OpSpec, program: Program, *, plain: bool = False) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
-    temporary is larger than the inputs and outputs) or no index can be tiled."""
+    temporary is larger than the inputs and outputs) or no index can be tiled. `plain`:
+    choose an output index even when nothing needs tiling (a small stage, `tile_stages`,
+    run as one chunk)."""
     big = big_sets(program)
-    if not big:
+    if not big and not plain:
         return None
     trees = [ast.parse(text.strip(" "), mode="exec") for text in op.formulas]
     free = [set(o.level.indices) for o in program.outputs]

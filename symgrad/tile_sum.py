@@ -133,9 +133,9 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
         return (
             f"One position of {choice.index} still holds a pairwise matrix, and the "
             "right-hand side is an outer max or min of a reduction (not a sum or mean), so "
-            "no summed index can be cut: the bound is exceeded by that matrix. Write the "
-            "inner part as an op of its own (tiled along its output index) and reduce its "
-            "output with the framework."
+            "no summed index can be cut; nor can the inner reduction run as a stage of its "
+            "own (`tile_stages`: its result would be larger than the inputs and outputs, or "
+            "no index bounds a stage): the bound is exceeded by that matrix."
         )
     if len(terms) < 2 or not all(terms):
         return None
