@@ -225,9 +225,10 @@ def _input_sizes(program: Program, name: str, key) -> Counter:
     return Counter(canonical.get((name, axis), (name, axis)) for axis in range(program.rank(name)))
 
 
-def choose(op: OpSpec, program: Program) -> Choice | None:
+def choose(op: OpSpec, program: Program, exclude: frozenset[str] = frozenset()) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
-    temporary is larger than the inputs and outputs) or no index can be tiled."""
+    temporary is larger than the inputs and outputs) or no index can be tiled. Indices
+    named in `exclude` are not chosen (an outer level's, `tile_nest`)."""
     big = big_sets(program)
     if not big:
         return None
@@ -236,7 +237,8 @@ def choose(op: OpSpec, program: Program) -> Choice | None:
     candidates = [
         index
         for index in program.outputs[0].level.indices
-        if all(index in f for f in free)
+        if index.name not in exclude
+        and all(index in f for f in free)
         and all(index in b for b in big)
         and _cut_internals(index.name, trees, op) is not None
         and not in_composite_output(index, program)
