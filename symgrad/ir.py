@@ -298,9 +298,28 @@ class Tiling:
     # An op in stages (`tile_stages`): the internal tensors its parts compute, in order;
     # a part reads the ones before it, and the gradient runs the parts in reverse.
     stages: tuple[str, ...] = ()
+    # A second level (`tile_nest`): when one position of `index` still holds more than
+    # the budget, each chunk of one position runs in chunks of this index too.
+    inner: Inner | None = None
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
+        return dict(self.sliced).get(name)
+
+
+@dataclass(frozen=True)
+class Inner:
+    """The second index of a nested tiling (`tile_nest`): the chunk (whose program the
+    module carries) reads `start` and `length` of this index beside the outer ones."""
+
+    index: str
+    start: str | None
+    length: str | None
+    sliced: tuple[tuple[str, int], ...]  # (input, axis): inputs cut along this index too
+    output_axes: tuple[int, ...]  # per output, the axis of `index`
+    count: str  # the size variable of `index` in the tiling's `sizes`
+
+    def cut_axis(self, name: str) -> int | None:
         return dict(self.sliced).get(name)
 
 

@@ -30,6 +30,7 @@ from .lower import lower
 from .model import build
 from .render import HEADER, content_hash, render
 from .spec import OpSpec, Spec, snake_case
+from .tile_nest import nest
 
 PLACEHOLDER = "{content_hash}"
 INIT = "__init__.py"
@@ -67,6 +68,9 @@ def compile_op(op: OpSpec) -> ir.Module:
     if not tiling.summed:
         reason = tile_sum.why_not(op, program, choice)
         tiling = replace(tiling, untiled_reason=reason) if reason else tiling
+    nested = nest(module, program, choice, tiling)
+    if nested is not None:  # one position of the index too large: a second level
+        return nested
     # One program for the op and its chunks, where the chunk's at start 0 is the op's.
     merged, why = tile_once.merge(replace(module, tiling=tiling))
     if merged.tiling.program is None:

@@ -99,8 +99,51 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             tile_output_axes=_axes_and_ranks(
                 module.tiling.output_axes if module.tiling else (), module.output_axes
             ),
+            **tile_nest_context(module),
         )
     )
+
+
+def tile_nest_context(module: ir.Module) -> dict:
+    """What the templates read of a tiling: the chunk attrs with their defaults in the one
+    program's signature (`tile_defaults`) and, for a nested tiling (`tile_nest`), the
+    inner level's output axes and each input's gradient by how it is cut (`nest`)."""
+    tiling = module.tiling
+    if tiling is None:
+        return {"tile_defaults": [], "nest": None}
+    names = [(tiling.start, False), (tiling.length, True)]
+    if tiling.inner is not None:
+        names += [(tiling.inner.start, False), (tiling.inner.length, True)]
+    defaults = [(n, ": int | None = None" if length else ": int = 0") for n, length in names if n]
+    if tiling.inner is None:
+        return {"tile_defaults": defaults, "nest": None}
+    inner = tiling.inner
+    kinds: dict[str, list] = {"both": [], "inner": [], "outer": [], "whole": []}
+    which = []
+    for k, (name, grad) in enumerate(zip(module.inputs, module.backward.returns, strict=True)):
+        if grad is None:
+            which.append(None)
+            continue
+        co, ci = tiling.cut_axis(name), inner.cut_axis(name)
+        kind = {(True, True): "both", (False, True): "inner", (True, False): "outer"}.get(
+            (co is not None, ci is not None), "whole"
+        )
+        which.append((kind, len(kinds[kind])))
+        kinds[kind].append((name, k, co, ci, module.ranks[k]))
+    n_both, n_inner = len(kinds["both"]), len(kinds["inner"])
+    offset = {"both": ("_cut_grads", 0), "outer": ("_cut_grads", n_both)}
+    offset |= {"inner": ("_sums", 0), "whole": ("_sums", n_inner)}
+    returns = [
+        "None" if w is None else f"{offset[w[0]][0]}[{offset[w[0]][1] + w[1]}]" for w in which
+    ]
+    return {
+        "tile_defaults": defaults,
+        "nest": {
+            **kinds,
+            "returns": returns,
+            "inner_axes": _axes_and_ranks(inner.output_axes, module.output_axes),
+        },
+    }
 
 
 def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None]]:

@@ -225,11 +225,18 @@ def _input_sizes(program: Program, name: str, key) -> Counter:
     return Counter(canonical.get((name, axis), (name, axis)) for axis in range(program.rank(name)))
 
 
-def choose(op: OpSpec, program: Program, *, plain: bool = False) -> Choice | None:
+def choose(
+    op: OpSpec,
+    program: Program,
+    exclude: frozenset[str] = frozenset(),
+    *,
+    plain: bool = False,
+) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
-    temporary is larger than the inputs and outputs) or no index can be tiled. `plain`:
-    choose an output index even when nothing needs tiling (a small stage, `tile_stages`,
-    run as one chunk)."""
+    temporary is larger than the inputs and outputs) or no index can be tiled. Indices
+    named in `exclude` are not chosen (an outer level's, `tile_nest`). `plain`: choose an
+    output index even when nothing needs tiling (a small stage, `tile_stages`, run as one
+    chunk)."""
     big = big_sets(program)
     if not big and not plain:
         return None
@@ -238,7 +245,8 @@ def choose(op: OpSpec, program: Program, *, plain: bool = False) -> Choice | Non
     candidates = [
         index
         for index in program.outputs[0].level.indices
-        if all(index in f for f in free)
+        if index.name not in exclude
+        and all(index in f for f in free)
         and all(index in b for b in big)
         and _cut_internals(index.name, trees, op) is not None
         and not in_composite_output(index, program)

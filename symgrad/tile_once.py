@@ -54,7 +54,10 @@ def merge(module: ir.Module) -> tuple[ir.Module, str]:
             return module, f"{kind}: {merged}"
         blocks.append(merged)
     forward, backward = blocks
-    own = tuple(a for a in chunk.attrs if a.name in (tiling.start, tiling.length))
+    names = (tiling.start, tiling.length)
+    if tiling.inner is not None:  # a nested tiling's program reads the inner level's too
+        names += (tiling.inner.start, tiling.inner.length)
+    own = tuple(a for a in chunk.attrs if a.name in names)
     attrs = (*module.attrs, *own)
     positive = tuple(dict.fromkeys((*module.positive_attrs, *chunk.positive_attrs)))
     program = replace(

@@ -1,0 +1,84 @@
+"""A second level of tiling: when one position of the tiled index is still too large.
+
+`tile.choose` cuts an op along one output index `t`, and a chunk holds at least one
+position of it. For a window (a row of NATTEN's 2-D neighbourhoods, a row of a
+correlation's displacement volume), one position holds a whole row of windows, times the
+channels: 22 MB for NATTEN's 2-D AV at 56x56, 4 heads, 32 channels and K = 7 (a 16 MiB
+budget), 1.8 GB for FlowNet's correlation at 48x64, 256 channels, 21x21 displacements.
+
+Where one position of `t` leaves a large temporary larger than every input and output
+(`tile_sum.bounded`), the chunk of `t` is itself an op, and `tile.choose` picks its own
+index `s` (another output index, never `t`). Its chunk -- the op's formulas with
+`t -> t + start`, `s -> s + start2`, inputs cut along both where they read them plainly --
+is the module's one program (`tile_once`, merged twice: at `start2 = 0` and no `length2`
+it is the chunk of `t`, and at `start = 0` and no `length` the op). At call time the plan
+splits `t` as before while one position of it fits; otherwise it takes one position of
+`t` per chunk and splits `s` so that one chunk fits (`_tile_plan`).
+
+Only where both merges hold (one program), and only two levels: where one position of
+both indices still exceeds the budget, the bound is exceeded by that much.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from . import ir, tile, tile_once, tile_sum
+from .derive import derive
+from .lower import lower
+from .model import Program, build
+
+
+def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Tiling):
+    """The module tiled along `choice` and, inside each chunk, along a second output index,
+    with one program for all; None when one position of `choice.index` is bounded, or no
+    second index serves, or the chunks' lowering differs from the op's."""
+    if tiling.summed or tiling.parts or tile_sum.bounded(choice, program):
+        return None
+    outputs = {i.name for i in program.outputs[0].level.indices}
+    chunk_program = build(choice.chunk)
+    inner = tile.choose(choice.chunk, chunk_program, exclude=frozenset({choice.index}))
+    if inner is None or inner.index not in outputs:
+        return None
+    if not all(any(i.name == inner.index for i in b) for b in choice.big):
+        return None  # a temporary it does not cut
+    deepest_program = build(inner.chunk)
+    deepest = lower(deepest_program, derive(deepest_program))
+    level = ir.Tiling(
+        index=inner.index,
+        start=inner.start,
+        length=inner.length,
+        sliced=inner.sliced,
+        output_axes=(),
+        sizes=ir.Block((), ()),
+        volumes=(),
+        temporaries=(),
+        count="",
+        chunk=deepest,
+        max_temp_bytes=tiling.max_temp_bytes,
+    )
+    once, _ = tile_once.merge(replace(tiling.chunk, tiling=level))
+    if once.tiling.program is None:
+        return None
+    index = next(i for i in program.outputs[0].level.indices if i.name == inner.index)
+    axes = tuple(tile.output_axis(index, o) for o in program.outputs)
+    nested = replace(
+        tiling,
+        chunk=once.tiling.program,
+        inner=ir.Inner(
+            index=inner.index,
+            start=inner.start,
+            length=inner.length,
+            sliced=inner.sliced,
+            output_axes=axes,
+            count=_count(choice, tiling, inner.index),
+        ),
+    )
+    merged, _ = tile_once.merge(replace(module, tiling=nested))
+    return merged if merged.tiling.program is not None else None
+
+
+def _count(choice: tile.Choice, tiling: ir.Tiling, name: str) -> str:
+    """The size variable of index `name`: the first temporary's volume names its axes' sizes
+    in its indices' order (every temporary has `name`, `nest` checked)."""
+    return next(s for i, s in zip(choice.big[0], tiling.volumes[0], strict=True) if i.name == name)
