@@ -628,7 +628,8 @@ class _Builder:
             return sp.exp(fn.select(cond, then.args[0], fn.NEG_INF))
         if isinstance(otherwise, sp.exp) and then == 0:
             return sp.exp(fn.select(cond, fn.NEG_INF, otherwise.args[0]))
-        return fn.select(cond, then, otherwise)
+        masked = _masked_exp_times_reads(cond, then, otherwise)
+        return fn.select(cond, then, otherwise) if masked is None else masked
 
     def condition(self, node: Condition, scope: dict[str, Index]) -> sp.Basic:
         if isinstance(node, Logic):
@@ -1331,3 +1332,25 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
         level.gather.source, level.gather.positions, level.gather.computed, tuple(flags)
     )
     return Level(level.name, level.indices, level.terms, level.kind, gather, level.count)
+
+
+def _masked_exp_times_reads(cond, then: sp.Expr, otherwise: sp.Expr) -> sp.Expr | None:
+    """`where(c, exp(u) * v[..], 0)` as `exp(where(c, u, -inf)) * v[..]` (and the mirror
+    form), when the other factors are plain reads: a causal attention's numerator
+    `sum(where(j <= i, exp(s) * v[b,j,e], 0), j)` over its denominator is then
+    `exp(s - L) * v`, where `exp(s)` alone overflows float32 at logits near 89 (inf times
+    exp(-L) = 0 gave nan). A masked position is exp(-inf) * v = 0, as before, for finite v."""
+    if otherwise == 0:
+        kept, sign = then, 1
+    elif then == 0:
+        kept, sign = otherwise, -1
+    else:
+        return None
+    factors = sp.Mul.make_args(kept)
+    exps = [f for f in factors if isinstance(f, sp.exp)]
+    rest = [f for f in factors if not isinstance(f, sp.exp)]
+    if len(exps) != 1 or not rest or not all(isinstance(f, sp.Indexed) for f in rest):
+        return None
+    u = exps[0].args[0]
+    masked = fn.select(cond, u, fn.NEG_INF) if sign == 1 else fn.select(cond, fn.NEG_INF, u)
+    return sp.exp(masked) * sp.Mul(*rest)

@@ -65,3 +65,56 @@ def test_tensorflow_unknown_sizes_with_an_empty_axis_and_a_tiny_budget(case, emp
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+# ------------------------------------------------------- float32 far from the origin
+
+
+def _float32_against_float64(case, arrays, target, tmp_path, budget=TINY):
+    """(relative error of the tiled float32 forward and vjp, of the untiled float32 ones)
+    against the untiled module in float64, each as the largest error over the largest
+    value of every result; the plan of the tiled call."""
+    module = generate(case, tmp_path, prefix="Float32", target=target)
+
+    def run(dtype, budget):
+        module.MAX_TEMP_BYTES = budget
+        rng = np.random.default_rng(5)  # the same cotangents in every run
+        args = [ARRAY[target](a.astype(dtype)) for a in arrays]
+        outputs = module.forward(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        cotangents = [rng.standard_normal(tuple(o.shape)) for o in outputs]
+        grads = module.vjp(*args, *(ARRAY[target](c.astype(dtype)) for c in cotangents))
+        return module._tile_plan(*args), [_numpy(t) for t in (*outputs, *grads)]
+
+    _, want = run(np.float64, 2**40)
+
+    def error(budget):
+        plan, got = run(np.float32, budget)
+        return plan, max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
+
+    plan, tiled = error(budget)
+    _, untiled = error(2**40)
+    return tiled, untiled, plan
+
+
+CAUSAL_ATTENTION = Case(
+    "y[b,i,e] = sum(where(j <= i, exp(sum(q[b,i,d] * k[b,j,d], d)) * v[b,j,e], 0), j)"
+    " / sum(where(j <= i, exp(sum(q[b,i,d] * k[b,j,d], d)), 0), j)",
+    {"q": (2, 9, 4), "k": (2, 9, 4), "v": (2, 9, 3)},
+)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_causal_attention_with_values_inside_the_mask_at_logits_in_the_hundreds(target, tmp_path):
+    """`where(j <= i, exp(s) * v, 0)` over its sum: exp(s) alone was formed (inf in
+    float32 beyond 88) and multiplied by exp(-L) = 0 (nan), tiled and untiled; now the
+    mask moves into the exponent and the product is exp(s - L) * v."""
+    rng = np.random.default_rng(2)
+    q, k = rng.standard_normal((2, 2, 9, 4)) * 6
+    v = rng.standard_normal((2, 9, 3))
+    logits = np.einsum("bid,bjd->bij", q, k)
+    assert np.tril(logits).max() > 150 and np.tril(logits).min() < -100
+    tiled, untiled, plan = _float32_against_float64(CAUSAL_ATTENTION, [q, k, v], target, tmp_path)
+    assert plan == (9, 1)
+    print(f"{target}: relative error {tiled:.1e} tiled, {untiled:.1e} untiled")
+    assert tiled < 1e-4 and untiled < 1e-3, (tiled, untiled)
