@@ -195,6 +195,8 @@ def _tile_parts(module: ir.Module) -> list[dict]:
                     **dict(zip(chunk.inputs, chunk.ranks)),
                 },
                 "names": part.names,
+                # per output of a stage, its rank (the loop's concatenation may lose it)
+                "out_ranks": {n: len(a) for n, a in zip(part.names, chunk.output_axes)},
                 # a stage's chunk may read more tensors than the op has inputs
                 "needs": (
                     f", _needs={(True,) * len(chunk.inputs)!r}"

@@ -238,7 +238,8 @@ def tiling(op: OpSpec, program: Program, staged, compile_chunk) -> ir.Tiling:
         t = _sized(compile_chunk(choice, stage_program), choice, stage_program, whole, backward)
         target = _target(part.formula)
         earlier = internals[: internals.index(target)] if target in internals else internals
-        env = (*program.inputs, *earlier)
+        read = _names(ast.parse(part.formula))
+        env = (*program.inputs, *(n for n in earlier if n in read))
         parts.append(ir.TilingPart(t, part.outputs, part.formula, env=env, names=(target,)))
     doc = _doc(staged_op, program, parts, outputs)
     return replace(parts[0].tiling, parts=tuple(parts), parts_doc=doc, stages=internals)

@@ -1,0 +1,415 @@
+"""Tiling in stages (`symgrad/tile_stages.py`): an outer max or min of a pairwise
+reduction -- Hausdorff's distance per cloud, `h[b] = max(min(d[b,n,m], m), n)` -- had only
+`b` to cut, one position of which holds the whole `[n,m]` matrix. Its inner reduction is
+hoisted into an internal tensor (`inner[b,n]`), and the op runs as two stages: `inner`
+tiled along n, then the max over n in one piece (ties split equally, across the chunks of
+n too). An op that writes the internal tensor by hand runs the same stages. Every result
+is exact in float64 in all three targets (forward, vjp, the registered gradient /
+autodiff through `forward`, finite differences, a training step; unknown sizes under
+tf.function, XLA, jax.jit and vmap, torch.compile), and a training step at a size where
+today's (batch-tiled) code needs many times the bound stays within 4x the inputs and
+outputs plus the budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+from harness import Case, check, generate, make_inputs, op_spec
+from peaks import run_tensorflow, torch_peak
+from target_harness import check_target, frameworks
+
+from symgrad.model import build
+from symgrad.pipeline import compile_op
+
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = 1024  # far below any chunk at these sizes: one or two positions per chunk
+
+DISTANCE = "sum((x[b,c,n] - z[b,c,m])**2, c)"
+SHAPES = {"x": (2, 3, 9), "z": (2, 3, 7)}  # b = 2, c = 3, n = 9, m = 7
+STAGES = {
+    # Hausdorff's directed distance, in the point-cloud layout [B, C, N]
+    "hausdorff": Case(f"h[b] = max(min({DISTANCE}, m), n)", SHAPES, low=-3.0, high=3.0),
+    # the same with the inner reduction written as an internal tensor by hand
+    "by_hand": Case(
+        (f"t[b,n] = min({DISTANCE}, m)", "h[b] = max(t[b,n], n)"),
+        SHAPES,
+        low=-3.0,
+        high=3.0,
+        outputs=("h",),
+    ),
+    # both directions added: three stages, the last reading two internal tensors
+    "symmetric": Case(
+        f"h[b] = max(min({DISTANCE}, m), n) + max(min({DISTANCE}, n), m)",
+        SHAPES,
+        low=-3.0,
+        high=3.0,
+    ),
+    # an elementwise use of the inner reduction inside the outer one, and an outer min
+    "soft_farthest": Case(f"h[b] = min(exp(-min({DISTANCE}, m)), n)", SHAPES, low=-1.0, high=1.0),
+}
+SEED = 1
+
+
+def _module(name, tmp_path, target="tensorflow"):
+    return generate(STAGES[name], tmp_path, prefix="Stages", target=target)
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_each_stage_is_tiled_along_its_own_index(name):
+    tiling = compile_op(op_spec(STAGES[name], "Probe")).tiling
+    stages = [(p.tiling.index, bool(p.tiling.volumes), p.names) for p in tiling.parts]
+    if name == "symmetric":
+        assert tiling.stages == ("inner", "inner2")
+        assert stages == [
+            ("n", True, ("inner",)),
+            ("m", True, ("inner2",)),
+            ("b", False, ("h",)),
+        ]
+        return
+    internal = "t" if name == "by_hand" else "inner"
+    assert tiling.stages == (internal,)
+    assert stages == [("n", True, (internal,)), ("b", False, ("h",))]
+    assert tiling.parts[0].tiling.sliced == (("x", 2),)
+
+
+def test_the_docstring_says_what_each_stage_is_tiled_along(tmp_path):
+    doc = " ".join(_module("hausdorff", tmp_path).__doc__.split())
+    assert "the op runs in stages, one per equation" in doc, doc
+    assert "stage 0: inner[b, n] = min(sum(" in doc and "stage 1: h[b] = max(inner[b, n], n)" in doc
+    assert "in chunks of n (an output index: one n leaves temporaries" in doc
+    assert "no temporary larger than an input or output: one chunk" in doc
+
+
+def test_an_internal_tensor_as_large_as_the_matrix_is_not_a_stage(tmp_path):
+    """`min(.., m)` kept per (b, n, k) is larger than every input: the op keeps its
+    chunks of b (exact, unbounded), and the docstring says why."""
+    case = Case(f"h[b] = max(min({DISTANCE} * w[b,k], m), n, k)", {})
+    tiling = compile_op(op_spec(case, "Probe")).tiling
+    assert tiling.stages == () and tiling.parts == () and tiling.index == "b"
+    doc = " ".join(generate(case, tmp_path, prefix="Stages").__doc__.split())
+    assert "nor can the inner reduction run as a stage of its own" in doc, doc
+
+
+def test_ops_one_index_bounds_keep_their_tiling():
+    """An outer sum of a per-n minimum (one Chamfer direction) is tiled along n as one op,
+    not in stages."""
+    case = Case(f"y[b] = sum(min({DISTANCE}, m), n)", {})
+    tiling = compile_op(op_spec(case, "Probe")).tiling
+    assert tiling.stages == () and (tiling.index, tiling.summed) == ("n", True)
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_tensorflow_tiling_in_stages_is_exact_everywhere(name, tmp_path):
+    """forward, vjp, the registered gradient, a tape, finite differences, against the
+    reference, the large stages in chunks of one or two positions."""
+    case = STAGES[name]
+    module = _module(name, tmp_path)
+    module.MAX_TEMP_BYTES = TINY
+    tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)), SEED)
+    plan = module._tile_plan(*tensors)
+    assert plan is not None and plan[0] == 9 and plan[1] < 9
+    assert plan[-2:] == (2, 2)  # the last stage: one chunk of b
+    check(case, module, seed=SEED)
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+@pytest.mark.parametrize("target", ["pytorch", "jax"])
+def test_pytorch_and_jax_tiling_in_stages_is_exact(name, target, tmp_path):
+    """forward, vjp, autodiff through `forward` and the framework's own autodiff, against
+    the reference, in stages."""
+    case = STAGES[name]
+    fw = frameworks()[target]
+    module = _module(name, tmp_path, target)
+    module.MAX_TEMP_BYTES = TINY
+    tensors = make_inputs(case, build(op_spec(case, module.OP_NAME)), SEED)
+    plan = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors))
+    assert plan is not None and plan[0] == 9 and plan[1] < 9
+    check_target(case, module, fw, seed=SEED)
+
+
+def _arrays(names, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-1, 1, SHAPES[n]) for n in names]
+
+
+def test_written_by_hand_or_hoisted_the_results_are_the_same(tmp_path):
+    """The hand-written internal tensor and the hoisted one: the same values and
+    gradients, tiled and not, in every target."""
+    rng = np.random.default_rng(5)
+    cotangent = rng.standard_normal(2)
+    for target in ("tensorflow", "pytorch", "jax"):
+        array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}[target]
+        found = []
+        for name in ("hausdorff", "by_hand"):
+            module = _module(name, tmp_path, target)
+            for budget in (2**40, TINY):
+                module.MAX_TEMP_BYTES = budget
+                xs = [array(a) for a in _arrays(module.INPUTS)]
+                values = [module.forward(*xs), *module.vjp(*xs, array(cotangent))]
+                found.append([np.asarray(v) for v in values])
+        for got in found[1:]:
+            for g, w in zip(got, found[0], strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-13, err_msg=target)
+
+
+def test_tensorflow_tiling_in_stages_under_unknown_sizes_and_xla(tmp_path):
+    """Unknown sizes under tf.function: the small stage runs as one chunk of its whole
+    (unknown) size; under XLA the op runs untiled. Both equal eager."""
+    module = _module("hausdorff", tmp_path)
+    tensors = [tf.constant(a) for a in _arrays(module.INPUTS)]
+    grads = [tf.constant(np.random.default_rng(3).standard_normal(2))]
+    want = (module.forward(*tensors), *module.vjp(*tensors, *grads))
+    module.MAX_TEMP_BYTES = TINY
+    spec = [tf.TensorSpec([None] * len(t.shape), t.dtype) for t in (*tensors, *grads)]
+
+    def both(*a):
+        with tf.GradientTape() as tape:
+            tape.watch(a[:2])
+            h = module.forward(*a[:2])
+        return (h, *tape.gradient(h, a[:2], output_gradients=a[2]))
+
+    unknown = tf.function(both, input_signature=spec)
+    plans = []
+
+    def planned(*a):
+        plans.append(module._tile_plan(*a[:2]))
+        return both(*a)
+
+    tf.function(planned, input_signature=spec).get_concrete_function()
+    assert plans[0] is not None and all(tf.is_tensor(p) for p in plans[0])
+    for run in (unknown, tf.function(both, jit_compile=True)):
+        for got, expected in zip(run(*tensors, *grads), want, strict=True):
+            np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_ties_of_the_outer_max_across_chunks_split_equally(target, tmp_path):
+    """Two points of x at the same place, far from every point of z, in the first and the
+    last chunk of n: their nearest distances tie for the max, and in stages each gets half
+    of the gradient, as untiled; their nearest point of z is doubled too (m = 2 and 6), and
+    the copies share its gradient equally.
+    """
+    module = _module("hausdorff", tmp_path, target)
+    array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}[target]
+    x, z = _arrays(module.INPUTS, seed=7)
+    x[:, :, 0] = x[:, :, 8] = 5.0  # n = 0 and n = 8: the farthest, tied
+    z[:, :, 6] = z[:, :, 2]  # m = 2 and m = 6 tie as someone's nearest
+    z[:, :, 2] = z[:, :, 6] = 1.5  # ... the nearest to the far pair
+
+    def vjp():
+        g = module.vjp(array(x), array(z), array(np.ones(2)))
+        return [np.asarray(v) for v in g]
+
+    want_x, want_z = vjp()
+    module.MAX_TEMP_BYTES = TINY
+    plan = module._tile_plan(array(x), array(z))
+    assert plan is not None and plan[1] < 8  # n = 0 and n = 8 in different chunks
+    grad_x, grad_z = vjp()
+    np.testing.assert_allclose(grad_x, want_x, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(grad_z, want_z, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(grad_x[:, :, 0], grad_x[:, :, 8], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(grad_z[:, :, 2], grad_z[:, :, 6], rtol=0, atol=1e-12)
+    assert np.abs(grad_x[:, :, 0]).min() > 0.1 and np.abs(grad_z[:, :, 2]).min() > 0.1
+    # d|x0 - z2|^2 = 2 d, split between the tied x copies (and, for z, between the tied z
+    # copies, each of which gets a quarter from both x copies)
+    d = x[:, :, 0] - z[:, :, 2]
+    np.testing.assert_allclose(grad_x[:, :, 0], 2 * d / 2, rtol=1e-12)
+    np.testing.assert_allclose(grad_z[:, :, 2], -2 * d / 2, rtol=1e-12)
+
+
+def test_training_steps_in_stages_equal_todays(tmp_path):
+    """Two SGD steps on loss = sum(sin(h)) of the symmetric Hausdorff distance: PyTorch
+    eagerly, JAX under jit and grad, TensorFlow with a tape (its registered gradient); in
+    stages and untiled they agree to rounding."""
+
+    def loss_of(h, lib):
+        return tf.reduce_sum(tf.sin(h)) if lib is tf else lib.sum(lib.sin(h))
+
+    def torch_steps(module):
+        params = [torch.nn.Parameter(torch.tensor(a)) for a in _arrays(module.INPUTS)]
+        optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss_of(module.forward(*params), torch).backward()
+            optimizer.step()
+        return [p.detach().numpy() for p in params]
+
+    def jax_steps(module):
+        def step(params):
+            grads = jax.grad(lambda ps: loss_of(module.forward(*ps), jnp))(params)
+            return tuple(p - 0.05 * g for p, g in zip(params, grads, strict=True))
+
+        run = jax.jit(lambda params: step(step(params)))  # traced with the current budget
+        return [np.asarray(p) for p in run(tuple(map(jnp.asarray, _arrays(module.INPUTS))))]
+
+    def tf_steps(module):
+        params = [tf.Variable(a) for a in _arrays(module.INPUTS)]
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = loss_of(module.forward(*params), tf)
+            for p, g in zip(params, tape.gradient(loss, params), strict=True):
+                p.assign_sub(0.05 * g)
+        return [p.numpy() for p in params]
+
+    for target, steps in (("pytorch", torch_steps), ("jax", jax_steps), ("tensorflow", tf_steps)):
+        module = _module("symmetric", tmp_path, target)
+        want = steps(module)
+        module.MAX_TEMP_BYTES = TINY
+        got = steps(module)
+        moved = [np.abs(g - a).max() for g, a in zip(got, _arrays(module.INPUTS), strict=True)]
+        assert min(moved) > 1e-3, (target, moved)  # the steps did move both inputs
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-12, err_msg=target)
+
+
+def test_pytorch_compile_fullgraph_takes_the_stages(tmp_path):
+    """torch.compile(fullgraph=True) takes every stage's loop, forward and backward."""
+    module = _module("hausdorff", tmp_path, "pytorch")
+    x, z = _arrays(module.INPUTS)
+    g = torch.tensor(np.random.default_rng(2).standard_normal(2))
+    want = module.vjp(torch.tensor(x), torch.tensor(z), g)
+    module.MAX_TEMP_BYTES = TINY
+    leaves = [torch.tensor(a, requires_grad=True) for a in (x, z)]
+    assert module._tile_plan(*leaves) is not None
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, z: (module.forward(x, z) * g).sum(), fullgraph=True, backend="aot_eager"
+    )
+    compiled(*leaves).backward()
+    for leaf, w in zip(leaves, want, strict=True):
+        np.testing.assert_allclose(leaf.grad.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_jax_vmap_of_forward_and_grad_in_stages(tmp_path):
+    """jax.vmap over an extra leading axis, of forward and of its gradient, under jit."""
+    module = _module("hausdorff", tmp_path, "jax")
+    stacked = [jnp.stack([_arrays(module.INPUTS, s)[k] for s in range(3)]) for k in range(2)]
+
+    def both(*xs):
+        return module.forward(*xs), jax.grad(
+            lambda *a: jnp.sum(jnp.sin(module.forward(*a))), argnums=(0, 1)
+        )(*xs)
+
+    want = jax.jit(jax.vmap(both))(*stacked)
+    module.MAX_TEMP_BYTES = TINY
+    batched = jax.vmap(both)  # a new function: traced afresh, with the budget above
+    assert str(jax.make_jaxpr(batched)(*stacked)).count("scan") >= 2
+    got = jax.jit(batched)(*stacked)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- memory
+
+# b = 2, c = 3, n = 1200, m = 1000: a [2, 1200, 1000] matrix (9.2 MiB in float32) per
+# temporary, which today's modules (tiled along b) hold whole for each b
+MEMORY = {"x": (2, 3, 1200), "z": (2, 3, 1000)}
+BUDGET = 2**18  # TensorFlow and JAX
+TORCH_BUDGET = 2**20  # fewer chunks: the profiler's events make each one slow
+
+
+def _memory_inputs(module, make):
+    rng = np.random.default_rng(6)
+    return [make(rng.uniform(-1, 1, MEMORY[n]).astype(np.float32)) for n in module.INPUTS]
+
+
+def _io_bytes(xs, outputs):
+    return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))
+
+
+def test_pytorch_tiled_in_stages_step_memory_is_bounded(tmp_path):
+    module = _module("hausdorff", tmp_path, "pytorch")
+    xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
+
+    def step():
+        torch.autograd.grad(torch.sin(module.forward(*xs)).sum(), xs)
+
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = torch_peak(step)
+    module.MAX_TEMP_BYTES = TORCH_BUDGET
+    assert module._tile_plan(*xs) is not None
+    tiled = torch_peak(step)
+    out = module.forward(*xs).detach()
+    bound = TORCH_BUDGET + 4 * _io_bytes([x.detach() for x in xs], [out])
+    print(f"hausdorff: PyTorch step peak {untiled} -> {tiled} bytes, bound {bound}")
+    assert untiled > 10 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, untiled)
+
+
+def test_jax_tiled_in_stages_gradient_memory_is_bounded(tmp_path):
+    """The jitted gradient's temporaries (XLA's memory_analysis)."""
+    module = _module("hausdorff", tmp_path, "jax")
+    xs = _memory_inputs(module, jnp.asarray)
+
+    def temporaries():
+        def grad(*a):  # a new function: traced with the current budget
+            return jax.grad(lambda *b: jnp.sum(jnp.sin(module.forward(*b))), argnums=(0, 1))(*a)
+
+        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
+
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = temporaries()
+    module.MAX_TEMP_BYTES = BUDGET
+    assert module._tile_plan(*xs) is not None
+    tiled = temporaries()
+    bound = BUDGET + 4 * _io_bytes(xs, [module.forward(*xs)])
+    print(f"hausdorff: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
+    assert untiled > 10 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, untiled)
+
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import tensorflow as tf
+from pathlib import Path
+from harness import Case, generate
+from peaks import peak
+
+rng = np.random.default_rng(0)
+module = generate(Case({formula!r}, {{}}), Path({folder!r}), prefix="Memory")
+args = [tf.constant(rng.uniform(-1, 1, {memory}[n]).astype(np.float32)) for n in module.INPUTS]
+
+
+def run():
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        loss = tf.reduce_sum(tf.sin(module.forward(*args)))
+    return [g.numpy() for g in tape.gradient(loss, args)]
+
+
+io = sum(a.numpy().nbytes for a in args) + module.forward(*args).numpy().nbytes
+module.MAX_TEMP_BYTES = 2**40
+untiled = peak(run)
+module.MAX_TEMP_BYTES = {budget}
+tiled = peak(run)
+print(json.dumps(dict(io=io, untiled=untiled, tiled=tiled)))
+"""
+
+
+def test_tensorflow_tiled_in_stages_step_memory_is_bounded(tmp_path):
+    """TensorFlow's allocator statistics (BFC), in a fresh process: a training step."""
+    code = MEASURE.format(
+        tests=str(REPO / "tests"),
+        formula=STAGES["hausdorff"].formulas,
+        memory=MEMORY,
+        folder=str(tmp_path),
+        budget=BUDGET,
+    )
+    m = run_tensorflow(code)
+    bound = 4 * m["io"] + BUDGET
+    print(f"hausdorff: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
+    assert m["untiled"] > 10 * bound, m
+    assert m["tiled"] <= bound, m
