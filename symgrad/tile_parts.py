@@ -21,10 +21,10 @@ choice at all) still holds a matrix over two or more indices that not every outp
 and every part has an index one position of which leaves its temporaries no larger than
 its inputs and outputs. Every other op keeps its tiling. Not split: ops with internal
 tensors (`outputs = [...]`: a part would need another part's internal values, which it
-cannot recompute per chunk), an equation reading another's output, composite outputs,
-index tensors and float positions. A subtracted term is a part with its sign (`-b`),
-tiled like any (`tile_sum` takes a negated or scaled sum); when it cannot be bounded the
-op is not split.
+cannot recompute per chunk; `tile_stages` runs such ops one equation after another), an
+equation reading another's output, composite outputs, index tensors and float positions.
+A subtracted term is a part with its sign (`-b`), tiled like any (`tile_sum` takes a
+negated or scaled sum); when it cannot be bounded the op is not split.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ def split(op: OpSpec, program: Program, choice: Choice | None):
     if not all(small(set(level.indices)) for level in levels):
         return None  # an internal tensor as large as the matrix: nothing gained
     outputs = tuple(o.level.name for o in whole.outputs)
+    backward = derive(whole)
     found = []
     for formula in staged.formulas:
         part = _stage(staged, whole, formula, outputs)
@@ -89,8 +90,12 @@ def split(op: OpSpec, program: Program, choice: Choice | None):
             stage_choice = tile.choose(part.op, stage_program, plain=True)
             if stage_choice is None:
                 return None
+        try:  # the plan sizes the stage from the op's inputs
+            _sizes(stage_choice, stage_program, whole, backward)
+        except (AssertionError, KeyError, StopIteration, SymgradError):
+            return None
         found.append((part, stage_choice, stage_program))
-    return staged, whole, derive(whole), found
+    return staged, whole, backward, found
 
 
 def _internals(op: OpSpec) -> tuple[str, ...]:
@@ -146,6 +151,8 @@ def hoist(op: OpSpec, program: Program) -> OpSpec | None:
     constants = {a for a, _ in (*op.attrs, *op.lets)} | {"pi", "e"} | set(program.inputs)
     taken = _names(tree) | constants
     hoisted: list[str] = []
+    unsized: list[ast.AST] = []
+    ranged = {k for k, _ in op.ranges}
 
     class Hoist(ast.NodeTransformer):
         def __init__(self) -> None:
@@ -159,6 +166,9 @@ def hoist(op: OpSpec, program: Program) -> OpSpec | None:
                 keeps = _free(node, constants)
                 if not keeps:
                     return node  # a scalar: nothing to index it by
+                if not all(i in ranged or _plain(node, i) for i in keeps):
+                    unsized.append(node)  # its size would come from elsewhere
+                    return node
                 order = [i for i in output_indices if i in keeps]
                 order += [i for i in _in_order(node) if i in keeps and i not in order]
                 name = _fresh(INTERNAL, taken)
@@ -178,7 +188,7 @@ def hoist(op: OpSpec, program: Program) -> OpSpec | None:
             return node
 
     assign.value = Hoist().visit(assign.value)
-    if not hoisted:
+    if not hoisted or unsized:
         return None
     formulas = (*hoisted, ast.unparse(tree))
     return replace(op, formulas=formulas, outputs=(left.value.id,), inputs=program.inputs)
@@ -218,6 +228,17 @@ def _free(node: ast.Call, constants: set[str]) -> set[str]:
     return used - bound - constants - functions - tensors
 
 
+def _plain(node: ast.AST, index: str) -> bool:
+    """Whether some read inside `node` has `index` plainly at an axis (which sizes it
+    there as in the whole op: plain reads of one index agree, or the op is refused)."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Name):
+            elts = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
+            if any(isinstance(p, ast.Name) and p.id == index for p in elts):
+                return True
+    return False
+
+
 def _in_order(node: ast.AST) -> list[str]:
     """Names in order of first appearance."""
     seen: dict[str, None] = {}
@@ -248,21 +269,28 @@ def tiling(op: OpSpec, program: Program, staged, compile_chunk) -> ir.Tiling:
 def _sized(t: ir.Tiling, choice: Choice, stage: Program, whole: Program, backward) -> ir.Tiling:
     """A stage's tiling with its plan's sizes read from the op's inputs (the stage's own
     read the internal tensors, which the plan does not have)."""
-    from .lower import lower_sizes
-
-    if t.summed:
-        index = next(i for b in choice.big for i in b if i.name == choice.index)
-    else:
-        index = next(i for i in stage.outputs[0].level.indices if i.name == choice.index)
-    wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
-    sizes, names = lower_sizes(whole, backward, wanted)
-    size_of = dict(zip(wanted, names, strict=True))
+    index, sizes, size_of = _sizes(choice, stage, whole, backward)
     volumes = tuple(
         tuple(size_of[i] for i in b)
         for b in choice.big
         for _ in range(sampled_temps.weight(b, stage))
     )
     return replace(t, sizes=sizes, volumes=volumes, count=size_of[index])
+
+
+def _sizes(choice: Choice, stage: Program, whole: Program, backward):
+    """The stage's tiled index, and the block computing the sizes its plan reads (the tiled
+    index's and its large temporaries' axes) from the op's inputs, with their variables."""
+    from .lower import lower_sizes
+
+    outputs = {i.name for i in stage.outputs[0].level.indices}
+    if choice.index in outputs:
+        index = next(i for i in stage.outputs[0].level.indices if i.name == choice.index)
+    else:
+        index = next(i for b in choice.big for i in b if i.name == choice.index)
+    wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
+    sizes, names = lower_sizes(whole, backward, wanted)
+    return index, sizes, dict(zip(wanted, names, strict=True))
 
 
 def _doc(op: OpSpec, program: Program, parts, outputs) -> tuple[str, ...]:

@@ -101,6 +101,21 @@ def test_an_internal_tensor_as_large_as_the_matrix_is_not_a_stage(tmp_path):
     assert "nor can the inner reduction run as a stage of its own" in doc, doc
 
 
+def test_an_inner_reduction_whose_index_only_a_moved_read_sizes_is_not_hoisted(tmp_path):
+    """`x[b,c,n+1]` inside the inner minimum: as an internal tensor of its own, `n` would
+    take its size from elsewhere than in the whole op (where `w` sizes it). Not hoisted:
+    chunks of b, exact."""
+    case = Case(
+        "h[b] = max(w[b,n] * min(sum((x[b,c,n+1] - z[b,c,m])**2, c), m), n)",
+        {"w": (2, 8), "x": (2, 3, 9), "z": (2, 3, 7)},
+    )
+    tiling = compile_op(op_spec(case, "Probe")).tiling
+    assert tiling.stages == () and tiling.index == "b"
+    module = generate(case, tmp_path, prefix="Stages")
+    module.MAX_TEMP_BYTES = TINY
+    check(case, module, seed=SEED)
+
+
 def test_ops_one_index_bounds_keep_their_tiling():
     """An outer sum of a per-n minimum (one Chamfer direction) is tiled along n as one op,
     not in stages."""
