@@ -118,3 +118,83 @@ def test_causal_attention_with_values_inside_the_mask_at_logits_in_the_hundreds(
     assert plan == (9, 1)
     print(f"{target}: relative error {tiled:.1e} tiled, {untiled:.1e} untiled")
     assert tiled < 1e-4 and untiled < 1e-3, (tiled, untiled)
+
+
+# ------------------------------------------- real ops in their layouts, not in symgrad.toml
+
+REAL = {
+    # PointNet++ grouping by ball query (idx [B, npoint, nsample]) followed by the max
+    # over each group: features [B, C, N] -> [B, C, npoint]
+    "ball_query_group_max": Case(
+        "y[b,c,p] = max(features[b,c,idx[b,p,s]], s)",
+        {"features": (2, 4, 9)},
+        index_inputs={"idx": ((2, 6, 5), 0, 9)},
+    ),
+    # PointNet++ three_interpolate: features [B, C, M], idx and weight [B, N, 3]
+    "three_interpolate": Case(
+        "out[b,c,n] = sum(weight[b,n,k] * features[b,c,idx[b,n,k]], k)",
+        {"weight": (2, 7, 3), "features": (2, 4, 5)},
+        index_inputs={"idx": ((2, 7, 3), 0, 5)},
+    ),
+    # spatial-correlation-sampler with a dilated patch: [B, PH, PW, H, W]
+    "correlation_sampler_dilated": Case(
+        "y[b,u,v,i,j] = sum(x1[b,c,i,j] * x2[b, c, i + d*(u - r), j + d*(v - r)], c)",
+        {"x1": (2, 3, 7, 6), "x2": (2, 3, 7, 6)},
+        attrs={"r": 1, "d": 2},
+        ranges={"u": "2*r + 1", "v": "2*r + 1"},
+        sizes={"u": 3, "v": 3},
+    ),
+    # fairseq's LightweightConv1dTBC: time first, [T, B, C], a filter per head [H, K]
+    "lightconv_tbc": Case(
+        "y[t,b,c] = sum(w[c // R, k] * x[t + k - P, b, c], k)",
+        {"x": (11, 2, 6), "w": (3, 5)},
+        attrs={"R": 2, "P": 2},
+    ),
+    # NATTEN's 1-D attention-times-values: attn [B, heads, L, kernel], value [B, heads, L, D]
+    "natten_av_1d": Case(
+        "y[b,h,i,d] = sum(attn[b,h,i,k] * value[b,h, max(min(i - ns, L - ks), 0) + k, d], k)",
+        {"attn": (2, 3, 10, 3), "value": (2, 3, 10, 4)},
+        attrs={"ns": 1, "ks": 3},
+        lets={"L": "value.shape[2]"},
+        let_values={"L": 10},
+    ),
+}
+
+
+def _same(got, want, how):
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None, how
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=how)
+
+
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [
+        *((name, target) for name in sorted(REAL) for target in ("tensorflow", "pytorch")),
+        # eager JAX compiles every call's loop: two ops, one gathered by an index tensor
+        ("ball_query_group_max", "jax"),
+        ("natten_av_1d", "jax"),
+    ],
+)
+def test_real_ops_in_chunks_equal_the_untiled_module_on_every_path(name, target, tmp_path):
+    """forward, vjp, the registered gradient and a tape (TF), autograd (PyTorch), jax.vjp
+    and jit (JAX), and a training step through each framework's own autodiff: in chunks of
+    one position, equal to the untiled module in float64."""
+    from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
+
+    case, fw = REAL[name], FRAMEWORKS[target]
+    module = generate(case, tmp_path, prefix="Real", target=target)
+    module.MAX_TEMP_BYTES = 2**40
+    want = run_everywhere(fw, module, case), train_step(fw, module, case)
+    module.MAX_TEMP_BYTES = TINY
+    n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)
+    assert c == 1 < n
+    (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
+    for how, got in outputs.items():
+        _same(got, want[0][0][how], how)
+    for how, got in grads.items():
+        _same(got, want[0][1][how], how)
+    _same(step["grads"], want[1]["grads"], "training step")
+    np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
