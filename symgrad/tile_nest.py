@@ -11,12 +11,13 @@ Where one position of `t` leaves a large temporary larger than every input and o
 index `s` (another output index, never `t`). Its chunk -- the op's formulas with
 `t -> t + start`, `s -> s + start2`, inputs cut along both where they read them plainly --
 is the module's one program (`tile_once`, merged twice: at `start2 = 0` and no `length2`
-it is the chunk of `t`, and at `start = 0` and no `length` the op). At call time the plan
+it is the chunk of `t`, and at `start = 0` and no `length` the op), or, where the
+lowerings differ, a second program beside the op's (`_chunk_compute`). At call time the plan
 splits `t` as before while one position of it fits; otherwise it takes one position of
 `t` per chunk and splits `s` so that one chunk fits (`_tile_plan`).
 
-Only where both merges hold (one program), and only two levels: where one position of
-both indices still exceeds the budget, the bound is exceeded by that much.
+Only two levels: where one position of both indices still exceeds the budget, the bound
+is exceeded by that much.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from .model import Program, build
 
 
 def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Tiling):
-    """The module tiled along `choice` and, inside each chunk, along a second output index,
-    with one program for all; None when one position of `choice.index` is bounded, or no
-    second index serves, or the chunks' lowering differs from the op's."""
+    """The module tiled along `choice` and, inside each chunk, along a second output index
+    (one program for all where the lowerings agree); None when one position of
+    `choice.index` is bounded or no second index serves."""
     if tiling.summed or tiling.parts or tile_sum.bounded(choice, program):
         return None
     outputs = {i.name for i in program.outputs[0].level.indices}
@@ -57,14 +58,12 @@ def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Ti
         chunk=deepest,
         max_temp_bytes=tiling.max_temp_bytes,
     )
-    once, _ = tile_once.merge(replace(tiling.chunk, tiling=level))
-    if once.tiling.program is None:
-        return None
+    once, why = tile_once.merge(replace(tiling.chunk, tiling=level))
     index = next(i for i in program.outputs[0].level.indices if i.name == inner.index)
     axes = tuple(tile.output_axis(index, o) for o in program.outputs)
     nested = replace(
         tiling,
-        chunk=once.tiling.program,
+        chunk=once.tiling.program or deepest,
         inner=ir.Inner(
             index=inner.index,
             start=inner.start,
@@ -74,8 +73,15 @@ def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Ti
             count=_count(choice, tiling, inner.index),
         ),
     )
-    merged, _ = tile_once.merge(replace(module, tiling=nested))
-    return merged if merged.tiling.program is not None else None
+    if once.tiling.program is not None:
+        merged, why = tile_once.merge(replace(module, tiling=nested))
+        if merged.tiling.program is not None:
+            return merged
+        nested = replace(nested, chunk=deepest)
+    else:
+        why = f"the chunk of {choice.index} and {inner.index}, against the chunk of {choice.index}: {why}"
+    # The module keeps the op's program and the chunk's (`_chunk_compute`), as one level does.
+    return replace(module, tiling=replace(nested, separate=why))
 
 
 def _count(choice: tile.Choice, tiling: ir.Tiling, name: str) -> str:

@@ -32,6 +32,9 @@ FOLDERS = ["generated", "generated_torch", "generated_jax", "benchmarks/generate
 # reshape or a kernel is a gather at shifted positions): they keep two programs.
 SEPARATE = {"cc_attention_map", "cc_attention_scores", "max_pool2x2", "rwkv_wkv"}
 SEPARATE |= {"segment_csr_sum", "bench_max_pool", "natten_qk2d"}
+# Tiled in two levels (`tile_nest`) where the chunk of both indices lowers otherwise than
+# the chunk of one (a window read as a convolution along the inner index, then a gather).
+SEPARATE |= {"involution", "dynamic_conv", "lightconv_heads", "roi_pool"}
 _counter = itertools.count()
 
 

@@ -31,7 +31,11 @@ CASES = {
     "NattenAv2d": ({"attn": (2, 3, 7, 6, 9), "value": (2, 3, 7, 6, 5)}, {"K": 3}),
     "Correlation": ({"f1": (2, 5, 7, 3), "f2": (2, 5, 7, 3)}, {"r": 1}),
     "Carafe": ({"features": (2, 3, 4, 5), "masks": (2, 9, 8, 10)}, {"K": 3, "S": 2}),
+    # two programs: the chunk of i and j lowers otherwise than the op
+    "NattenQk2d": ({"query": (2, 3, 7, 6, 5), "key": (2, 3, 7, 6, 5)}, {"K": 3}),
+    "Involution": ({"x": (2, 4, 5, 6), "weight": (2, 2, 3, 3, 5, 6)}, {}),
 }
+SEPARATE = {"NattenQk2d", "Involution"}
 
 
 def _op(name: str):
@@ -60,7 +64,9 @@ def test_one_position_too_large_gets_a_second_level_and_bounded_ones_do_not():
     for name in CASES:
         tiling = compile_op(_op(name)).tiling
         assert (tiling.index, tiling.inner.index) == ("i", "j"), name
-        assert tiling.program is not None, name  # one program for every level
+        # one program for every level, or the op's and the chunk's, saying why
+        assert (tiling.program is None) == (name in SEPARATE), name
+        assert (tiling.separate != "") == (name in SEPARATE), name
     assert compile_op(_op("ChamferDistance")).tiling.inner is None
 
 
