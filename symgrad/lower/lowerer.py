@@ -25,13 +25,22 @@ from .gathers import Gathers
 from .intervals import Intervals
 from .kernels import Kernels
 from .lookups import Lookups
+from .merged_scatters import MergedScatters
 from .pointwise import Pointwise
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
 
 
 class Lowerer(
-    Pointwise, Contraction, Kernels, Gathers, Segments, SegmentExtrema, Lookups, Intervals
+    Pointwise,
+    Contraction,
+    Kernels,
+    Gathers,
+    MergedScatters,
+    Segments,
+    SegmentExtrema,
+    Lookups,
+    Intervals,
 ):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""
@@ -208,7 +217,7 @@ class Lowerer(
         else:
             indices = fresh_indices(target, self.program.rank(target))
         self.register_axes(target, indices)
-        pieces = [(self.scatter(body, s, indices), indices) for s in scatters]
+        pieces = self.scatter_pieces(body, scatters, indices)
         # Pointwise contributions add up into one expression with common factors pulled
         # out: softmax's `grad*y + s*y` becomes `(grad + s) * y`, two passes, not four.
         pointwise = [c for c in contributions if not c.summed and not c.diagonal]
