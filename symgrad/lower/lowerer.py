@@ -27,6 +27,7 @@ from .kernels import Kernels
 from .lookups import Lookups
 from .merged_scatters import MergedScatters
 from .pointwise import Pointwise
+from .row_reads import inline_once
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
 
@@ -67,6 +68,8 @@ class Lowerer(
         # TF merges into few enough groups: no operand needs tiling.
         self.broadcast_safe = False
         self.is_output: set[str] = {o.level.name for o in program.outputs}
+        # Tables read at the rows of segment ids (row_reads.py): written into their one use.
+        self.row_reads: set[str] = set()
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
             lv.name: lv for lv in program.intermediates if lv.kind == "logsumexp"
@@ -314,6 +317,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     let_names = frozenset(lets.symbol(name).name for name, _ in program.lets)
     backward_block = _borrow(backward_block, fwd.memo, let_names)
     backward_block = ir.prune(backward_block, backward_block.returns, set())
+    backward_block = inline_once(backward_block, lowerer.row_reads)
     read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs), limits)
     keep = set(outputs) | {name for name in read if name not in program.inputs}
@@ -323,6 +327,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         set(program.inputs),
     )
     forward_block = ir.Block(forward_block.steps, tuple(outputs))
+    forward_block = inline_once(forward_block, lowerer.row_reads - read)
     saved = tuple(
         step.target
         for step in forward_block.steps
