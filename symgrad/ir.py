@@ -95,6 +95,7 @@ OPS = {
     "to_int64": "to_int64(x): positions in int64 (an int64 id must not wrap in int32)",
     # shapes and layout
     "broadcast_to": "broadcast_to(x, shape)",
+    "concat": "concat(values, axis=k): the tensors of the list `values` joined along axis k",
     "eye": "eye(n, dtype=): the identity matrix",
     "pad": "pad(x, [[before, after] per axis]) with zeros",
     "range": "range(n): 0, 1, .., n-1",

@@ -258,12 +258,17 @@ class Gathers:
         if splits.reshape_grid(level):
             grad = ir.Var(body.tensors[grad_name(level.name)])
             return splits.reshape_back(self, body, level, grad)
+        grad, ids = self.scatter_rows(body, level)
+        total = ir.Var(body.bind(ir.Call("segment_sum", (grad, ids, self.row_count(body, level)))))
+        return self.scatter_layout(body, level, total)
+
+    def scatter_rows(self, body: _Body, level: Level) -> tuple[ir.Expr, ir.Expr]:
+        """What a plain scatter adds, as (rows of the gradient, their flat positions in the
+        source, -1 for reads out of bounds): the gradient over (*inner, *rest) indices,
+        positions over the inner ones."""
         gather = level.gather
-        computed = gather.computed
-        rank = self.program.rank(gather.source)
-        plain = [n for n in range(rank) if n not in computed]
         flat, valid, inner = self.gather_plan(body, level)
-        rows = self.rows(body, gather)
+        self.rows(body, gather)
         ids = flat
         if valid is not None:  # dropped by unsorted_segment_sum
             ids = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
@@ -272,11 +277,23 @@ class Gathers:
         grad = align(grad, level.indices, (*inner, *rest))
         if not _is_simple(grad):
             grad = ir.Var(body.bind(grad))
+        return grad, ids
+
+    def row_count(self, body: _Body, level: Level) -> ir.Expr:
+        """The number of rows a scatter adds into: the product of the computed axes."""
+        rows = self.rows(body, level.gather)
         count: ir.Expr = ir.Var(rows[0])
         for row in rows[1:]:
             count = ir.Binary("*", count, ir.Var(row))
-        total = ir.Var(body.bind(ir.Call("segment_sum", (grad, ids, count))))
-        # `total` has the computed axes (flattened) first, then the plain ones in order.
+        return count
+
+    def scatter_layout(self, body: _Body, level: Level, total: ir.Expr) -> ir.Expr:
+        """The segment sum `total` of a scatter of `level` (the computed axes, flattened,
+        first, then the plain ones in order) in the layout of its source."""
+        gather = level.gather
+        computed = gather.computed
+        rank = self.program.rank(gather.source)
+        plain = [n for n in range(rank) if n not in computed]
         if len(computed) == 1:
             order = (computed[0], *plain)
             value: ir.Expr = total

@@ -25,13 +25,23 @@ from .gathers import Gathers
 from .intervals import Intervals
 from .kernels import Kernels
 from .lookups import Lookups
+from .merged_scatters import MergedScatters
 from .pointwise import Pointwise
+from .row_reads import inline_once
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
 
 
 class Lowerer(
-    Pointwise, Contraction, Kernels, Gathers, Segments, SegmentExtrema, Lookups, Intervals
+    Pointwise,
+    Contraction,
+    Kernels,
+    Gathers,
+    MergedScatters,
+    Segments,
+    SegmentExtrema,
+    Lookups,
+    Intervals,
 ):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""
@@ -58,6 +68,8 @@ class Lowerer(
         # TF merges into few enough groups: no operand needs tiling.
         self.broadcast_safe = False
         self.is_output: set[str] = {o.level.name for o in program.outputs}
+        # Tables read at the rows of segment ids (row_reads.py): written into their one use.
+        self.row_reads: set[str] = set()
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
             lv.name: lv for lv in program.intermediates if lv.kind == "logsumexp"
@@ -208,7 +220,7 @@ class Lowerer(
         else:
             indices = fresh_indices(target, self.program.rank(target))
         self.register_axes(target, indices)
-        pieces = [(self.scatter(body, s, indices), indices) for s in scatters]
+        pieces = self.scatter_pieces(body, scatters, indices)
         # Pointwise contributions add up into one expression with common factors pulled
         # out: softmax's `grad*y + s*y` becomes `(grad + s) * y`, two passes, not four.
         pointwise = [c for c in contributions if not c.summed and not c.diagonal]
@@ -305,6 +317,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     let_names = frozenset(lets.symbol(name).name for name, _ in program.lets)
     backward_block = _borrow(backward_block, fwd.memo, let_names)
     backward_block = ir.prune(backward_block, backward_block.returns, set())
+    backward_block = inline_once(backward_block, lowerer.row_reads)
     read = ir.names_read(backward_block)
     forward_block = _finish(fwd, tuple(outputs), limits)
     keep = set(outputs) | {name for name in read if name not in program.inputs}
@@ -314,6 +327,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         set(program.inputs),
     )
     forward_block = ir.Block(forward_block.steps, tuple(outputs))
+    forward_block = inline_once(forward_block, lowerer.row_reads - read)
     saved = tuple(
         step.target
         for step in forward_block.steps

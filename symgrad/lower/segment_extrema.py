@@ -145,6 +145,7 @@ class SegmentExtrema:
         shape = ir.List(tuple(ir.Var(self.index_size(body, i)) for i in (*n, *others)))
         name = body.bind(ir.Call("reshape", (read, shape)))
         body.tensors[name] = name
+        self.row_reads.add(name)  # written into its one use (row_reads.py)
         return sp.IndexedBase(name)[(*n, *others)]
 
     def _masked_rows(self, body, rest, n, valid, summed, v, out):

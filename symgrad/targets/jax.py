@@ -21,6 +21,7 @@ from .printer import ATOM, Printer, precedence
 NAMES = {
     "abs": "jnp.abs",
     "broadcast_to": "jnp.broadcast_to",
+    "concat": "jnp.concatenate",
     "cos": "jnp.cos",
     "cosh": "jnp.cosh",
     "cumsum": "jnp.cumsum",

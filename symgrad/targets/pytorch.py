@@ -78,6 +78,7 @@ COMPARISONS = {
 PARAMETERS = {
     "broadcast_to": ("x", "shape"),
     "cast": ("x", "dtype"),
+    "concat": ("values", "axis"),
     "conv2d_backprop_filter": ("input", "filter_sizes", "out_backprop", "strides", "padding"),
     "conv3d_backprop_filter": ("input", "filter_sizes", "out_backprop", "strides", "padding"),
     "conv2d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
@@ -425,6 +426,9 @@ class PyTorchPrinter(Printer):
 
     def call_transpose(self, args: dict) -> str:
         return f"torch.permute({self.code(args['x'])}, {self.code(args['perm'])})"
+
+    def call_concat(self, args: dict) -> str:
+        return f"torch.cat({self.code(args['values'])}, dim={self.code(args['axis'])})"
 
     def call_tile(self, args: dict) -> str:
         return f"torch.tile({self.code(args['x'])}, {self.code(args['multiples'])})"

@@ -28,6 +28,7 @@ NAMES = {
     "is_finite": "tf.math.is_finite",
     "log": "tf.math.log",
     "log_softmax": "tf.nn.log_softmax",
+    "concat": "tf.concat",
     "logical_and": "tf.logical_and",
     "logical_not": "tf.logical_not",
     "logical_or": "tf.logical_or",
