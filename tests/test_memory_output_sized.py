@@ -162,7 +162,7 @@ def _tensor(target):
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_in_chunks_equal_tf_autodiff_of_the_formula(name, target, tmp_path):
+def test_a_large_output_in_chunks_equals_tf_autodiff(name, target, tmp_path):
     case = OPS[name].case
     module = _module(name, tmp_path, target)
     arrays = _arrays(case.shapes)
@@ -180,7 +180,7 @@ def test_in_chunks_equal_tf_autodiff_of_the_formula(name, target, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_in_chunks_under_tf_function_with_unknown_sizes(name, tmp_path):
+def test_a_large_output_in_chunks_under_tf_function_with_unknown_sizes(name, tmp_path):
     case = OPS[name].case
     module = _module(name, tmp_path, "tensorflow")
     arrays = _arrays(case.shapes)
@@ -226,7 +226,7 @@ def _bound(io):
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_pytorch_training_step_is_bounded(name, tmp_path):
+def test_pytorch_step_of_a_large_output_is_bounded(name, tmp_path):
     module = _module(name, tmp_path, "pytorch")
     arrays, attrs = _large(name)
     xs = [torch.tensor(a, requires_grad=True) for a in arrays]
@@ -249,7 +249,7 @@ def test_pytorch_training_step_is_bounded(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_jax_training_step_is_bounded(name, tmp_path):
+def test_jax_step_of_a_large_output_is_bounded(name, tmp_path):
     """The jitted step's temporaries (XLA fuses the untiled step within its bound)."""
     module = _module(name, tmp_path, "jax")
     arrays, attrs = _large(name)
@@ -305,7 +305,7 @@ print(json.dumps(found))
 """
 
 
-def test_tensorflow_training_steps_are_bounded(tmp_path):
+def test_tensorflow_steps_of_large_outputs_are_bounded(tmp_path):
     """Both ops' steps in one fresh process (TF's BFC allocator statistics)."""
     code = MEASURE.format(tests=str(REPO / "tests"), folder=str(tmp_path), budget=BUDGET)
     found = run_tensorflow(code)
