@@ -33,14 +33,17 @@ from .model import Index, Level
 HELD = 4
 
 
-def sets(levels: list[Level], no_larger_than_an_input) -> list[tuple[Index, ...]]:
-    """The index sets, larger than every input, that `levels` (a program's tensors, but
-    the gathers a convolution kernel reads in place) compute in more than one step.
-    `no_larger_than_an_input(indices)` compares with the op's inputs only."""
+def sets(
+    levels: list[Level], outputs: list[Level], no_larger_than_an_input
+) -> list[tuple[Index, ...]]:
+    """The index sets of `outputs`, larger than every input, that `levels` (a program's
+    tensors, but the gathers a convolution kernel reads in place) compute in about
+    `HELD` steps. `no_larger_than_an_input(indices)` compares with the op's inputs only."""
+    own = {frozenset(o.indices) for o in outputs}
     steps: Counter = Counter()
     for level in levels:
         key = frozenset(level.indices)
-        if level.kind not in ("sum", "gather") or no_larger_than_an_input(key):
+        if key not in own or level.kind not in ("sum", "gather") or no_larger_than_an_input(key):
             continue  # an extremum's operand is `big_sets`' own
         steps[key] += 1 if _one_step(level) else 2
     found: list[tuple[Index, ...]] = []

@@ -81,8 +81,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
             ]
     sampled = sampled_temps.sets(program)
     found += sampled
-    computed = [level for level in levels if level.name not in kernels]
-    output_sized = output_temps.sets(computed, _no_larger(program, outputs=False))
+    output_sized = _output_sized(program)
     found += output_sized
     small = _no_larger(program)
     big: list[tuple[Index, ...]] = []
@@ -95,6 +94,16 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         big = [b for b in big if not set(b) <= s]
         big.append(tuple(indices))
     return big
+
+
+def _output_sized(program: Program) -> list[tuple[Index, ...]]:
+    """The sets of outputs larger than every input, computed in several steps
+    (`output_temps`), but a convolution kernel's gathers (read in place)."""
+    kernels = patterns.convolutions(program)
+    levels = [*program.intermediates, *(o.level for o in program.outputs)]
+    computed = [level for level in levels if level.name not in kernels]
+    outputs = [o.level for o in program.outputs]
+    return output_temps.sets(computed, outputs, _no_larger(program, outputs=False))
 
 
 def _no_larger(program: Program, outputs: bool = True):
@@ -472,4 +481,8 @@ def tiling(
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,
         summed=summed,
+        output_sized=all(
+            b in _output_sized(program) and sampled_temps.weight(b, program) == 1
+            for b in choice.big
+        ),
     )
