@@ -287,6 +287,9 @@ class Tiling:
     # sums, added up; every chunk's gradient gets the whole incoming gradient (`tile_sum`)
     summed: bool = False
     untiled_reason: str = ""  # why a summed index could not be chosen (for the docstring)
+    # The large temporaries are the outputs' own size: outputs larger than every input,
+    # computed in several steps (`output_temps`; the docstring says so).
+    output_sized: bool = False
     # An op in parts (`tile_parts`): every part with its own tiling; the fields above are
     # the first part's. The module runs each part's loop and places or adds the outputs.
     parts: tuple[TilingPart, ...] = ()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from . import functions as fn
-from . import ir, patterns, sampled_temps, splits
+from . import ir, output_temps, patterns, sampled_temps, splits
 from .indexing import IOTA
 from .model import Index, Level, Program, accesses
 from .segment_forms import segment_extremum, ties_at_rows
@@ -59,8 +59,9 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     """Index sets of the tensors the program materializes that are larger than every input
     and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
     product of plain reads is an einsum and is never materialized; nor is a polynomial,
-    which lowering expands); and the sets of sampled reads' corners at any size
-    (`sampled_temps`)."""
+    which lowering expands); and, at any size, the sets of sampled reads' corners
+    (`sampled_temps`) and of outputs larger than every input computed in several steps
+    (`output_temps`)."""
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
@@ -80,11 +81,13 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
             ]
     sampled = sampled_temps.sets(program)
     found += sampled
+    output_sized = _output_sized(program)
+    found += output_sized
     small = _no_larger(program)
     big: list[tuple[Index, ...]] = []
     for indices in found:
         s = set(indices)
-        if small(s) and indices not in sampled:
+        if small(s) and indices not in (*sampled, *output_sized):
             continue  # no larger than an input or output (the same sizes, other names)
         if any(s <= set(other) for other in big):
             continue
@@ -93,12 +96,24 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     return big
 
 
-def _no_larger(program: Program):
+def _output_sized(program: Program) -> list[tuple[Index, ...]]:
+    """The sets of outputs larger than every input, computed in several steps
+    (`output_temps`), but a convolution kernel's gathers (read in place)."""
+    kernels = patterns.convolutions(program)
+    levels = [*program.intermediates, *(o.level for o in program.outputs)]
+    computed = [level for level in levels if level.name not in kernels]
+    outputs = [o.level for o in program.outputs]
+    return output_temps.sets(computed, outputs, _no_larger(program, outputs=False))
+
+
+def _no_larger(program: Program, outputs: bool = True):
     """`small(indices)`: whether a tensor over these indices is no larger than one of the
-    program's inputs or outputs (the same sizes, perhaps under other names)."""
+    program's inputs or outputs (the same sizes, perhaps under other names); of its
+    inputs only when not `outputs`."""
     key = _size_key(program)
     sizes = [_input_sizes(program, name, key) for name in program.inputs]
-    sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
+    if outputs:
+        sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
 
     def small(indices) -> bool:
         counted = Counter(key(i) for i in set(indices))
@@ -476,4 +491,8 @@ def tiling(
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,
         summed=summed,
+        output_sized=all(
+            b in _output_sized(program) and sampled_temps.weight(b, program) == 1
+            for b in choice.big
+        ),
     )

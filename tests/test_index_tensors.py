@@ -318,6 +318,9 @@ TENSORS = {
 # The ops whose temporaries outgrow their inputs and outputs (gathered windows, the CSR
 # mask's dense branch): their modules run in chunks above MAX_TEMP_BYTES.
 TILED = {"PaconvAssignScore", "SegmentCsrSum", "NattenQk1d", "LongformerQk", "LongformerAv"}
+# Three gathers of attr and their products over the output [n,h,w,c], larger than every
+# input (`output_temps`).
+TILED |= {"NvdiffrastInterpolate"}
 
 
 @pytest.mark.parametrize("budget", [None, 64], ids=["whole", "chunks"])
