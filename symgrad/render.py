@@ -103,46 +103,48 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
     )
 
 
-def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None]]:
-    """Per input of a tiled module, how its gradient comes out of the chunks: ("none",)
-    for no gradient, ("cut", axis) for an input cut to the chunk (concatenated along
-    axis), ("sum", None) for one read whole (the chunks' gradients added)."""
+def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None, int | None]]:
+    """Per input of a tiled module, how its gradient comes out of the chunks
+    (`_gradient_ways`)."""
     if module.tiling is None:
         return []
+    return _gradient_ways(module.inputs, module.tiling, module.inputs, module.backward.returns)
+
+
+def _gradient_ways(
+    names: tuple[str, ...], tiling: ir.Tiling, inputs: tuple[str, ...], returns: tuple
+) -> list[tuple[str, str, int | None, int | None]]:
+    """Per input in `names`, how its gradient comes out of a tiling's chunks: (name,
+    "none", None, at) for no gradient, (name, "cut", axis, at) for an input cut to the
+    chunk (concatenated along axis), (name, "sum", None, at) for one read whole (the
+    chunks' gradients added); `at` is its position among the chunk's `inputs` (None where
+    the chunk does not read it), whose gradients are `returns`."""
     found = []
-    for name, grad in zip(module.inputs, module.backward.returns, strict=True):
-        axis = module.tiling.cut_axis(name)
-        if grad is None:
-            found.append((name, "none", None))
-        elif axis is not None:
-            found.append((name, "cut", axis))
+    for name in names:
+        at = inputs.index(name) if name in inputs else None
+        if at is None or returns[at] is None:
+            found.append((name, "none", None, at))
         else:
-            found.append((name, "sum", None))
+            axis = tiling.cut_axis(name)
+            found.append((name, "sum" if axis is None else "cut", axis, at))
     return found
 
 
 def _tile_parts(module: ir.Module) -> list[dict]:
     """Per part of a module in parts (`tile_parts`): its tiling; per input of the module,
-    how its gradient comes out of the part's chunks (name, "none" | "cut" | "sum", axis,
-    its position among the chunk's inputs); the incoming gradients the part reads; and
-    per output of the part, (axis of the tiled index, rank)."""
+    how its gradient comes out of the part's chunks (`_gradient_ways`); the incoming
+    gradients the part reads; and per output of the part, (axis of the tiled index, rank)."""
     if module.tiling is None:
         return []
     found = []
     for part in module.tiling.parts:
         chunk = part.tiling.chunk
-        grads = []
-        for name in module.inputs:
-            at = chunk.inputs.index(name) if name in chunk.inputs else None
-            axis = part.tiling.cut_axis(name)
-            if at is None or chunk.backward.returns[at] is None:
-                grads.append((name, "none", None, at))
-            else:
-                grads.append((name, "sum" if axis is None else "cut", axis, at))
         found.append(
             {
                 "t": part.tiling,
-                "grads": grads,
+                "grads": _gradient_ways(
+                    module.inputs, part.tiling, chunk.inputs, chunk.backward.returns
+                ),
                 "grad_names": tuple(module.grads[o] for o in part.outputs),
                 "output_axes": _axes_and_ranks(
                     part.tiling.output_axes, [module.output_axes[o] for o in part.outputs]
