@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import ir
+from . import ir, tile_once
 from .targets import TARGETS, Target
 from .targets.printer import Printer
 
@@ -94,6 +94,7 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             output_axes=repr(module.output_axes),
             vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
             tile_grads=_tile_grads(module),
+            program_recomputes=tile_once.program_recomputes(module),
             tile_parts=_tile_parts(module),
             tile_sources=_tile_sources(module),
             tile_output_axes=_axes_and_ranks(

@@ -9,6 +9,7 @@ The TensorFlow target's tiling is tested in tests/test_tiling_tf.py.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,9 +169,15 @@ def chunk_program(module) -> str:
 
 def _counting(monkeypatch, module) -> list[int]:
     """Count the chunks the module computes (the chunk program's calls: `_compute`, or
-    `_chunk_compute` where the module keeps two programs; and the backward's
-    `_chunk_saved` calls where the chunk's gradient reads no output)."""
+    `_chunk_compute` where the module keeps two programs; and where the chunk's gradient
+    reads no output, the backward's calls of what recomputes the chunk's intermediates:
+    `_chunk_saved`, or `_recompute` where the one program serves it too)."""
     calls = []
+    names = [chunk_program(module), "_chunk_saved"]
+    if hasattr(module, "_tiled_backward") and "_recompute(" in inspect.getsource(
+        module._tiled_backward
+    ):
+        names.append("_recompute")
 
     def counting(chunk):
         def counted(*args, **kwargs):
@@ -179,7 +186,7 @@ def _counting(monkeypatch, module) -> list[int]:
 
         return counted
 
-    for name in (chunk_program(module), "_chunk_saved"):
+    for name in names:
         if hasattr(module, name):
             monkeypatch.setattr(module, name, counting(getattr(module, name)))
     return calls
@@ -277,9 +284,13 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
     grad = torch.tensor(np.random.default_rng(2).standard_normal(tuple(y.shape)))
     want = torch.autograd.grad(y, xs, grad)
     budget_of(module, budgets(module, xs, case.attrs)[-1])
+    y = op(*xs, *values)
     calls = _counting(monkeypatch, module)
-    got = torch.autograd.grad(op(*xs, *values), xs, grad)
-    assert calls, "the registered backward did not run in chunks"
+    got = torch.autograd.grad(y, xs, grad)
+    n, c = module._tile_plan(*xs, **case.attrs)
+    assert len(calls) == -(-n // c), (
+        f"the registered backward ran {len(calls)} chunks, n={n}, c={c}"
+    )
     for g, w in zip(got, want, strict=True):
         _close(g, w, f"{name} registered backward")
 
@@ -287,8 +298,8 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
 @pytest.mark.parametrize("name", ["lightconv_same", "correlation"])
 def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, budget_of):
     """A chunk's gradient that reads no output of the chunk recomputes only the
-    intermediates it reads (`_chunk_saved`), never the outputs' contraction: the backward
-    calls the chunk's `_compute` not once."""
+    intermediates it reads (`_chunk_saved`, or the one program's `_recompute`), never the
+    outputs' contraction: the backward calls the chunk's `_compute` not once."""
     module = modules(name, "pytorch")
     attrs = CASES[name].attrs
     xs = _torch(_arrays(name, module))
