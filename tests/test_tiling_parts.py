@@ -10,6 +10,7 @@ times the bound stays within 4x the inputs and outputs plus the budget.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -399,6 +400,46 @@ def test_pytorch_compile_fullgraph_takes_the_parts(tmp_path):
     compiled(*leaves).backward()
     for leaf, w in zip(leaves, want, strict=True):
         np.testing.assert_allclose(leaf.grad.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_pytorch_parts_skip_a_gradient_that_is_not_needed(name, tmp_path, monkeypatch):
+    """A step that needs x's gradient only (z is a constant): torch's needs_input_grad
+    reaches every part's chunks, which return None for z instead of computing it, as the
+    one-part tiled backward does; x's gradient is the untiled one."""
+    module = _module(name, tmp_path, "pytorch")
+    x, z = (torch.tensor(a) for a in _arrays(module.INPUTS))
+    leaf = x.clone().requires_grad_(True)
+
+    def gradient():
+        outputs = module.forward(leaf, z)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return torch.autograd.grad(sum((o**2).sum() for o in outputs), [leaf])[0]
+
+    want = gradient()
+    module.MAX_TEMP_BYTES = TINY
+    n0, c0, n1, c1 = module._tile_plan(x, z)
+    returned = {0: [], 1: []}
+    params = {
+        k: list(inspect.signature(getattr(module, f"_part{k}_chunk_backward")).parameters)
+        for k in returned
+    }
+    for k, calls in returned.items():
+        chunk = getattr(module, f"_part{k}_chunk_backward")
+
+        def recording(*args, _chunk=chunk, _calls=calls, **kwargs):
+            _calls.append(_chunk(*args, **kwargs))
+            return _calls[-1]
+
+        monkeypatch.setattr(module, f"_part{k}_chunk_backward", recording)
+    got = gradient()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+    assert [len(returned[0]), len(returned[1])] == [-(-n0 // c0), -(-n1 // c1)]
+    for k, calls in returned.items():
+        at_x, at_z = params[k].index("x"), params[k].index("z")  # the chunk's inputs come first
+        for grads in calls:
+            assert grads[at_z] is None, f"part {k} computed z's gradient, which is not needed"
+            assert grads[at_x] is not None
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
