@@ -5,7 +5,8 @@
   a test writes a script that measures with `peak` and runs it with `run_tensorflow`.
 - PyTorch: the running sum of torch.profiler's allocation events, in the order they happen
   (`torch_peak`).
-- JAX: the compiled step's `memory_analysis()`, read in each test.
+- JAX: the compiled step's `memory_analysis()` (`jax_step_memory`; `jax_step_bytes` for
+  its temporaries, arguments and outputs together).
 """
 
 from __future__ import annotations
@@ -58,3 +59,37 @@ def torch_peak(step) -> int:
         total += event.nbytes()
         top = max(top, total)
     return top
+
+
+def jax_step_memory(module, args, attrs=None, wrt=None):
+    """XLA's `memory_analysis()` of a jitted training step's gradient: of the sum of sin of
+    every output of `module.forward`, with respect to the inputs at positions `wrt` (every
+    one by default). Traced anew at each call, so under the module's current
+    MAX_TEMP_BYTES."""
+    import jax
+    import jax.numpy as jnp
+
+    attrs = attrs or {}
+    wrt = tuple(range(len(args))) if wrt is None else wrt
+
+    def loss(*a):
+        outputs = module.forward(*a, **attrs)
+        if isinstance(outputs, tuple):
+            return sum(jnp.sum(jnp.sin(o)) for o in outputs)
+        return jnp.sum(jnp.sin(outputs))
+
+    def grad(*a):  # a new function: traced with the current budget
+        return jax.grad(loss, argnums=wrt)(*a)
+
+    return jax.jit(grad).lower(*args).compile().memory_analysis()
+
+
+def jax_step_bytes(module, args, attrs=None, wrt=None) -> int:
+    """The bytes a jitted training step's gradient holds (`jax_step_memory`): its
+    temporaries, arguments and outputs."""
+    analysis = jax_step_memory(module, args, attrs, wrt)
+    return (
+        analysis.temp_size_in_bytes
+        + analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+    )

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import load_module
+from peaks import jax_step_memory
 
 from symgrad.pipeline import module_text
 from symgrad.spec import OpSpec, parse_spec
@@ -620,22 +621,13 @@ def test_jax_tiled_training_step_memory_is_bounded(name, modules, budget_of):
     shapes, attrs = MEMORY_CASES[name]
     xs = [jnp.asarray(rng.standard_normal(shapes[n]), jnp.float32) for n in module.INPUTS]
 
-    def temporaries():
-        def loss(*a):
-            return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
-
-        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
-
     budget_of(module, 2**40)
     assert module._tile_plan(*xs, **attrs) is None
-    untiled = temporaries()
+    untiled = jax_step_memory(module, xs, attrs).temp_size_in_bytes
     budget = 2**18
     budget_of(module, budget)
     assert module._tile_plan(*xs, **attrs) is not None
-    tiled = temporaries()
+    tiled = jax_step_memory(module, xs, attrs).temp_size_in_bytes
     inputs_and_outputs = sum(x.nbytes for x in xs) * 2
     print(f"{name}: gradient temporaries {untiled} bytes untiled, {tiled} tiled at {budget}")
     assert tiled <= budget + 2 * inputs_and_outputs, (tiled, untiled)

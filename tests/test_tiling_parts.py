@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import run_tensorflow, torch_peak
+from peaks import jax_step_memory, run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -296,22 +296,11 @@ def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, tmp_path):
     module = _module(name, tmp_path, "jax")
     xs = _memory_inputs(module, jnp.asarray)
 
-    def temporaries():
-        def loss(*a):
-            outputs = module.forward(*a)
-            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            return sum(jnp.sum(jnp.sin(o)) for o in outputs)
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
-
-        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
-
     module.MAX_TEMP_BYTES = 2**40
-    untiled = temporaries()
+    untiled = jax_step_memory(module, xs).temp_size_in_bytes
     module.MAX_TEMP_BYTES = BUDGET
     assert module._tile_plan(*xs) is not None
-    tiled = temporaries()
+    tiled = jax_step_memory(module, xs).temp_size_in_bytes
     outputs = module.forward(*xs)
     bound = BUDGET + 4 * _io_bytes(xs, outputs if isinstance(outputs, tuple) else (outputs,))
     print(f"{name}: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
