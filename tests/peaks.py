@@ -29,6 +29,38 @@ def peak(run) -> int:
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
+def tf_step_peaks(module, args, budget, attrs=None, watched=None) -> dict:
+    """In a process started by `run_tensorflow`: TensorFlow's peak bytes (`peak`) for a
+    training step of `module` (the gradient of the sum of sin of every output with respect
+    to `watched`, every arg by default), untiled and with MAX_TEMP_BYTES at `budget`, where
+    it must tile; and the bytes of its inputs and outputs (`io`)."""
+    import tensorflow as tf
+
+    attrs = attrs or {}
+    watched = list(args) if watched is None else watched
+
+    def outputs():
+        out = module.forward(*args, **attrs)
+        return out if isinstance(out, tuple) else (out,)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            out = outputs()
+            if len(out) > 1:
+                loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in out])
+            else:
+                loss = tf.reduce_sum(tf.sin(out[0]))
+        return [g.numpy() for g in tape.gradient(loss, watched)]
+
+    io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = peak(run)
+    module.MAX_TEMP_BYTES = budget
+    assert module._tile_plan(*args, **attrs) is not None
+    return {"io": io, "untiled": untiled, "tiled": peak(run)}
+
+
 def run_tensorflow(script: str, timeout: int = 600):
     """Run a measuring script in a fresh process with TensorFlow's CPU statistics on; the
     JSON of its last printed line."""

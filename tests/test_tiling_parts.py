@@ -311,41 +311,19 @@ def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, tmp_path):
 MEASURE = """
 import json, sys
 sys.path.insert(0, {tests!r})
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import tensorflow as tf
 from pathlib import Path
 from harness import Case, generate
+from peaks import tf_step_peaks
 rng = np.random.default_rng(0)
-
-from peaks import peak
 
 found = {{}}
 for name, formulas in {cases}.items():
     module = generate(Case(formulas, {{}}), Path({folder!r}), prefix="Memory")
     args = [tf.constant(rng.uniform(-1, 1, {memory}[n]).astype(np.float32))
             for n in module.INPUTS]
-
-    def outputs():
-        out = module.forward(*args)
-        return out if isinstance(out, tuple) else (out,)
-
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(args)
-            loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in outputs()])
-        return [g.numpy() for g in tape.gradient(loss, args)]
-
-    io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(run)
-    module.MAX_TEMP_BYTES = {budget}
-    tiled = peak(run)
-    found[name] = dict(io=io, untiled=untiled, tiled=tiled)
+    found[name] = tf_step_peaks(module, args, {budget})
 print(json.dumps(found))
 """
 

@@ -324,30 +324,17 @@ import numpy as np
 import tensorflow as tf
 from pathlib import Path
 from harness import Case, generate
+from peaks import tf_step_peaks
 cases = {cases}
 memory = {memory}
 rng = np.random.default_rng(0)
-
-from peaks import peak
 
 found = {{}}
 for name, formula in cases.items():
     module = generate(Case(formula, {{}}), Path({folder!r}), prefix="Memory")
     args = [tf.constant(rng.uniform(-1, 1, memory[name][n]).astype(np.float32))
             for n in module.INPUTS]
-
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(args)
-            loss = tf.reduce_sum(tf.sin(module.forward(*args)))
-        return [g.numpy() for g in tape.gradient(loss, args)]
-
-    io = sum(a.numpy().nbytes for a in args) + module.forward(*args).numpy().nbytes
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(run)
-    module.MAX_TEMP_BYTES = {budget}
-    tiled = peak(run)
-    found[name] = dict(io=io, untiled=untiled, tiled=tiled)
+    found[name] = tf_step_peaks(module, args, {budget})
 print(json.dumps(found))
 """
 
