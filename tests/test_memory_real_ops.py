@@ -112,33 +112,20 @@ def test_a_window_of_one_position_ties_and_does_not_move_other_choices():
 
 MEASURE = """
 import json, sys
-import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
 sys.path.insert(0, {tests!r})
 import importlib
 from test_memory_real_ops import SIZES, _arrays
 
-from peaks import peak
+from peaks import tf_step_peaks
 
 found = {{}}
 for op, (stem, shapes, ints, attrs) in SIZES.items():
     module = importlib.import_module("generated." + stem)
     args = [tf.constant(a) for a in _arrays(op)]
     floats = [a for n, a in zip(shapes, args) if n not in ints]
-
-    def step():
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            loss = tf.reduce_sum(tf.sin(module.forward(*args, **attrs)))
-        return [g.numpy() for g in tape.gradient(loss, floats)]
-
-    io = sum(a.numpy().nbytes for a in args) + module.forward(*args, **attrs).numpy().nbytes
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(step)
-    module.MAX_TEMP_BYTES = {budget}
-    tiled = peak(step)
-    found[op] = dict(io=io, untiled=untiled, tiled=tiled)
+    found[op] = tf_step_peaks(module, args, {budget}, attrs, floats)
 print(json.dumps(found))
 """
 
