@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import ir
+from . import ir, tile_once
 from .targets import TARGETS, Target
 from .targets.printer import Printer
 
@@ -94,6 +94,7 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             output_axes=repr(module.output_axes),
             vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
             tile_grads=_tile_grads(module),
+            program_recomputes=tile_once.program_recomputes(module),
             tile_parts=_tile_parts(module),
             tile_sources=_tile_sources(module),
             tile_output_axes=_axes_and_ranks(
@@ -146,47 +147,47 @@ def tile_nest_context(module: ir.Module) -> dict:
     }
 
 
-def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None]]:
-    """Per input of a tiled module, how its gradient comes out of the chunks: ("none",)
-    for no gradient, ("cut", axis) for an input cut to the chunk (concatenated along
-    axis), ("sum", None) for one read whole (the chunks' gradients added)."""
+def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None, int | None]]:
+    """Per input of a tiled module, how its gradient comes out of the chunks
+    (`_gradient_ways`)."""
     if module.tiling is None:
         return []
+    return _gradient_ways(module.inputs, module.tiling, module.inputs, module.backward.returns)
+
+
+def _gradient_ways(
+    names: tuple[str, ...], tiling: ir.Tiling, inputs: tuple[str, ...], returns: tuple
+) -> list[tuple[str, str, int | None, int | None]]:
+    """Per input in `names`, how its gradient comes out of a tiling's chunks: (name,
+    "none", None, at) for no gradient, (name, "cut", axis, at) for an input cut to the
+    chunk (concatenated along axis), (name, "sum", None, at) for one read whole (the
+    chunks' gradients added); `at` is its position among the chunk's `inputs` (None where
+    the chunk does not read it), whose gradients are `returns`."""
     found = []
-    for name, grad in zip(module.inputs, module.backward.returns, strict=True):
-        axis = module.tiling.cut_axis(name)
-        if grad is None:
-            found.append((name, "none", None))
-        elif axis is not None:
-            found.append((name, "cut", axis))
+    for name in names:
+        at = inputs.index(name) if name in inputs else None
+        if at is None or returns[at] is None:
+            found.append((name, "none", None, at))
         else:
-            found.append((name, "sum", None))
+            axis = tiling.cut_axis(name)
+            found.append((name, "sum" if axis is None else "cut", axis, at))
     return found
 
 
 def _tile_parts(module: ir.Module) -> list[dict]:
     """Per part of a module in parts (`tile_parts`): its tiling; per input of the module,
-    how its gradient comes out of the part's chunks (name, "none" | "cut" | "sum", axis,
-    its position among the chunk's inputs); the incoming gradients the part reads; and
-    per output of the part, (axis of the tiled index, rank)."""
+    how its gradient comes out of the part's chunks (`_gradient_ways`); the incoming
+    gradients the part reads; and per output of the part, (axis of the tiled index, rank)."""
     if module.tiling is None:
         return []
     found = []
     for k, part in enumerate(module.tiling.parts):
         chunk = part.tiling.chunk
         env = part.env or module.inputs  # a stage also reads earlier internal tensors
-        grads = []
-        for name in env:
-            at = chunk.inputs.index(name) if name in chunk.inputs else None
-            axis = part.tiling.cut_axis(name)
-            if at is None or chunk.backward.returns[at] is None:
-                grads.append((name, "none", None, at))
-            else:
-                grads.append((name, "sum" if axis is None else "cut", axis, at))
         found.append(
             {
                 "t": part.tiling,
-                "grads": grads,
+                "grads": _gradient_ways(env, part.tiling, chunk.inputs, chunk.backward.returns),
                 "grad_names": _part_grad_names(module, part),
                 "env": env,
                 "k": k,
@@ -197,12 +198,6 @@ def _tile_parts(module: ir.Module) -> list[dict]:
                 "names": part.names,
                 # per output of a stage, its rank (the loop's concatenation may lose it)
                 "out_ranks": {n: len(a) for n, a in zip(part.names, chunk.output_axes)},
-                # a stage's chunk may read more tensors than the op has inputs
-                "needs": (
-                    f", _needs={(True,) * len(chunk.inputs)!r}"
-                    if len(chunk.inputs) > len(module.inputs)
-                    else ""
-                ),
                 "output_axes": _axes_and_ranks(
                     part.tiling.output_axes,
                     # a stage's outputs may be internal tensors: its chunk's own ranks

@@ -68,6 +68,25 @@ def merge(module: ir.Module) -> tuple[ir.Module, str]:
     return replace(module, tiling=replace(tiling, chunk=chunk, program=program)), ""
 
 
+def program_recomputes(module: ir.Module) -> bool:
+    """Whether a module with one program recomputes its intermediates with it too, so that
+    one `_recompute` (PyTorch) serves the untiled backward and every chunk's.
+
+    The two used to be apart: `_recompute` takes the op's inputs and outputs, for the
+    untiled backward; the tiled backward keeps no chunk's outputs, so where the chunk's
+    gradient reads none it had its own `_chunk_saved`, the chunk's forward cut to the
+    intermediates. They are one computation when the op's recompute is its forward's steps
+    from the inputs alone (no output, no shortcut read): the program at its defaults is
+    then those steps, step for step (`merge`)."""
+    tiling = module.tiling
+    if tiling is None or tiling.program is None or not module.saved:
+        return False
+    if ir.names_read(tiling.chunk.backward) & set(tiling.chunk.outputs):
+        return False
+    plain = ir.prune(module.forward, module.saved, set(module.inputs))
+    return plain.steps == module.recompute.steps
+
+
 def _merge_block(
     whole: ir.Block, part: ir.Block, start: str | None, starts: set[str], length: str | None
 ) -> ir.Block | str:

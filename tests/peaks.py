@@ -5,7 +5,8 @@
   a test writes a script that measures with `peak` and runs it with `run_tensorflow`.
 - PyTorch: the running sum of torch.profiler's allocation events, in the order they happen
   (`torch_peak`).
-- JAX: the compiled step's `memory_analysis()`, read in each test.
+- JAX: the compiled step's `memory_analysis()` (`jax_step_memory`; `jax_step_bytes` for
+  its temporaries, arguments and outputs together).
 """
 
 from __future__ import annotations
@@ -26,6 +27,38 @@ def peak(run) -> int:
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
     run()
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+
+def tf_step_peaks(module, args, budget, attrs=None, watched=None) -> dict:
+    """In a process started by `run_tensorflow`: TensorFlow's peak bytes (`peak`) for a
+    training step of `module` (the gradient of the sum of sin of every output with respect
+    to `watched`, every arg by default), untiled and with MAX_TEMP_BYTES at `budget`, where
+    it must tile; and the bytes of its inputs and outputs (`io`)."""
+    import tensorflow as tf
+
+    attrs = attrs or {}
+    watched = list(args) if watched is None else watched
+
+    def outputs():
+        out = module.forward(*args, **attrs)
+        return out if isinstance(out, tuple) else (out,)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            out = outputs()
+            if len(out) > 1:
+                loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in out])
+            else:
+                loss = tf.reduce_sum(tf.sin(out[0]))
+        return [g.numpy() for g in tape.gradient(loss, watched)]
+
+    io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = peak(run)
+    module.MAX_TEMP_BYTES = budget
+    assert module._tile_plan(*args, **attrs) is not None
+    return {"io": io, "untiled": untiled, "tiled": peak(run)}
 
 
 def run_tensorflow(script: str, timeout: int = 600):
@@ -58,3 +91,37 @@ def torch_peak(step) -> int:
         total += event.nbytes()
         top = max(top, total)
     return top
+
+
+def jax_step_memory(module, args, attrs=None, wrt=None):
+    """XLA's `memory_analysis()` of a jitted training step's gradient: of the sum of sin of
+    every output of `module.forward`, with respect to the inputs at positions `wrt` (every
+    one by default). Traced anew at each call, so under the module's current
+    MAX_TEMP_BYTES."""
+    import jax
+    import jax.numpy as jnp
+
+    attrs = attrs or {}
+    wrt = tuple(range(len(args))) if wrt is None else wrt
+
+    def loss(*a):
+        outputs = module.forward(*a, **attrs)
+        if isinstance(outputs, tuple):
+            return sum(jnp.sum(jnp.sin(o)) for o in outputs)
+        return jnp.sum(jnp.sin(outputs))
+
+    def grad(*a):  # a new function: traced with the current budget
+        return jax.grad(loss, argnums=wrt)(*a)
+
+    return jax.jit(grad).lower(*args).compile().memory_analysis()
+
+
+def jax_step_bytes(module, args, attrs=None, wrt=None) -> int:
+    """The bytes a jitted training step's gradient holds (`jax_step_memory`): its
+    temporaries, arguments and outputs."""
+    analysis = jax_step_memory(module, args, attrs, wrt)
+    return (
+        analysis.temp_size_in_bytes
+        + analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+    )

@@ -263,9 +263,8 @@ import numpy as np
 import tensorflow as tf
 from pathlib import Path
 from harness import Case, generate
+from peaks import tf_step_peaks
 from test_memory_pairwise_ops import OPS, _arrays
-
-from peaks import peak
 
 found = {{}}
 for name, op in OPS.items():
@@ -273,19 +272,7 @@ for name, op in OPS.items():
     arrays = _arrays(op, module.INPUTS, op.large, seed=6, dtype=np.float32)
     args = [tf.constant(a) for a in arrays]
     floats = [a for a, x in zip(args, arrays) if x.dtype.kind == "f"]
-
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            loss = tf.reduce_sum(tf.sin(module.forward(*args, **op.attrs)))
-        return [g.numpy() for g in tape.gradient(loss, floats)]
-
-    io = sum(a.nbytes for a in arrays) + module.forward(*args, **op.attrs).numpy().nbytes
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(run)
-    module.MAX_TEMP_BYTES = {budget}
-    assert module._tile_plan(*args, **op.attrs) is not None
-    found[name] = dict(io=io, untiled=untiled, tiled=peak(run))
+    found[name] = tf_step_peaks(module, args, {budget}, op.attrs, floats)
 print(json.dumps(found))
 """
 

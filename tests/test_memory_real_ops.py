@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 from harness import load_module
-from peaks import run_tensorflow
+from peaks import jax_step_bytes, run_tensorflow
 from test_tiling import _torch_memory
 
 from symgrad.model import build
@@ -112,33 +112,20 @@ def test_a_window_of_one_position_ties_and_does_not_move_other_choices():
 
 MEASURE = """
 import json, sys
-import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
 sys.path.insert(0, {tests!r})
 import importlib
 from test_memory_real_ops import SIZES, _arrays
 
-from peaks import peak
+from peaks import tf_step_peaks
 
 found = {{}}
 for op, (stem, shapes, ints, attrs) in SIZES.items():
     module = importlib.import_module("generated." + stem)
     args = [tf.constant(a) for a in _arrays(op)]
     floats = [a for n, a in zip(shapes, args) if n not in ints]
-
-    def step():
-        with tf.GradientTape() as tape:
-            tape.watch(floats)
-            loss = tf.reduce_sum(tf.sin(module.forward(*args, **attrs)))
-        return [g.numpy() for g in tape.gradient(loss, floats)]
-
-    io = sum(a.numpy().nbytes for a in args) + module.forward(*args, **attrs).numpy().nbytes
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(step)
-    module.MAX_TEMP_BYTES = {budget}
-    tiled = peak(step)
-    found[op] = dict(io=io, untiled=untiled, tiled=tiled)
+    found[op] = tf_step_peaks(module, args, {budget}, attrs, floats)
 print(json.dumps(found))
 """
 
@@ -197,27 +184,13 @@ def test_jax_training_step_of_a_real_windowed_op_is_bounded(op, folder, monkeypa
     args = [jnp.asarray(a) for a in _arrays(op)]
     wrt = tuple(k for k, n in enumerate(shapes) if n not in ints)
 
-    def peak():
-        def loss(*a):
-            return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=wrt)(*a)
-
-        analysis = jax.jit(grad).lower(*args).compile().memory_analysis()
-        return (
-            analysis.temp_size_in_bytes
-            + analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-        )
-
     out = jax.eval_shape(lambda *a: module.forward(*a, **attrs), *args)
     io = sum(a.nbytes for a in args) + out.size * out.dtype.itemsize
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    untiled = peak()
+    untiled = jax_step_bytes(module, args, attrs, wrt)
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
     assert module._tile_plan(*args, **attrs) is not None
-    _check(op, "jax", io, untiled, peak())
+    _check(op, "jax", io, untiled, jax_step_bytes(module, args, attrs, wrt))
 
 
 def test_the_sizes_are_the_ops_layouts():

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 from harness import load_module
-from peaks import run_tensorflow
+from peaks import jax_step_bytes, run_tensorflow
 from test_tiling import _torch_memory
 
 from symgrad.pipeline import module_text
@@ -155,26 +155,10 @@ def test_jax_training_step_of_a_sampled_read_is_bounded(op, folder, monkeypatch)
     module = _module(op, "jax", folder)
     _, _, attrs, budget = SIZES[op]
     args = [jnp.asarray(a) for a in _arrays(op)]
-    wrt = tuple(range(len(args)))
-
-    def peak():
-        def loss(*a):
-            return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=wrt)(*a)
-
-        analysis = jax.jit(grad).lower(*args).compile().memory_analysis()
-        return (
-            analysis.temp_size_in_bytes
-            + analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-        )
-
     out = jax.eval_shape(lambda *a: module.forward(*a, **attrs), *args)
     io = sum(a.nbytes for a in args) + out.size * out.dtype.itemsize
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    untiled = peak()
+    untiled = jax_step_bytes(module, args, attrs)
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", budget)
-    tiled = module._tile_plan(*args, **attrs) is not None and peak()
+    tiled = module._tile_plan(*args, **attrs) is not None and jax_step_bytes(module, args, attrs)
     _check(op, "jax", io, untiled, tiled)

@@ -69,6 +69,7 @@ def test_a_committed_tiled_module_writes_its_program_once():
             assert "# Two programs: the chunk's lowering differs" in path.read_text(), path
             continue
         assert not defined & {"_chunk_compute", "_chunk_backward"}, f"{path}: two programs"
+        assert "_chunk_saved" not in defined, f"{path}: two recomputes of the intermediates"
         once += 1
     assert once >= 40, once
 
@@ -182,6 +183,26 @@ def test_pytorch_and_jax_untiled_calls_are_bit_identical_too(name, tmp_path, mon
         got = one.vjp(*xs, grad, **attrs)
         for g1, g2 in zip(got, two.vjp(*xs, grad, **attrs), strict=True):
             np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pytorch_recomputes_the_intermediates_with_the_one_program(name, tmp_path, monkeypatch):
+    """The one program serves PyTorch's `_recompute` too (`tile_once.program_recomputes`):
+    the untiled backward calls it at the defaults, each chunk with its start, and no
+    `_chunk_saved` stands beside it; at the defaults it gives bit for bit the intermediates
+    of the module that kept both programs, and those `_compute` saves."""
+    torch = pytest.importorskip("torch")
+    one, two = _both(_spec_op(name), "pytorch", tmp_path, monkeypatch)
+    assert not hasattr(one, "_chunk_saved") and hasattr(two, "_chunk_saved")
+    shapes, attrs = CASES[name]
+    xs = [torch.tensor(a) for a in _inputs(one, shapes, np.random.default_rng(7))]
+    outputs, saved = one._compute(*xs, **attrs)
+    got = one._recompute(*xs, *outputs, **attrs)
+    want = two._recompute(*xs, *outputs, **attrs)
+    assert len(got) == len(want) == len(saved) > 0
+    for g, w, s in zip(got, want, saved, strict=True):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+        np.testing.assert_array_equal(g.numpy(), s.numpy())
 
 
 def test_the_untiled_call_runs_the_ops_of_the_two_program_module(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ The TensorFlow target's tiling is tested in tests/test_tiling_tf.py.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import load_module
+from peaks import jax_step_memory
 
 from symgrad.pipeline import module_text
 from symgrad.spec import OpSpec, parse_spec
@@ -168,9 +170,15 @@ def chunk_program(module) -> str:
 
 def _counting(monkeypatch, module) -> list[int]:
     """Count the chunks the module computes (the chunk program's calls: `_compute`, or
-    `_chunk_compute` where the module keeps two programs; and the backward's
-    `_chunk_saved` calls where the chunk's gradient reads no output)."""
+    `_chunk_compute` where the module keeps two programs; and where the chunk's gradient
+    reads no output, the backward's calls of what recomputes the chunk's intermediates:
+    `_chunk_saved`, or `_recompute` where the one program serves it too)."""
     calls = []
+    names = [chunk_program(module), "_chunk_saved"]
+    if hasattr(module, "_tiled_backward") and "_recompute(" in inspect.getsource(
+        module._tiled_backward
+    ):
+        names.append("_recompute")
 
     def counting(chunk):
         def counted(*args, **kwargs):
@@ -179,7 +187,7 @@ def _counting(monkeypatch, module) -> list[int]:
 
         return counted
 
-    for name in (chunk_program(module), "_chunk_saved"):
+    for name in names:
         if hasattr(module, name):
             monkeypatch.setattr(module, name, counting(getattr(module, name)))
     return calls
@@ -277,9 +285,13 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
     grad = torch.tensor(np.random.default_rng(2).standard_normal(tuple(y.shape)))
     want = torch.autograd.grad(y, xs, grad)
     budget_of(module, budgets(module, xs, case.attrs)[-1])
+    y = op(*xs, *values)
     calls = _counting(monkeypatch, module)
-    got = torch.autograd.grad(op(*xs, *values), xs, grad)
-    assert calls, "the registered backward did not run in chunks"
+    got = torch.autograd.grad(y, xs, grad)
+    n, c = module._tile_plan(*xs, **case.attrs)
+    assert len(calls) == -(-n // c), (
+        f"the registered backward ran {len(calls)} chunks, n={n}, c={c}"
+    )
     for g, w in zip(got, want, strict=True):
         _close(g, w, f"{name} registered backward")
 
@@ -287,8 +299,8 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
 @pytest.mark.parametrize("name", ["lightconv_same", "correlation"])
 def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, budget_of):
     """A chunk's gradient that reads no output of the chunk recomputes only the
-    intermediates it reads (`_chunk_saved`), never the outputs' contraction: the backward
-    calls the chunk's `_compute` not once."""
+    intermediates it reads (`_chunk_saved`, or the one program's `_recompute`), never the
+    outputs' contraction: the backward calls the chunk's `_compute` not once."""
     module = modules(name, "pytorch")
     attrs = CASES[name].attrs
     xs = _torch(_arrays(name, module))
@@ -609,22 +621,13 @@ def test_jax_tiled_training_step_memory_is_bounded(name, modules, budget_of):
     shapes, attrs = MEMORY_CASES[name]
     xs = [jnp.asarray(rng.standard_normal(shapes[n]), jnp.float32) for n in module.INPUTS]
 
-    def temporaries():
-        def loss(*a):
-            return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
-
-        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
-
     budget_of(module, 2**40)
     assert module._tile_plan(*xs, **attrs) is None
-    untiled = temporaries()
+    untiled = jax_step_memory(module, xs, attrs).temp_size_in_bytes
     budget = 2**18
     budget_of(module, budget)
     assert module._tile_plan(*xs, **attrs) is not None
-    tiled = temporaries()
+    tiled = jax_step_memory(module, xs, attrs).temp_size_in_bytes
     inputs_and_outputs = sum(x.nbytes for x in xs) * 2
     print(f"{name}: gradient temporaries {untiled} bytes untiled, {tiled} tiled at {budget}")
     assert tiled <= budget + 2 * inputs_and_outputs, (tiled, untiled)

@@ -10,6 +10,7 @@ times the bound stays within 4x the inputs and outputs plus the budget.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import run_tensorflow, torch_peak
+from peaks import jax_step_memory, run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -295,22 +296,11 @@ def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, tmp_path):
     module = _module(name, tmp_path, "jax")
     xs = _memory_inputs(module, jnp.asarray)
 
-    def temporaries():
-        def loss(*a):
-            outputs = module.forward(*a)
-            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            return sum(jnp.sum(jnp.sin(o)) for o in outputs)
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
-
-        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
-
     module.MAX_TEMP_BYTES = 2**40
-    untiled = temporaries()
+    untiled = jax_step_memory(module, xs).temp_size_in_bytes
     module.MAX_TEMP_BYTES = BUDGET
     assert module._tile_plan(*xs) is not None
-    tiled = temporaries()
+    tiled = jax_step_memory(module, xs).temp_size_in_bytes
     outputs = module.forward(*xs)
     bound = BUDGET + 4 * _io_bytes(xs, outputs if isinstance(outputs, tuple) else (outputs,))
     print(f"{name}: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
@@ -321,41 +311,19 @@ def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, tmp_path):
 MEASURE = """
 import json, sys
 sys.path.insert(0, {tests!r})
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import tensorflow as tf
 from pathlib import Path
 from harness import Case, generate
+from peaks import tf_step_peaks
 rng = np.random.default_rng(0)
-
-from peaks import peak
 
 found = {{}}
 for name, formulas in {cases}.items():
     module = generate(Case(formulas, {{}}), Path({folder!r}), prefix="Memory")
     args = [tf.constant(rng.uniform(-1, 1, {memory}[n]).astype(np.float32))
             for n in module.INPUTS]
-
-    def outputs():
-        out = module.forward(*args)
-        return out if isinstance(out, tuple) else (out,)
-
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(args)
-            loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in outputs()])
-        return [g.numpy() for g in tape.gradient(loss, args)]
-
-    io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(run)
-    module.MAX_TEMP_BYTES = {budget}
-    tiled = peak(run)
-    found[name] = dict(io=io, untiled=untiled, tiled=tiled)
+    found[name] = tf_step_peaks(module, args, {budget})
 print(json.dumps(found))
 """
 
@@ -399,6 +367,46 @@ def test_pytorch_compile_fullgraph_takes_the_parts(tmp_path):
     compiled(*leaves).backward()
     for leaf, w in zip(leaves, want, strict=True):
         np.testing.assert_allclose(leaf.grad.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_pytorch_parts_skip_a_gradient_that_is_not_needed(name, tmp_path, monkeypatch):
+    """A step that needs x's gradient only (z is a constant): torch's needs_input_grad
+    reaches every part's chunks, which return None for z instead of computing it, as the
+    one-part tiled backward does; x's gradient is the untiled one."""
+    module = _module(name, tmp_path, "pytorch")
+    x, z = (torch.tensor(a) for a in _arrays(module.INPUTS))
+    leaf = x.clone().requires_grad_(True)
+
+    def gradient():
+        outputs = module.forward(leaf, z)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        return torch.autograd.grad(sum((o**2).sum() for o in outputs), [leaf])[0]
+
+    want = gradient()
+    module.MAX_TEMP_BYTES = TINY
+    n0, c0, n1, c1 = module._tile_plan(x, z)
+    returned = {0: [], 1: []}
+    params = {
+        k: list(inspect.signature(getattr(module, f"_part{k}_chunk_backward")).parameters)
+        for k in returned
+    }
+    for k, calls in returned.items():
+        chunk = getattr(module, f"_part{k}_chunk_backward")
+
+        def recording(*args, _chunk=chunk, _calls=calls, **kwargs):
+            _calls.append(_chunk(*args, **kwargs))
+            return _calls[-1]
+
+        monkeypatch.setattr(module, f"_part{k}_chunk_backward", recording)
+    got = gradient()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
+    assert [len(returned[0]), len(returned[1])] == [-(-n0 // c0), -(-n1 // c1)]
+    for k, calls in returned.items():
+        at_x, at_z = params[k].index("x"), params[k].index("z")  # the chunk's inputs come first
+        for grads in calls:
+            assert grads[at_z] is None, f"part {k} computed z's gradient, which is not needed"
+            assert grads[at_x] is not None
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import run_tensorflow
+from peaks import jax_step_memory, run_tensorflow
 from target_harness import check_target, frameworks
 from test_tiling import _torch_memory
 
@@ -306,20 +306,11 @@ def test_jax_summed_tiled_gradient_memory_is_bounded(name, tmp_path):
     rng = np.random.default_rng(6)
     xs = [jnp.asarray(rng.uniform(-1, 1, MEMORY[name][n]), jnp.float32) for n in module.INPUTS]
 
-    def temporaries():
-        def loss(*a):
-            return jnp.sum(jnp.sin(module.forward(*a)))
-
-        def grad(*a):  # a new function: traced with the current budget
-            return jax.grad(loss, argnums=tuple(range(len(a))))(*a)
-
-        return jax.jit(grad).lower(*xs).compile().memory_analysis().temp_size_in_bytes
-
     module.MAX_TEMP_BYTES = 2**40
-    untiled = temporaries()
+    untiled = jax_step_memory(module, xs).temp_size_in_bytes
     module.MAX_TEMP_BYTES = BUDGET
     assert module._tile_plan(*xs) is not None
-    tiled = temporaries()
+    tiled = jax_step_memory(module, xs).temp_size_in_bytes
     bound = BUDGET + 4 * (sum(x.nbytes for x in xs) + 2 * 4)
     print(f"{name}: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
     assert untiled > 10 * bound, (untiled, bound)
@@ -333,30 +324,17 @@ import numpy as np
 import tensorflow as tf
 from pathlib import Path
 from harness import Case, generate
+from peaks import tf_step_peaks
 cases = {cases}
 memory = {memory}
 rng = np.random.default_rng(0)
-
-from peaks import peak
 
 found = {{}}
 for name, formula in cases.items():
     module = generate(Case(formula, {{}}), Path({folder!r}), prefix="Memory")
     args = [tf.constant(rng.uniform(-1, 1, memory[name][n]).astype(np.float32))
             for n in module.INPUTS]
-
-    def run():
-        with tf.GradientTape() as tape:
-            tape.watch(args)
-            loss = tf.reduce_sum(tf.sin(module.forward(*args)))
-        return [g.numpy() for g in tape.gradient(loss, args)]
-
-    io = sum(a.numpy().nbytes for a in args) + module.forward(*args).numpy().nbytes
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = peak(run)
-    module.MAX_TEMP_BYTES = {budget}
-    tiled = peak(run)
-    found[name] = dict(io=io, untiled=untiled, tiled=tiled)
+    found[name] = tf_step_peaks(module, args, {budget})
 print(json.dumps(found))
 """
 
