@@ -138,7 +138,8 @@ def test_tensorflow_tiling_in_stages_is_exact_everywhere(name, tmp_path):
     check(case, module, seed=SEED)
 
 
-@pytest.mark.parametrize("name", sorted(STAGES))
+# (the hand-written internal tensor: `test_written_by_hand_or_hoisted_the_results_are_the_same`)
+@pytest.mark.parametrize("name", sorted(set(STAGES) - {"by_hand"}))
 @pytest.mark.parametrize("target", ["pytorch", "jax"])
 def test_pytorch_and_jax_tiling_in_stages_is_exact(name, target, tmp_path):
     """forward, vjp, autodiff through `forward` and the framework's own autodiff, against
