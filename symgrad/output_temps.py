@@ -9,27 +9,29 @@ and the exponential; or the gather's positions, its mask, the gathered values an
 `where`, and in the backward their scatter. A training step then held 6-8 times the
 output where the bound allows 4 times the inputs and outputs.
 
-So an index set larger than every input that the program computes in two or more steps
-(two levels over it, or a level whose terms are more than one product of plain reads,
-or a gather) is a large temporary too, counted once (the plan's `_HELD` of them): the op
-is tiled along an output index when its output-sized temporaries exceed the budget, and
-below it keeps its one program. An op that computes its large output in one step (an
-outer product, an einsum, a broadcast sum) holds no more than the output and is left alone.
+So an output's index set, larger than every input, counts as a large temporary (once: the
+plan's `_HELD` of its size) when the levels over it take about `HELD` steps (`_steps`): the
+op is tiled along an output index when those exceed the budget, and below it keeps its
+one program. An op that computes its large output in a step or two (an outer product, an
+einsum under `exp`, the Gram form of a squared distance, a broadcast add, split reads)
+is left alone, its generated code unchanged. "Larger than every input" compares size
+keys, an index whose extent is at most one input axis (a range `x.shape[2]`, a shifted
+read's `Max(0, x.shape[1] - 1)`) taking that axis's (`axis_key`).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import sympy as sp
 
+from . import splits
 from .model import Index, Level
 
-# Output-sized tensors the forward holds, counting a level computed in one step (an
-# einsum, a broadcast add) once and any other (a nonlinearity of an operand, an expanded
-# square, a gather at computed positions, a `where`) twice, at which a training step
-# (which adds the output's gradient and the loss's temporaries) exceeds 4 times the
-# inputs and outputs.
+# Output-sized tensors computing the outputs holds (`_steps`) at which a training step,
+# which adds the output's gradient and the backward's own, exceeds 4 times the inputs
+# and outputs (RBF kernel matrix and PSA mask: 4; `exp` of an einsum: 3, within it).
 HELD = 4
 
 
@@ -45,7 +47,7 @@ def sets(
         key = frozenset(level.indices)
         if key not in own or level.kind not in ("sum", "gather") or no_larger_than_an_input(key):
             continue  # an extremum's operand is `big_sets`' own
-        steps[key] += 1 if _one_step(level) else 2
+        steps[key] += _steps(level)
     found: list[tuple[Index, ...]] = []
     for level in levels:
         key = frozenset(level.indices)
@@ -54,17 +56,68 @@ def sets(
     return found
 
 
-def _one_step(level: Level) -> bool:
-    """A level computed in one step: one term that is a product of plain reads (an
-    einsum), or, with no summed index, a sum of plain reads (a broadcast add)."""
-    if level.gather is not None or len(level.terms) != 1:
-        return False
-    (term,) = level.terms
-    if _plain(term.expr):
-        return True
-    return not term.summed and all(_plain(t) for t in sp.Add.make_args(term.expr))
+def _steps(level: Level) -> int:
+    """Tensors of the level's size that computing it holds: a gather at positions computed
+    from its indices two (the positions, the values; one for a lookup through an index
+    tensor or a split read `x[c % 4]`, a view); a sum one per term, one more for a term
+    summed and expanded (not an einsum of plain reads), and one per function over the
+    level's whole index set (`exp(-d[b,n,m])`, a `where` on it; not `tanh(A[b,i])`)."""
+    if level.gather is not None:
+        computed = [level.gather.positions[a] for a in level.gather.computed]
+        return 2 if any(not _lookup(p) for p in computed) else 1
+    whole = set(level.indices)
+    steps = 0
+    for term in level.terms:
+        steps += 1
+        if term.summed:  # an expanded polynomial; else its operand is `big_sets`' own
+            steps += bool(not _plain(term.expr) and term.expr.is_polynomial(*_reads(term.expr)))
+            continue
+        steps += sum(
+            1
+            for node in sp.preorder_traversal(term.expr)
+            if _nonlinear(node) and whole <= node.free_symbols
+        )
+    return steps
+
+
+def _reads(expr: sp.Expr) -> list[sp.Indexed]:
+    return [node for node in sp.preorder_traversal(expr) if isinstance(node, sp.Indexed)]
+
+
+def _lookup(position: sp.Expr) -> bool:
+    """A read of an index tensor (`ids[b,t]`, `tri[tid[n,h,w] - 1, 0]`) or a split of an
+    index (`c % 4`, `c // 4`): no tensor of positions is computed."""
+    return isinstance(position, sp.Indexed) or splits.has_split(position)
+
+
+def _nonlinear(node: sp.Basic) -> bool:
+    return isinstance(node, sp.Function) or (isinstance(node, sp.Pow) and not node.exp.is_Integer)
 
 
 def _plain(expr: sp.Expr) -> bool:
     """A product of plain reads and constants."""
     return all(isinstance(f, sp.Indexed) or not f.has(sp.Indexed) for f in sp.Mul.make_args(expr))
+
+
+def axis_key(program, key):
+    """`key` (tile's size key), but an index whose extent is at most one input axis
+    (`x.shape[2]`, `Max(0, x.shape[1] - 1)`: a range or a shifted read) keyed as that
+    axis, so that an output no larger than an input is not taken for a larger one."""
+    extents = dict(program.extents)
+    canonical = {source: key(i) for i, sources in program.dims for source in sources}
+
+    def bounded(index):
+        extent = extents.get(index)
+        if extent is None or index in dict(program.dims):
+            return key(index)
+        symbols = list(sp.sympify(extent).free_symbols)
+        if len(symbols) != 1:
+            return key(index)
+        (symbol,) = symbols
+        match = re.fullmatch(r"(\w+)\.shape\[(\d+)\]", symbol.name)
+        if match is None or not all(extent.subs(symbol, n) <= n for n in (1, 7, 1000)):
+            return key(index)
+        source = (match.group(1), int(match.group(2)))
+        return canonical.get(source, source)
+
+    return bounded

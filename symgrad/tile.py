@@ -103,14 +103,15 @@ def _output_sized(program: Program) -> list[tuple[Index, ...]]:
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     computed = [level for level in levels if level.name not in kernels]
     outputs = [o.level for o in program.outputs]
-    return output_temps.sets(computed, outputs, _no_larger(program, outputs=False))
+    key = output_temps.axis_key(program, _size_key(program))
+    return output_temps.sets(computed, outputs, _no_larger(program, outputs=False, key=key))
 
 
-def _no_larger(program: Program, outputs: bool = True):
+def _no_larger(program: Program, outputs: bool = True, key=None):
     """`small(indices)`: whether a tensor over these indices is no larger than one of the
     program's inputs or outputs (the same sizes, perhaps under other names); of its
-    inputs only when not `outputs`."""
-    key = _size_key(program)
+    inputs only when not `outputs`. `key`: an index's size key (default `_size_key`)."""
+    key = _size_key(program) if key is None else key
     sizes = [_input_sizes(program, name, key) for name in program.inputs]
     if outputs:
         sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]

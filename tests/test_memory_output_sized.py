@@ -90,6 +90,10 @@ OPS = {
         ("y[b,n,m] = x[b,n] * z[b,m]", False),  # an outer product: one step
         ("y[b,n,m] = x[b,n] + z[b,m]", False),  # a broadcast add: one step
         ("y[b,i,j] = tanh(A[b,i,k]) * tanh(A[b,j,k])", False),  # an einsum of tanh
+        ("y[b,i,j] = sqrt(sum((x[b,i,k] - z[b,j,k])**2, k) + 1)", True),
+        ("y[b,i,j] = sigmoid(tanh(A[b,i]) * C[b,j])", False),  # tanh over [b,i] only
+        ("y[b,i] = x[b, i - 1] + 10 * exp(x[b, i + 1])", False),  # i no longer than x's
+        ("y[b,c] = x[b, c % 4] * w[c // 4, b]", False),  # split reads are views
     ],
 )
 def test_an_output_counts_when_computed_in_several_steps(formula, counted):
