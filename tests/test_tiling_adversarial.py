@@ -290,3 +290,42 @@ def test_pytorch_flownet_sized_correlation_step_is_bounded(tmp_path):
     peak = torch_peak(step)
     print(f"FlowNet-sized correlation: PyTorch step peak {peak} bytes, {peak / io:.1f}x io")
     assert peak <= 4 * io + budget, (peak, io)
+
+
+LOG_SUM_EXP = Case(f"y[b] = log(sum(exp(-{DISTANCE}), n, m))", {"x": (2, 7, 3), "z": (2, 5, 3)})
+
+
+def test_a_log_sum_exp_over_two_clouds_says_why_it_stays_unbounded(tmp_path):
+    """`log(sum(exp(-d), n, m))` runs in chunks of b, one of which holds the [n, m]
+    matrix; the docstring said nothing of it (the outer max or min said why)."""
+    module = generate(LOG_SUM_EXP, tmp_path, prefix="LogSumExp")
+    doc = " ".join(module.__doc__.split())
+    assert "the op runs in chunks of b" in doc
+    assert "One position of b still holds a pairwise matrix" in doc, doc
+    assert "log(...) of a reduction" in doc, doc
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a log-sum-exp over both clouds is tiled along b only: chunks of n would need "
+    "each chunk's maximum combined (logaddexp of the chunks' results, each chunk's "
+    "gradient scaled by exp(L_chunk - L)), which tile_sum does not do",
+)
+def test_pytorch_log_sum_exp_over_two_clouds_step_is_bounded(tmp_path):
+    from peaks import torch_peak
+
+    module = generate(LOG_SUM_EXP, tmp_path, prefix="LogSumExpPeak", target="pytorch")
+    rng = np.random.default_rng(8)
+    xs = [
+        torch.tensor(rng.standard_normal((1, n, 3)), dtype=torch.float32, requires_grad=True)
+        for n in (600, 500)
+    ]
+    module.MAX_TEMP_BYTES = budget = 2**18
+
+    def step():
+        torch.autograd.grad(module.forward(*xs).sum(), xs)
+
+    io = sum(x.nbytes for x in xs) + 4
+    peak = torch_peak(step)
+    print(f"log-sum-exp over 600 x 500 points: PyTorch step peak {peak} bytes")
+    assert peak <= 4 * io + budget, (peak, io)
