@@ -171,6 +171,31 @@ def test_causal_attention_with_values_inside_the_mask_at_logits_in_the_hundreds(
     assert tiled < 1e-4 and untiled < 1e-3, (tiled, untiled)
 
 
+# ------------------------------------------------------------ ties at chunk boundaries
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_window_max_ties_across_chunk_boundaries_split_as_untiled(target, tmp_path):
+    """A sliding max of width 4 over plateaus of 3 equal values: every window's tie spans
+    the positions of neighbouring chunks (one position each). The gradient equals the
+    untiled one exactly, each window's cotangent split equally over its tied maxima (so
+    the gradient adds up to the cotangents)."""
+    case = Case("y[b,i,c] = max(x[b, i + u, c], u)", {"x": (2, 12, 3)}, ranges={"u": "4"})
+    module = generate(case, tmp_path, prefix="Ties", target=target)
+    rng = np.random.default_rng(9)
+    x = ARRAY[target](np.repeat(rng.integers(0, 3, (2, 4, 3)).astype(np.float64), 3, axis=1))
+    cotangent = ARRAY[target](rng.standard_normal((2, 9, 3)))
+    module.MAX_TEMP_BYTES = 2**40
+    (want,) = module.vjp(x, cotangent)
+    module.MAX_TEMP_BYTES = TINY
+    assert module._tile_plan(x) == (9, 1)
+    (got,) = module.vjp(x, cotangent)
+    np.testing.assert_array_equal(_numpy(got), _numpy(want))
+    np.testing.assert_allclose(
+        _numpy(got).sum(axis=1), _numpy(cotangent).sum(axis=1), rtol=1e-12, atol=1e-12
+    )
+
+
 # ------------------------------------------- real ops in their layouts, not in symgrad.toml
 
 REAL = {
