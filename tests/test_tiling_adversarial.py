@@ -123,9 +123,10 @@ def test_a_mean_over_no_points(target, tmp_path):
 
 def _float32_against_float64(case, arrays, target, tmp_path, budget=TINY):
     """(relative error of the tiled float32 forward and vjp, of the untiled float32 ones)
-    against the untiled module in float64, each as the largest error over the largest
+    against the untiled module in float64 on the same (float32) inputs, each as the largest error over the largest
     value of every result; the plan of the tiled call."""
     module = generate(case, tmp_path, prefix="Float32", target=target)
+    arrays = [a.astype(np.float32).astype(np.float64) for a in arrays]  # the same inputs
 
     def run(dtype, budget):
         module.MAX_TEMP_BYTES = budget
@@ -169,6 +170,29 @@ def test_causal_attention_with_values_inside_the_mask_at_logits_in_the_hundreds(
     assert plan == (9, 1)
     print(f"{target}: relative error {tiled:.1e} tiled, {untiled:.1e} untiled")
     assert tiled < 1e-4 and untiled < 1e-3, (tiled, untiled)
+
+
+KERNEL_LOSS = Case(
+    f"y[b] = sum(w[b,n] * log(sum(exp(-{DISTANCE}), m)), n)",
+    {"w": (2, 7), "x": (2, 7, 3), "z": (2, 5, 3)},
+)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("name", ["parts", "summed"])
+def test_point_sets_far_from_the_origin_in_float32_chunks(name, target, tmp_path):
+    """Clouds offset by 3000 with spreads of 10 (distances, so logits, in the hundreds):
+    Chamfer in parts (`tile_parts`) and a kernel-weighted log-sum-exp loss in chunks of
+    its summed index (`tile_sum`) stay within float32 rounding of the float64 module."""
+    rng = np.random.default_rng(3)
+    x, z = (rng.standard_normal((2, n, 3)) * 10 + 3000 for n in (7, 5))
+    if name == "parts":
+        case, arrays = CHAMFER_BOTH, [x, z]
+    else:
+        case, arrays = KERNEL_LOSS, [rng.standard_normal((2, 7)), x, z]
+    tiled, untiled, plan = _float32_against_float64(case, arrays, target, tmp_path)
+    assert plan is not None
+    assert tiled < 1e-5 and untiled < 1e-5, (tiled, untiled)
 
 
 # ------------------------------------------------------------ ties at chunk boundaries
