@@ -137,6 +137,8 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
             "own (`tile_stages`: its result would be larger than the inputs and outputs, or "
             "no index bounds a stage): the bound is exceeded by that matrix."
         )
+    if len(terms) == 1 and not terms[0]:
+        return _outside_a_sum(op, choice)
     if len(terms) < 2 or not all(terms):
         return None
     common = set(terms[0]).intersection(*terms[1:])
@@ -147,6 +149,26 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
         + "; ".join(", ".join(t) for t in terms)
         + "), so no summed index can be cut in every term: write each term as an op of "
         "its own to tile it along its summed index."
+    )
+
+
+def _outside_a_sum(op: OpSpec, choice: Choice) -> str | None:
+    """The sentence for a right-hand side that applies a function to a sum over the
+    pair (`log(sum(exp(s), n, m))`): a chunk's share of a log is no log of its share."""
+    (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
+    rhs = assign.value
+    if not (isinstance(rhs, ast.Call) and isinstance(rhs.func, ast.Name)):
+        return None
+    if rhs.func.id in REDUCTIONS or not any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in REDUCTIONS
+        for n in ast.walk(rhs)
+    ):
+        return None
+    return (
+        f"One position of {choice.index} still holds a pairwise matrix, and the "
+        f"right-hand side is {rhs.func.id}(...) of a reduction, not a sum or mean, so no "
+        "summed index can be cut (a log-sum-exp would need its chunks' maxima combined): "
+        "the bound is exceeded by that matrix."
     )
 
 
