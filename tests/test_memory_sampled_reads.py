@@ -15,6 +15,7 @@ Peaks as in tests/test_memory_real_ops.py.
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,20 @@ def test_jax_training_step_of_a_sampled_read_is_bounded(op, folder, monkeypatch)
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", budget)
     tiled = module._tile_plan(*args, **attrs) is not None and jax_step_bytes(module, args, attrs)
     _check(op, "jax", io, untiled, tiled)
+
+
+@pytest.mark.parametrize("op", ["GridSample", "MsDeformAttn"])
+def test_pytorch_adds_merged_corner_scatters_in_turn_without_concatenating(op):
+    """PyTorch index-adds each corner's rows into one gradient (`_segment_sums`): a
+    concatenated copy of the rows made multi-scale deformable attention's tiled step
+    hold more (its eight scatters have more rows than its value tensor: 1.96x the bound
+    at value 2x3024x4x16, 300 queries, against 1.70x with eight scatters, 1.61x now)."""
+    text = module_text(_op(op), "symgrad.toml", "pytorch")
+    tree = ast.parse(text)
+    (backward,) = (
+        ast.get_source_segment(text, node)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "_backward"
+    )
+    assert "_segment_sums(" in backward
+    assert "torch.cat(" not in backward

@@ -6,7 +6,10 @@ source's full size (and, in another layout, four transposed copies). When the so
 larger than the op's output, those are the largest tensors of a chunk's backward: four
 at once (eagerly the names keep them; a graph may run the four scatters before adding).
 Scatters of one source over the same indices are one scatter of their rows and positions
-concatenated: one tensor of the source's size, laid out once.
+concatenated: one tensor of the source's size, laid out once. PyTorch spells it as
+index-adds of each scatter's rows into one result in turn (`_segment_sums`), which needs
+no concatenated copy of the rows (multi-scale deformable attention's eight scatters have
+more rows than its source).
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ class MergedScatters:
         levels = [self.levels[s.level] for s in group]
         parts = [self.scatter_rows(body, level) for level in levels]
         axis = (("axis", ir.Lit("0")),)
-        rows = ir.Var(body.bind(ir.Call("concat", (ir.List(tuple(g for g, _ in parts)),), axis)))
-        ids = ir.Var(body.bind(ir.Call("concat", (ir.List(tuple(i for _, i in parts)),), axis)))
+        # Not bound: the concatenations live only for the call, and PyTorch adds each
+        # pair into one result in turn instead (`_segment_sums`: no concatenated copy).
+        rows = ir.Call("concat", (ir.List(tuple(g for g, _ in parts)),), axis)
+        ids = ir.Call("concat", (ir.List(tuple(i for _, i in parts)),), axis)
         count = self.row_count(body, levels[0])
         total = ir.Var(body.bind(ir.Call("segment_sum", (rows, ids, count))))
         return self.scatter_layout(body, levels[0], total)

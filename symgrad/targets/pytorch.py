@@ -117,6 +117,16 @@ OPTIONAL = {"axis", "keepdims", "exclusive", "reverse", "padding"}
 SIZE_PREFIXES = ("_n_", "_int_")  # sizes and int attrs in index arithmetic: Python ints
 
 
+def _concat(e: ir.Expr) -> bool:
+    """Whether `e` is a concatenation along axis 0 (of merged scatters' rows or ids)."""
+    return (
+        isinstance(e, ir.Call)
+        and e.function == "concat"
+        and isinstance(e.args[0], ir.List)
+        and dict(e.keywords).get("axis") == ir.Lit("0")
+    )
+
+
 def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
     """Whether `e` is a Python number in the generated code (a size, an int attr in index
     arithmetic, a literal, or one of `names`: steps bound to such a number), not a
@@ -504,7 +514,11 @@ class PyTorchPrinter(Printer):
         return f"_gather({x}, {positions}, {self.code(args.get('axis', ir.Lit('0')))})"
 
     def call_segment_sum(self, args: dict) -> str:
-        parts = (self.code(args["data"]), self.code(args["ids"]), self.code(args["n"]))
+        data, ids = args["data"], args["ids"]
+        if _concat(data) and _concat(ids):  # merged scatters: added in turn, not joined
+            parts = (self.code(data.args[0]), self.code(ids.args[0]), self.code(args["n"]))
+            return f"_segment_sums({', '.join(parts)})"
+        parts = (self.code(data), self.code(ids), self.code(args["n"]))
         return f"_segment_sum({', '.join(parts)})"
 
     def call_segment_max(self, args: dict) -> str:
