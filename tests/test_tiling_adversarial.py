@@ -220,7 +220,8 @@ def test_window_max_ties_across_chunk_boundaries_split_as_untiled(target, tmp_pa
     module.MAX_TEMP_BYTES = 2**40
     (want,) = module.vjp(x, cotangent)
     module.MAX_TEMP_BYTES = TINY
-    assert module._tile_plan(x) == (9, 1)
+    # chunks of one position (a second level may split it further: `tile_nest`)
+    assert module._tile_plan(x)[:2] == (9, 1)
     (got,) = module.vjp(x, cotangent)
     np.testing.assert_array_equal(_numpy(got), _numpy(want))
     np.testing.assert_allclose(
@@ -296,7 +297,7 @@ def test_real_ops_in_chunks_equal_the_untiled_module_on_every_path(name, target,
     module.MAX_TEMP_BYTES = 2**40
     want = run_everywhere(fw, module, case), train_step(fw, module, case)
     module.MAX_TEMP_BYTES = TINY
-    n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)
+    n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)[:2]
     assert c == 1 < n
     (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
     for how, got in outputs.items():
