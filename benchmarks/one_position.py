@@ -5,9 +5,10 @@
 For each case, the TensorFlow module's call-time plan (`_tile_plan`) is run on inputs of
 the case's shapes; the plan's estimate of the bytes a chunk of one position holds (its
 largest temporaries times the number it assumes held at once, `_HELD`) is printed beside
-the default budget (16 MiB) and the index the plan cuts. A chunk holds at least one
-position: where that estimate exceeds the budget, a step exceeds its bound by about that
-much (the README's "One chunk holds at least one position").
+the default budget (16 MiB), for one position of the first index the plan cuts and, for a
+module tiled in two levels (`symgrad/tile_nest.py`), of both. A chunk holds at least one
+position of each: where that estimate exceeds the budget, a step exceeds its bound by
+about that much (README, "One chunk holds at least one position").
 """
 
 from __future__ import annotations
@@ -139,13 +140,19 @@ def one_position(folder: Path, spec_file: str, op_name: str, shapes, ints, attrs
     def plan(n, volumes, itemsize):
         seen.update(n=n, volumes=volumes, itemsize=itemsize)
 
+    def plan2(n, n2, volumes, itemsize):
+        seen.update(n=n, n2=n2, volumes=volumes, itemsize=itemsize)
+
     import tensorflow as tf
 
     module._plan = plan
+    module._plan2 = plan2
     module._tile_plan(*[tf.constant(a) for a in arrays], **attrs)
-    n = seen["n"]
     held = module._HELD * seen["itemsize"] * sum(_product(v) for v in seen["volumes"])
-    return compile_op(op).tiling.index, n, held / n
+    tiling = compile_op(op).tiling
+    n, n2 = int(seen["n"]), int(seen.get("n2", 1))
+    inner = tiling.inner.index if tiling.inner else "-"
+    return tiling.index, inner, held / n, held / (n * n2)
 
 
 def _product(sizes) -> int:
@@ -159,14 +166,16 @@ def main() -> None:
     budget = 16 * 2**20
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
-        print("| op | sizes | tiled along | one position (MB) | / 16 MiB budget |")
+        print("| op | sizes | tiled along | one position of the first (MB, x budget) | of both |")
         print("|---|---|---|---|---|")
         for spec_file, op, shapes, ints, attrs in CASES:
-            index, _n, one = one_position(Path(tmp), spec_file, op, shapes, ints, attrs)
+            index, inner, one, both = one_position(Path(tmp), spec_file, op, shapes, ints, attrs)
             sizes = ", ".join("x".join(map(str, s)) for s in shapes.values())
             extra = ", ".join(f"{k}={v}" for k, v in attrs.items())
+            second = f"{both / 1e6:.2f} ({both / budget:.2f}x)" if inner != "-" else "-"
             print(
-                f"| {op} | {sizes}{', ' + extra if extra else ''} | {index} | {one / 1e6:.2f} | {one / budget:.2f} |"
+                f"| {op} | {sizes}{', ' + extra if extra else ''} | {index}, {inner} | "
+                f"{one / 1e6:.2f} ({one / budget:.2f}x) | {second} |"
             )
 
 

@@ -142,7 +142,7 @@ def budgets(module, arrays, attrs) -> list[int]:
             plan = module._tile_plan(*arrays, **attrs)
             if plan is None:
                 break
-            n, c = plan
+            n, c = plan[:2]  # a nested tiling's plan adds the inner level's (tile_nest)
             if 1 < c < n and n % c:
                 found.append(budget)
                 break
@@ -150,6 +150,14 @@ def budgets(module, arrays, attrs) -> list[int]:
     finally:
         module.MAX_TEMP_BYTES = default
     return list(dict.fromkeys(found))
+
+
+def _chunks(plan) -> int:
+    """The chunks a plan runs: (n, c), or (n, c, n2, c2) for two levels (`tile_nest`)."""
+    count = 1
+    for n, c in zip(plan[::2], plan[1::2], strict=True):
+        count *= -(-n // c)
+    return count
 
 
 @pytest.fixture
@@ -224,10 +232,10 @@ def test_torch_tiled_forward_and_gradients_equal_the_untiled(name, modules, monk
     calls = _counting(monkeypatch, module)
     for budget in budgets(module, xs, attrs):
         budget_of(module, budget)
-        n, c = module._tile_plan(*xs, **attrs)
+        plan = module._tile_plan(*xs, **attrs)
         del calls[:]
         got_y = module.forward(*xs, **attrs)
-        assert len(calls) == -(-n // c), f"{name}: {len(calls)} chunks for n={n}, c={c}"
+        assert len(calls) == _chunks(plan), f"{name}: {len(calls)} chunks for {plan}"
         _close(got_y.detach(), want_y.detach(), f"{name} forward, budget {budget}")
         for got, want in zip(module.vjp(*xs, grad, **attrs), want_vjp, strict=True):
             _close(got, want, f"{name} vjp, budget {budget}")
@@ -316,11 +324,11 @@ def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, b
         return chunk(*args, **kwargs)
 
     monkeypatch.setattr(module, chunk_program(module), counted)
-    n, c = module._tile_plan(*xs, **attrs)
+    plan = module._tile_plan(*xs, **attrs)
     got = torch.autograd.grad(y, xs, grad)
     assert not computed, f"{name}: the backward recomputed {len(computed)} chunks' outputs"
     for g, w in zip(got, want, strict=True):
-        _close(g, w, f"{name} tiled backward, {-(-n // c)} chunks")
+        _close(g, w, f"{name} tiled backward, {_chunks(plan)} chunks")
 
 
 def test_torch_tiled_backward_is_twice_differentiable(modules, budget_of):
@@ -347,7 +355,7 @@ def test_torch_compile_fullgraph_of_a_tiled_module(modules, budget_of):
     want_y, want_vjp, _ = _torch_reference(module, xs, attrs, grad)
     budget = budgets(module, xs, attrs)[-1]
     budget_of(module, budget)
-    n, c = module._tile_plan(*xs, **attrs)
+    n, c = module._tile_plan(*xs, **attrs)[:2]
     assert 1 < c < n and n % c, (n, c)
     torch._dynamo.reset()
     compiled = torch.compile(
@@ -484,7 +492,8 @@ def test_jax_tiled_eager_one_position_per_chunk(modules, monkeypatch, budget_of)
     cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(want_y.shape))
     want_vjp = module.vjp(*xs, cotangent, **attrs)
     budget_of(module, 1024)
-    assert module._tile_plan(*xs, **attrs) == (5, 1)
+    # one row exceeds 1 KiB: one position of i, and of j, per chunk (tile_nest)
+    assert module._tile_plan(*xs, **attrs) == (5, 1, 4, 1)
     calls = _counting(monkeypatch, module)
     _close(module.forward(*xs, **attrs), want_y, f"{name} forward")
     assert calls, "the forward did not run in chunks"
