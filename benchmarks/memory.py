@@ -67,6 +67,7 @@ CASES = {
         {},
     ),
     "MemChamferBoth": ("mem_chamfer_both", {"x": (8, 2048, 3), "z": (8, 1536, 3)}, {}),
+    "MemHausdorff": ("mem_hausdorff", {"x": (8, 2048, 3), "z": (8, 1536, 3)}, {}),
     # StyleGAN2's 2x upsampling with a 4x4 filter (pads as its Upsample layer): 32 -> 64
     "MemUpfirdn2d": ("mem_upfirdn2d", {"x": (4, 64, 32, 32), "f": (4, 4)}, UPSAMPLE_2X),
 }
