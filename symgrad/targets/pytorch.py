@@ -28,7 +28,7 @@ import ast
 
 from .. import ir
 from . import torch_overwrite
-from .printer import ATOM, Printer, precedence
+from .printer import ATOM, PRECEDENCE, Printer, precedence
 
 # Elementwise ops on tensors, and reductions (axis= -> dim=, keepdims= -> keepdim=).
 ELEMENTWISE = {
@@ -293,6 +293,22 @@ class PyTorchPrinter(Printer):
             return self.code(e)
         return None
 
+    def binary(self, e: ir.Binary) -> str:
+        cast = isinstance(e.right, ir.Call) and e.right.function == "cast"
+        if e.op == "/" and cast and self.is_python(e.right) and not self.is_python(e.left):
+            # A tensor over a number cast to the dtype (a mean's count): the number as it
+            # is, not a tensor made on every call.
+            left = self.code(e.left)
+            left = left if precedence(e.left) >= PRECEDENCE["/"] else f"({left})"
+            return f"{left} / {self.scalar(e.right)}"
+        text = super().binary(e)
+        if e.op != "/" or not self.is_python(e) or isinstance(e.right, ir.Lit):
+            return text
+        # Python numbers, by a size that may be 0 (a mean's 1 / n over an empty axis):
+        # +-inf or nan as a tensor's division gives, where Python raises.
+        right = self.code(e.right)
+        return f"({text} if {right} else {self.atom(e.left)} * float('inf'))"
+
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
 
@@ -356,6 +372,9 @@ class PyTorchPrinter(Printer):
             parts.append(f"keepdim={self.code(keepdims)}")
         if name in ("softmax", "log_softmax") and axis is None:
             parts.append("dim=-1")
+        if self.in_module and name in ("reduce_min", "reduce_max"):
+            # A module helper: +inf or -inf over an empty axis, where torch raises.
+            return f"_extremum({REDUCTIONS[name]}, {', '.join(parts)})"
         return f"{REDUCTIONS[name]}({', '.join(parts)})"
 
     # -- one method per op that is not a plain rename --------------------------------------
