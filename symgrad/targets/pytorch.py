@@ -165,6 +165,7 @@ class PyTorchPrinter(Printer):
     # fresh sub-expressions may be written over (`torch_overwrite`).
     owned: frozenset[str] = frozenset()
     overwrite_on = False
+    unguarded = False  # while a guarded division prints its own operands
 
     def is_python(self, e: ir.Expr) -> bool:
         return is_python(e, self.python_names)
@@ -295,19 +296,30 @@ class PyTorchPrinter(Printer):
 
     def binary(self, e: ir.Binary) -> str:
         cast = isinstance(e.right, ir.Call) and e.right.function == "cast"
-        if e.op == "/" and cast and self.is_python(e.right) and not self.is_python(e.left):
+        number = self.scalar(e.right) if e.op == "/" and cast else None
+        if number is not None and not self.is_python(e.left):
             # A tensor over a number cast to the dtype (a mean's count): the number as it
             # is, not a tensor made on every call.
             left = self.code(e.left)
             left = left if precedence(e.left) >= PRECEDENCE["/"] else f"({left})"
-            return f"{left} / {self.scalar(e.right)}"
-        text = super().binary(e)
-        if e.op != "/" or not self.is_python(e) or isinstance(e.right, ir.Lit):
+            return f"{left} / {number}"
+        if e.op != "/" or self.unguarded or not self.is_python(e):
+            return super().binary(e)
+        # Python numbers over sizes that may be 0 (a mean's 1 / n over an empty axis):
+        # +-inf or nan as a tensor's division gives, where Python raises. One guard for
+        # a chain `a / n / m`.
+        chain, divisors = e, []
+        while isinstance(chain, ir.Binary) and chain.op == "/":
+            chain, divisors = chain.left, [chain.right, *divisors]
+        self.unguarded = True
+        try:
+            text, first = super().binary(e), self.atom(chain)
+            tests = [self.code(d) for d in divisors if not isinstance(d, ir.Lit)]
+        finally:
+            self.unguarded = False
+        if not tests:
             return text
-        # Python numbers, by a size that may be 0 (a mean's 1 / n over an empty axis):
-        # +-inf or nan as a tensor's division gives, where Python raises.
-        right = self.code(e.right)
-        return f"({text} if {right} else {self.atom(e.left)} * float('inf'))"
+        return f"({text} if {' and '.join(dict.fromkeys(tests))} else {first} * float('inf'))"
 
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
