@@ -602,7 +602,10 @@ N = ir.Var("_n_i")
         ),
         (ir.Call("slice", (X, ir.Var("begin"))), "_slice(x, begin)"),
         (ir.Call("reduce_sum", (X,), (("axis", ir.Lit("[1, 2]")),)), "jnp.sum(x, axis=(1, 2))"),
-        (ir.Call("reduce_max", (X,), (("axis", ir.Lit("[1]")),)), "jnp.max(x, axis=1)"),
+        (
+            ir.Call("reduce_max", (X,), (("axis", ir.Lit("[1]")),)),
+            "jnp.max(x, axis=1, initial=-jnp.inf)",
+        ),
         (ir.Call("cumsum", (X,), (("axis", ir.Lit("1")),)), "jnp.cumsum(x, axis=1)"),
         (
             ir.Call("cumsum", (X,), (("axis", ir.Lit("1")), ("reverse", ir.Lit("True")))),

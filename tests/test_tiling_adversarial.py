@@ -73,25 +73,11 @@ def test_tensorflow_unknown_sizes_with_an_empty_axis_and_a_tiny_budget(case, emp
         np.testing.assert_array_equal(g.numpy(), w.numpy())
 
 
-def _empty_reduction_xfail(target, reason):
-    """Not tiling's: the untiled module fails the same way (its plan is None here)."""
-    return pytest.param(target, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
-MIN_OF_NOTHING = "{} of an empty axis raises (TensorFlow's reduce_min gives +inf)"
-
-
-@pytest.mark.parametrize(
-    "target",
-    [
-        "tensorflow",
-        _empty_reduction_xfail("pytorch", MIN_OF_NOTHING.format("torch.amin")),
-        _empty_reduction_xfail("jax", MIN_OF_NOTHING.format("jnp.min")),
-    ],
-)
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_a_min_over_no_points(target, tmp_path):
     """Chamfer with an empty second cloud: every distance is the min over nothing (+inf,
-    TensorFlow's reduce_min) and no point gets a gradient, tiled or not."""
+    TensorFlow's reduce_min; torch.amin and jnp.min raised) and no point gets a gradient,
+    tiled or not; the max over nothing is -inf."""
     module = generate(CHAMFER, tmp_path, prefix="EmptyMin", target=target)
     x, z = np.ones((2, 7, 3)), np.ones((2, 0, 3))
     for budget in (2**40, TINY):
@@ -100,21 +86,20 @@ def test_a_min_over_no_points(target, tmp_path):
         assert y.shape == (2, 7) and np.all(y == np.inf)
         grads = module.vjp(ARRAY[target](x), ARRAY[target](z), ARRAY[target](np.ones((2, 7))))
         assert [_numpy(g).shape for g in grads] == [(2, 7, 3), (2, 0, 3)]
-        assert not _numpy(grads[0]).any()
+        assert np.array_equal(_numpy(grads[0]), np.zeros((2, 7, 3)))
+    farthest = Case(f"y[b,n] = max({DISTANCE}, m)", {"x": (2, 7, 3), "z": (2, 5, 3)})
+    module = generate(farthest, tmp_path, prefix="EmptyMax", target=target)
+    y = _numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
+    assert y.shape == (2, 7) and np.all(y == -np.inf)
+    grads = module.vjp(ARRAY[target](x), ARRAY[target](z), ARRAY[target](np.ones((2, 7))))
+    assert np.array_equal(_numpy(grads[0]), np.zeros((2, 7, 3)))
 
 
-@pytest.mark.parametrize(
-    "target",
-    [
-        "tensorflow",
-        _empty_reduction_xfail(
-            "pytorch", "the mean's scale is a Python 1 / float(0): ZeroDivisionError"
-        ),
-        "jax",
-    ],
-)
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_a_mean_over_no_points(target, tmp_path):
-    """An RBF mean over an empty cloud is 0 / 0 (nan, as numpy's mean), tiled or not."""
+    """An RBF mean over an empty cloud is 0 / 0 (nan, as numpy's mean; PyTorch's scale
+    was a Python 1 / float(0), ZeroDivisionError), tiled or not; the gradient of the
+    empty cloud is empty and the other cloud's is zeros, with no nan."""
     case = Case(f"y[b] = mean(exp(-{DISTANCE}), n, m)", {"x": (2, 7, 3), "z": (2, 5, 3)})
     module = generate(case, tmp_path, prefix="EmptyMean", target=target)
     x, z = np.ones((2, 0, 3)), np.ones((2, 5, 3))
@@ -122,6 +107,9 @@ def test_a_mean_over_no_points(target, tmp_path):
         module.MAX_TEMP_BYTES = budget
         y = _numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
         assert y.shape == (2,) and np.all(np.isnan(y))
+        grads = module.vjp(ARRAY[target](x), ARRAY[target](z), ARRAY[target](np.ones(2)))
+        assert [_numpy(g).shape for g in grads] == [(2, 0, 3), (2, 5, 3)]
+        assert np.array_equal(_numpy(grads[1]), np.zeros((2, 5, 3)))
 
 
 # ------------------------------------------------------- float32 far from the origin

@@ -26,6 +26,17 @@ from .common import (
 )
 
 
+def _mean_or_zero(points: ir.Var, axes: list[int]) -> ir.Expr:
+    """The mean of `points` over `axes`, or 0 where they hold no point (a mean would be
+    nan, and nan - z then leaks into the other set's gradient through 0 * nan)."""
+    count: ir.Expr = ir.AxisSize(points.name, axes[0])
+    for axis in axes[1:]:
+        count = ir.Binary("*", count, ir.AxisSize(points.name, axis))
+    total = ir.Call("reduce_sum", (points,), (("axis", ir.Lit(repr(axes))),))
+    at_least_one = ir.Call("maximum", (count, ir.Lit("1")))
+    return ir.Binary("/", total, ir.Call("cast", (at_least_one, ir.Var("dtype"))))
+
+
 class Contraction:
     """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
 
@@ -106,9 +117,8 @@ class Contraction:
         axes = [n for n, i in enumerate(first.indices) if i not in common]
         center_labels = tuple(i for i in first.indices if i in common)
         points = ir.Var(body.tensors[first.base.label.name])
-        center = ir.Var(
-            body.bind(ir.Call("reduce_mean", (points,), (("axis", ir.Lit(repr(axes))),)))
-        )
+        body.uses_dtype = True
+        center = ir.Var(body.bind(_mean_or_zero(points, axes)))
         mapping = {}
         for access in found:
             labels = tuple(access.indices)

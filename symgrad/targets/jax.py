@@ -174,6 +174,13 @@ class JaxPrinter(Printer):
 
     # -- one method per op whose spelling is more than a name ---------------------------
 
+    def call_reduce_min(self, e: ir.Call) -> str:
+        # +inf over an empty axis, as TensorFlow's reduce_min (jnp.min raises there).
+        return f"jnp.min({self.arguments(e)}, initial=jnp.inf)"
+
+    def call_reduce_max(self, e: ir.Call) -> str:
+        return f"jnp.max({self.arguments(e)}, initial=-jnp.inf)"
+
     def call_exact_div(self, e: ir.Call) -> str:
         return f"_exact_div({self.arguments(e)})"
 

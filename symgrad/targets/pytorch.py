@@ -28,7 +28,7 @@ import ast
 
 from .. import ir
 from . import torch_overwrite
-from .printer import ATOM, Printer, precedence
+from .printer import ATOM, PRECEDENCE, Printer, precedence
 
 # Elementwise ops on tensors, and reductions (axis= -> dim=, keepdims= -> keepdim=).
 ELEMENTWISE = {
@@ -165,6 +165,7 @@ class PyTorchPrinter(Printer):
     # fresh sub-expressions may be written over (`torch_overwrite`).
     owned: frozenset[str] = frozenset()
     overwrite_on = False
+    unguarded = False  # while a guarded division prints its own operands
 
     def is_python(self, e: ir.Expr) -> bool:
         return is_python(e, self.python_names)
@@ -293,6 +294,33 @@ class PyTorchPrinter(Printer):
             return self.code(e)
         return None
 
+    def binary(self, e: ir.Binary) -> str:
+        cast = isinstance(e.right, ir.Call) and e.right.function == "cast"
+        number = self.scalar(e.right) if e.op == "/" and cast else None
+        if number is not None and not self.is_python(e.left):
+            # A tensor over a number cast to the dtype (a mean's count): the number as it
+            # is, not a tensor made on every call.
+            left = self.code(e.left)
+            left = left if precedence(e.left) >= PRECEDENCE["/"] else f"({left})"
+            return f"{left} / {number}"
+        if e.op != "/" or self.unguarded or not self.is_python(e):
+            return super().binary(e)
+        # Python numbers over sizes that may be 0 (a mean's 1 / n over an empty axis):
+        # +-inf or nan as a tensor's division gives, where Python raises. One guard for
+        # a chain `a / n / m`.
+        chain, divisors = e, []
+        while isinstance(chain, ir.Binary) and chain.op == "/":
+            chain, divisors = chain.left, [chain.right, *divisors]
+        self.unguarded = True
+        try:
+            text, first = super().binary(e), self.atom(chain)
+            tests = [self.code(d) for d in divisors if not isinstance(d, ir.Lit)]
+        finally:
+            self.unguarded = False
+        if not tests:
+            return text
+        return f"({text} if {' and '.join(dict.fromkeys(tests))} else {first} * float('inf'))"
+
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
 
@@ -356,6 +384,9 @@ class PyTorchPrinter(Printer):
             parts.append(f"keepdim={self.code(keepdims)}")
         if name in ("softmax", "log_softmax") and axis is None:
             parts.append("dim=-1")
+        if self.in_module and name in ("reduce_min", "reduce_max"):
+            # A module helper: +inf or -inf over an empty axis, where torch raises.
+            return f"_extremum({REDUCTIONS[name]}, {', '.join(parts)})"
         return f"{REDUCTIONS[name]}({', '.join(parts)})"
 
     # -- one method per op that is not a plain rename --------------------------------------
