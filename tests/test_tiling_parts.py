@@ -20,6 +20,7 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
+import sgd
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import jax_step_memory, run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
@@ -205,40 +206,14 @@ def test_training_steps_in_parts_equal_todays(tmp_path):
 
     def loss_of(outputs, lib):
         d1, d2 = outputs
-        total = tf.reduce_sum if lib is tf else lib.sum
-        return total(lib.sin(d1)) + total(d2**2)
+        return sgd.total(lib.sin(d1), lib) + sgd.total(d2**2, lib)
 
-    def torch_steps(module):
-        params = [torch.nn.Parameter(torch.tensor(a)) for a in _arrays(module.INPUTS)]
-        optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-        for _ in range(2):
-            optimizer.zero_grad()
-            loss_of(module.forward(*params), torch).backward()
-            optimizer.step()
-        return [p.detach().numpy() for p in params]
-
-    def jax_steps(module):
-        def step(params):
-            grads = jax.grad(lambda ps: loss_of(module.forward(*ps), jnp))(params)
-            return tuple(p - 0.01 * g for p, g in zip(params, grads, strict=True))
-
-        run = jax.jit(lambda params: step(step(params)))  # traced with the current budget
-        return [np.asarray(p) for p in run(tuple(map(jnp.asarray, _arrays(module.INPUTS))))]
-
-    def tf_steps(module):
-        params = [tf.Variable(a) for a in _arrays(module.INPUTS)]
-        for _ in range(2):
-            with tf.GradientTape() as tape:
-                loss = loss_of(module.forward(*params), tf)
-            for p, g in zip(params, tape.gradient(loss, params), strict=True):
-                p.assign_sub(0.01 * g)
-        return [p.numpy() for p in params]
-
-    for target, steps in (("pytorch", torch_steps), ("jax", jax_steps), ("tensorflow", tf_steps)):
+    for target in ("pytorch", "jax", "tensorflow"):
         module = _module("chamfer_two_outputs", tmp_path, target)
-        want = steps(module)
+        arrays = _arrays(module.INPUTS)
+        want = sgd.two_steps(target, module, arrays, loss_of, lr=0.01)
         module.MAX_TEMP_BYTES = TINY
-        got = steps(module)
+        got = sgd.two_steps(target, module, arrays, loss_of, lr=0.01)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=0, atol=1e-12, err_msg=target)
 

@@ -22,6 +22,7 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
+import sgd
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
@@ -250,39 +251,14 @@ def test_training_steps_in_stages_equal_todays(tmp_path):
     stages and untiled they agree to rounding."""
 
     def loss_of(h, lib):
-        return tf.reduce_sum(tf.sin(h)) if lib is tf else lib.sum(lib.sin(h))
+        return sgd.total(lib.sin(h), lib)
 
-    def torch_steps(module):
-        params = [torch.nn.Parameter(torch.tensor(a)) for a in _arrays(module.INPUTS)]
-        optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-        for _ in range(2):
-            optimizer.zero_grad()
-            loss_of(module.forward(*params), torch).backward()
-            optimizer.step()
-        return [p.detach().numpy() for p in params]
-
-    def jax_steps(module):
-        def step(params):
-            grads = jax.grad(lambda ps: loss_of(module.forward(*ps), jnp))(params)
-            return tuple(p - 0.05 * g for p, g in zip(params, grads, strict=True))
-
-        run = jax.jit(lambda params: step(step(params)))  # traced with the current budget
-        return [np.asarray(p) for p in run(tuple(map(jnp.asarray, _arrays(module.INPUTS))))]
-
-    def tf_steps(module):
-        params = [tf.Variable(a) for a in _arrays(module.INPUTS)]
-        for _ in range(2):
-            with tf.GradientTape() as tape:
-                loss = loss_of(module.forward(*params), tf)
-            for p, g in zip(params, tape.gradient(loss, params), strict=True):
-                p.assign_sub(0.05 * g)
-        return [p.numpy() for p in params]
-
-    for target, steps in (("pytorch", torch_steps), ("jax", jax_steps), ("tensorflow", tf_steps)):
+    for target in ("pytorch", "jax", "tensorflow"):
         module = _module("symmetric", tmp_path, target)
-        want = steps(module)
+        arrays = _arrays(module.INPUTS)
+        want = sgd.two_steps(target, module, arrays, loss_of, lr=0.05)
         module.MAX_TEMP_BYTES = TINY
-        got = steps(module)
+        got = sgd.two_steps(target, module, arrays, loss_of, lr=0.05)
         moved = [np.abs(g - a).max() for g, a in zip(got, _arrays(module.INPUTS), strict=True)]
         assert min(moved) > 1e-3, (target, moved)  # the steps did move both inputs
         for g, w in zip(got, want, strict=True):
