@@ -301,10 +301,10 @@ def test_real_ops_in_chunks_equal_the_untiled_module_on_every_path(name, target,
 
 @pytest.mark.xfail(
     strict=True,
-    reason="one position of the tiled index (a row i) still holds the gathered window "
-    "[b, c, u, v, j], (2r+1)^2 x C x W floats: at FlowNet's 21 x 21 displacements and 256 "
-    "channels that is 2.5x the inputs and outputs per temporary; bounding it needs a "
-    "second tiled index (the displacement) inside the row",
+    reason="two levels (a row i, then a column j: tile_nest) still leave one position's "
+    "gathered window [c, u, v], (2r+1)^2 x C floats, over the budget: at FlowNet's 21 x 21 "
+    "displacements and 256 channels, 1.2x the inputs and outputs per temporary; bounding "
+    "it needs a third level (the displacement) or the summed channels cut inside the chunk",
 )
 def test_pytorch_flownet_sized_correlation_step_is_bounded(tmp_path):
     """FlowNet's correlation layer (21 x 21 displacements, 256 channels) at 24 x 4, batch
