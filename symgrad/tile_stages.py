@@ -43,7 +43,7 @@ from .model import Program, build
 from .spec import OpSpec
 from .tile import Choice, _fresh, _names
 from .tile_parts import Part
-from .tile_sum import REDUCTIONS
+from .tile_sum import reduction
 
 INTERNAL = "inner"  # the stem of a hoisted reduction's internal tensor
 
@@ -159,7 +159,7 @@ def hoist(op: OpSpec, program: Program) -> OpSpec | None:
             self.depth = 0  # reductions around the node
 
         def visit_Call(self, node: ast.Call) -> ast.AST:
-            if not _reduction(node):
+            if not reduction(node):
                 node.args = [self.visit(a) for a in node.args]
                 return node
             if self.depth >= 1:
@@ -194,23 +194,13 @@ def hoist(op: OpSpec, program: Program) -> OpSpec | None:
     return replace(op, formulas=formulas, outputs=(left.value.id,), inputs=program.inputs)
 
 
-def _reduction(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in REDUCTIONS
-        and len(node.args) >= 2
-        and all(isinstance(a, ast.Name) for a in node.args[1:])
-    )
-
-
 def _free(node: ast.Call, constants: set[str]) -> set[str]:
     """The indices a reduction's value depends on: the names it reads that are no tensor,
     function, attr or let, and that no reduction inside it (or itself) runs over."""
     used = set()
     bound = set()
     for sub in ast.walk(node):
-        if isinstance(sub, ast.Call) and _reduction(sub):
+        if reduction(sub):
             bound |= {a.id for a in sub.args[1:]}
         if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Name):
             used |= _names(sub.slice)

@@ -48,6 +48,20 @@ TOTAL = "tile_total"  # a mean's whole size along the tiled index, in its chunks
 REDUCTIONS = {"sum", "min", "max", "logsumexp", "prod", "mean"}
 
 
+def reduction(node: ast.AST, kinds=REDUCTIONS) -> bool:
+    """Whether `node` is a reduction written as the parser reads one, of one of `kinds`:
+    `sum(body, n, ...)` with one or more plain index names after the body (so `max(x, 0)`
+    stays elementwise)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in kinds
+        and len(node.args) >= 2
+        and not node.keywords
+        and all(isinstance(a, ast.Name) for a in node.args[1:])
+    )
+
+
 def bounded(choice: Choice | None, program: Program) -> bool:
     """Whether one position of the choice's index leaves every large temporary no larger
     than an input or output (then its chunks can be made to fit any budget)."""
@@ -81,16 +95,7 @@ def _outer_sum(expr: ast.AST, constants: frozenset[str] = frozenset()) -> ast.Ca
     times or divided by a constant (`-sum(..)`, `2 * mean(..)`, `sum(..) / T` with T an
     attr or let): a chunk's output is then its share of the whole. None otherwise."""
     expr = _scaled(expr, constants)
-    if (
-        isinstance(expr, ast.Call)
-        and isinstance(expr.func, ast.Name)
-        and expr.func.id in ("sum", "mean")
-        and len(expr.args) >= 2
-        and not expr.keywords
-        and all(isinstance(a, ast.Name) for a in expr.args[1:])
-    ):
-        return expr
-    return None
+    return expr if reduction(expr, ("sum", "mean")) else None
 
 
 def _scaled(expr: ast.AST, constants: frozenset[str]) -> ast.AST:
@@ -159,10 +164,7 @@ def _outside_a_sum(op: OpSpec, choice: Choice) -> str | None:
     rhs = assign.value
     if not (isinstance(rhs, ast.Call) and isinstance(rhs.func, ast.Name)):
         return None
-    if rhs.func.id in REDUCTIONS or not any(
-        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in REDUCTIONS
-        for n in ast.walk(rhs)
-    ):
+    if reduction(rhs) or not any(reduction(n) for n in ast.walk(rhs)):
         return None
     return (
         f"One position of {choice.index} still holds a pairwise matrix, and the "
@@ -177,19 +179,7 @@ def _extremum_of_reductions(op: OpSpec) -> bool:
     again (Hausdorff's `max(min(d, m), n)`), not a window's extremum (`max(x[..], u, v)`)."""
     (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
     rhs = assign.value
-    return (
-        isinstance(rhs, ast.Call)
-        and isinstance(rhs.func, ast.Name)
-        and rhs.func.id in ("max", "min")
-        and len(rhs.args) >= 2
-        and any(
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in REDUCTIONS
-            and len(node.args) >= 2
-            for node in ast.walk(rhs.args[0])
-        )
-    )
+    return reduction(rhs, ("max", "min")) and any(reduction(node) for node in ast.walk(rhs.args[0]))
 
 
 def pairwise(choice: Choice, program: Program) -> bool:
@@ -241,10 +231,7 @@ def _choose_summed(op: OpSpec, program: Program) -> Choice | None:
 def _rebound(rhs: ast.Call, name: str) -> bool:
     """Whether a reduction inside the outer sum's body runs over `name` again."""
     return any(
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in REDUCTIONS
-        and any(isinstance(a, ast.Name) and a.id == name for a in node.args[1:])
+        reduction(node) and any(a.id == name for a in node.args[1:])
         for node in ast.walk(rhs.args[0])
     )
 
