@@ -121,14 +121,18 @@ def tile_nest_context(module: ir.Module) -> dict:
     inner = tiling.inner
     kinds: dict[str, list] = {"both": [], "inner": [], "outer": [], "whole": []}
     which = []
-    for k, (name, grad) in enumerate(zip(module.inputs, module.backward.returns, strict=True)):
-        if grad is None:
+    # each input's gradient by how each level's chunks give it (`_gradient_ways`)
+    levels = [
+        _gradient_ways(module.inputs, level, module.inputs, module.backward.returns)
+        for level in (tiling, inner)
+    ]
+    by_ways = {("cut", "cut"): "both", ("sum", "cut"): "inner", ("cut", "sum"): "outer"}
+    by_ways[("sum", "sum")] = "whole"
+    for k, ((name, how, co, _), (_, how2, ci, _)) in enumerate(zip(*levels, strict=True)):
+        if how == "none":
             which.append(None)
             continue
-        co, ci = tiling.cut_axis(name), inner.cut_axis(name)
-        kind = {(True, True): "both", (False, True): "inner", (True, False): "outer"}.get(
-            (co is not None, ci is not None), "whole"
-        )
+        kind = by_ways[(how, how2)]
         which.append((kind, len(kinds[kind])))
         kinds[kind].append((name, k, co, ci, module.ranks[k]))
     n_both, n_inner = len(kinds["both"]), len(kinds["inner"])
