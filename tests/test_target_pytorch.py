@@ -723,3 +723,16 @@ def test_torch_compile_dynamic_with_int_attrs_as_arguments():
         got = torch.autograd.grad(out, (x, w), grad)
         for g, want in zip(got, module.vjp(x, w, grad, s=s, d=d, p=p), strict=True):
             torch.testing.assert_close(g, want)
+
+
+def test_a_means_guard_against_an_empty_axis_prints_infinity_alone(tmp_path):
+    """A mean's 1 / n, guarded against n = 0 (where Python raises), falls back to
+    `float("inf")` itself, not `1 * float("inf")`; and the mean over an empty axis is still
+    nan (0 * inf), as torch.mean gives."""
+    case = Case("y[b] = mean(x[b,n], n)", {"x": (3, 4)})
+    text = module_text(op_spec(case, "MeanGuard"), "test.toml", "pytorch")
+    assert 'if float(_n_n) else float("inf"))' in text, text
+    assert '* float("inf")' not in text, text
+    module = generate(case, tmp_path, prefix="MeanGuard", target="pytorch")
+    y = module.forward(torch.ones(3, 0, dtype=torch.float64))
+    assert y.shape == (3,) and torch.isnan(y).all()

@@ -117,6 +117,16 @@ OPTIONAL = {"axis", "keepdims", "exclusive", "reverse", "padding"}
 SIZE_PREFIXES = ("_n_", "_int_")  # sizes and int attrs in index arithmetic: Python ints
 
 
+def _infinity(numerator: str) -> str:
+    """What Python numbers' `numerator / 0` gives as a tensor's division would: `inf`
+    (`float('inf')` alone for a mean's 1 / n, minus it for -1), nan for 0."""
+    if numerator in ("1", "1.0"):
+        return "float('inf')"
+    if numerator in ("-1", "-1.0", "(-1)"):
+        return "-float('inf')"
+    return f"{numerator} * float('inf')"
+
+
 def _concat(e: ir.Expr) -> bool:
     """Whether `e` is a concatenation along axis 0 (of merged scatters' rows or ids)."""
     return (
@@ -319,7 +329,7 @@ class PyTorchPrinter(Printer):
             self.unguarded = False
         if not tests:
             return text
-        return f"({text} if {' and '.join(dict.fromkeys(tests))} else {first} * float('inf'))"
+        return f"({text} if {' and '.join(dict.fromkeys(tests))} else {_infinity(first)})"
 
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
