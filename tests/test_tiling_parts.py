@@ -11,28 +11,17 @@ times the bound stays within 4x the inputs and outputs plus the budget.
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-tf = pytest.importorskip("tensorflow")
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
 import sgd
+from all_targets import REPO, TINY, jax, jnp, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import jax_step_memory, run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
 from symgrad.pipeline import compile_op
-
-jax.config.update("jax_enable_x64", True)
-import jax.numpy as jnp
-
-REPO = Path(__file__).resolve().parent.parent
-TINY = 1024  # far below any chunk at these sizes: one or two positions per chunk
 
 DISTANCE = "sum((x[b,n,c] - z[b,m,c])**2, c)"
 # Each index its own size: b = 2, n = 9, m = 7, c = 3.

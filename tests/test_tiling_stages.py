@@ -13,28 +13,16 @@ outputs plus the budget.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-tf = pytest.importorskip("tensorflow")
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
 import sgd
+from all_targets import REPO, TINY, jax, jnp, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
 from symgrad.pipeline import compile_op
-
-jax.config.update("jax_enable_x64", True)
-import jax.numpy as jnp
-
-REPO = Path(__file__).resolve().parent.parent
-TINY = 1024  # far below any chunk at these sizes: one or two positions per chunk
 
 DISTANCE = "sum((x[b,c,n] - z[b,c,m])**2, c)"
 SHAPES = {"x": (2, 3, 9), "z": (2, 3, 7)}  # b = 2, c = 3, n = 9, m = 7

@@ -10,15 +10,9 @@ budget.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-tf = pytest.importorskip("tensorflow")
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
+from all_targets import REPO, TINY, jax, jnp, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import jax_step_memory, run_tensorflow
 from target_harness import check_target, frameworks
@@ -27,12 +21,6 @@ from test_tiling import _torch_memory
 from symgrad.model import build
 from symgrad.pipeline import compile_op
 from symgrad.spec import parse_spec
-
-jax.config.update("jax_enable_x64", True)
-import jax.numpy as jnp
-
-REPO = Path(__file__).resolve().parent.parent
-TINY = 1024  # far below any chunk at these sizes: one or two positions per chunk
 
 # Each index its own size: b = 2, n = 9, m = 7, c = 3.
 SUMMED = {
