@@ -286,6 +286,10 @@ class Tiling:
     # `index` is summed by the outputs, not one of theirs: the chunks' outputs are partial
     # sums, added up; every chunk's gradient gets the whole incoming gradient (`tile_sum`)
     summed: bool = False
+    # How the chunks of a summed index combine: "sum", or "logaddexp" (`tile_logsumexp`:
+    # the outputs are the log-sum-exp of the chunks', each chunk's gradient scaled by its
+    # softmax weight exp(L_chunk - L)).
+    combine: str = "sum"
     untiled_reason: str = ""  # why a summed index could not be chosen (for the docstring)
     # The large temporaries are the outputs' own size: outputs larger than every input,
     # computed in several steps (`output_temps`; the docstring says so).

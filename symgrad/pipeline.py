@@ -19,6 +19,7 @@ from . import (
     recurrence,
     scan_render,
     tile,
+    tile_logsumexp,
     tile_once,
     tile_parts,
     tile_stages,
@@ -52,6 +53,7 @@ def compile_op(op: OpSpec) -> ir.Module:
         rewrites=polyphase.doc_lines(op, rewrites),
     )
     choice = tile_sum.choose(op, program, tile.choose(op, program))
+    choice = tile_logsumexp.choose(op, program, choice)
     parts = tile_parts.split(op, program, choice)
     if parts is not None:  # no one index serves the whole op: each part its own
         tiling = tile_parts.tiling(op, program, parts, _tiling)

@@ -53,6 +53,9 @@ class Choice:
     chunk: OpSpec
     start: str | None  # the chunk's attr holding its first position (None: unused)
     length: str | None
+    # How a summed index's chunks combine: "sum" (partial sums added, `tile_sum`) or
+    # "logaddexp" (partial log-sum-exps, `tile_logsumexp`).
+    combine: str = "sum"
 
 
 def big_sets(program: Program) -> list[tuple[Index, ...]]:
@@ -492,6 +495,7 @@ def tiling(
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,
         summed=summed,
+        combine=choice.combine,
         output_sized=all(
             b in _output_sized(program) and sampled_temps.weight(b, program) == 1
             for b in choice.big

@@ -159,7 +159,8 @@ def why_not(op: OpSpec, program: Program, choice: Choice) -> str | None:
 
 def _outside_a_sum(op: OpSpec, choice: Choice) -> str | None:
     """The sentence for a right-hand side that applies a function to a sum over the
-    pair (`log(sum(exp(s), n, m))`): a chunk's share of a log is no log of its share."""
+    pair (`log(sum(sqrt(d), n, m))`; of exponentials, `tile_logsumexp` tiles it): a
+    chunk's share of a log is no log of its share."""
     (assign,) = ast.parse(op.formulas[0].strip(" "), mode="exec").body
     rhs = assign.value
     if not (isinstance(rhs, ast.Call) and isinstance(rhs.func, ast.Name)):
@@ -168,9 +169,9 @@ def _outside_a_sum(op: OpSpec, choice: Choice) -> str | None:
         return None
     return (
         f"One position of {choice.index} still holds a pairwise matrix, and the "
-        f"right-hand side is {rhs.func.id}(...) of a reduction, not a sum or mean, so no "
-        "summed index can be cut (a log-sum-exp would need its chunks' maxima combined): "
-        "the bound is exceeded by that matrix."
+        f"right-hand side is {rhs.func.id}(...) of a reduction, not a sum or mean (nor a "
+        "log of a sum of exponentials, whose chunks logaddexp combines), so no summed "
+        "index can be cut: the bound is exceeded by that matrix."
     )
 
 
@@ -236,9 +237,11 @@ def _rebound(rhs: ast.Call, name: str) -> bool:
     )
 
 
-def _chunk(op, program, tree, reads, name, big) -> Choice:
+def _chunk(op, program, tree, reads, name, big, outer_of=None) -> Choice:
+    """The chunk of `name`; `outer_of(rhs)` finds the sum whose body is moved (default:
+    the outer sum, `_outer_sum`)."""
     (assign,) = tree.body
-    outer = _outer_sum(assign.value, _constants(op))
+    outer = (outer_of or (lambda rhs: _outer_sum(rhs, _constants(op))))(assign.value)
     taken = _names(tree) | {a for a, _ in (*op.attrs, *op.lets)}
     lets = op.lets
     if outer.func.id == "mean":

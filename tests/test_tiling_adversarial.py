@@ -340,22 +340,18 @@ def test_pytorch_flownet_sized_correlation_step_is_bounded(tmp_path):
 LOG_SUM_EXP = Case(f"y[b] = log(sum(exp(-{DISTANCE}), n, m))", {"x": (2, 7, 3), "z": (2, 5, 3)})
 
 
-def test_a_log_sum_exp_over_two_clouds_says_why_it_stays_unbounded(tmp_path):
-    """`log(sum(exp(-d), n, m))` runs in chunks of b, one of which holds the [n, m]
-    matrix; the docstring said nothing of it (the outer max or min said why)."""
+def test_a_log_sum_exp_over_two_clouds_runs_in_chunks_of_n_combined_by_logaddexp(tmp_path):
+    """`log(sum(exp(-d), n, m))` ran in chunks of b, one of which holds the [n, m] matrix
+    (the docstring said why); it now runs in chunks of n, their log-sum-exps combined by
+    logaddexp, and the docstring says so."""
     module = generate(LOG_SUM_EXP, tmp_path, prefix="LogSumExp")
     doc = " ".join(module.__doc__.split())
-    assert "the op runs in chunks of b" in doc
-    assert "One position of b still holds a pairwise matrix" in doc, doc
-    assert "log(...) of a reduction" in doc, doc
+    assert "the op runs in chunks of n" in doc, doc
+    assert "the outputs are the logaddexp of the chunks' log-sum-exps" in doc, doc
+    assert "scaled by its share exp(L_k - L)" in doc, doc
+    assert "still holds a pairwise matrix" not in doc, doc
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a log-sum-exp over both clouds is tiled along b only: chunks of n would need "
-    "each chunk's maximum combined (logaddexp of the chunks' results, each chunk's "
-    "gradient scaled by exp(L_chunk - L)), which tile_sum does not do",
-)
 def test_pytorch_log_sum_exp_over_two_clouds_step_is_bounded(tmp_path):
     from peaks import torch_peak
 
