@@ -18,4 +18,24 @@ import jax.numpy as jnp
 REPO = Path(__file__).resolve().parent.parent
 TINY = 1024  # far below any chunk at these sizes: one or two positions per chunk
 
-__all__ = ["REPO", "TINY", "jax", "jnp", "tf", "torch"]
+__all__ = ["REPO", "TINY", "jax", "jnp", "module_cache", "tf", "torch"]
+
+
+def module_cache(cases: dict, prefix: str, folder: Path):
+    """`get(name, target)`: the module of `cases[name]` for `target` (TensorFlow by
+    default), generated into `folder` once and then handed out again at its own
+    MAX_TEMP_BYTES (each test sets its budget; every module reads it when called). For a
+    module-scoped fixture: generating is most of a small test's time."""
+    from harness import generate
+
+    made = {}
+
+    def get(name, target="tensorflow"):
+        if (name, target) not in made:
+            module = generate(cases[name], folder, prefix=prefix, target=target)
+            made[name, target] = module, module.MAX_TEMP_BYTES
+        module, default = made[name, target]
+        module.MAX_TEMP_BYTES = default
+        return module
+
+    return get

@@ -15,7 +15,7 @@ import inspect
 import numpy as np
 import pytest
 import sgd
-from all_targets import REPO, TINY, jax, jnp, tf, torch
+from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import jax_step_memory, run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
@@ -46,8 +46,10 @@ PARTS = {
 SEEDS = {"chamfer_two_outputs": 1, "chamfer_loss": 1}
 
 
-def _module(name, tmp_path, target="tensorflow"):
-    return generate(PARTS[name], tmp_path, prefix="Parts", target=target)
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    """`modules(name, target)`: the module of PARTS[name], generated once for all tests."""
+    return module_cache(PARTS, "Parts", tmp_path_factory.mktemp("parts"))
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
@@ -61,8 +63,8 @@ def test_each_part_is_tiled_along_its_own_index(name):
     assert [p.tiling.sliced for p in tiling.parts] == [(("x", 1),), (("z", 1),)]
 
 
-def test_the_docstring_says_what_each_part_is_tiled_along_and_why(tmp_path):
-    module = _module("chamfer_two_outputs", tmp_path)
+def test_the_docstring_says_what_each_part_is_tiled_along_and_why(modules):
+    module = modules("chamfer_two_outputs")
     doc = " ".join(module.__doc__.split())
     assert "the outputs share only b, one position of which still holds them" in doc
     assert "part 0: d1[b, n] = min(" in doc and "part 1: d2[b, m] = min(" in doc
@@ -95,11 +97,11 @@ def test_ops_that_one_index_bounds_are_not_split():
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_tensorflow_tiling_in_parts_is_exact_everywhere(name, tmp_path):
+def test_tensorflow_tiling_in_parts_is_exact_everywhere(name, modules):
     """forward, vjp, the registered gradient, a tape, finite differences, against the
     reference, every part in chunks of one or two positions."""
     case = PARTS[name]
-    module = _module(name, tmp_path)
+    module = modules(name)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
     n0, c0, n1, c1 = module._tile_plan(*tensors)
@@ -109,12 +111,12 @@ def test_tensorflow_tiling_in_parts_is_exact_everywhere(name, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(PARTS))
 @pytest.mark.parametrize("target", ["pytorch", "jax"])
-def test_pytorch_and_jax_tiling_in_parts_is_exact(name, target, tmp_path):
+def test_pytorch_and_jax_tiling_in_parts_is_exact(name, target, modules):
     """forward, vjp, autodiff through `forward` and the framework's own autodiff, against
     the reference, every part in chunks."""
     case = PARTS[name]
     fw = frameworks()[target]
-    module = _module(name, tmp_path, target)
+    module = modules(name, target)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_NAME)))
     n0, c0, n1, c1 = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors))
@@ -129,8 +131,8 @@ def _arrays(names, seed=0):
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_tensorflow_tiling_in_parts_under_unknown_sizes_and_xla(name, tmp_path):
-    module = _module(name, tmp_path)
+def test_tensorflow_tiling_in_parts_under_unknown_sizes_and_xla(name, modules):
+    module = modules(name)
     tensors = [tf.constant(a) for a in _arrays(module.INPUTS)]
     outputs = module.forward(*tensors)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -151,11 +153,11 @@ def test_tensorflow_tiling_in_parts_under_unknown_sizes_and_xla(name, tmp_path):
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_tiling_in_parts_splits_ties_equally(name, target, tmp_path):
+def test_tiling_in_parts_splits_ties_equally(name, target, modules):
     """Every point of x equally near two copies of a point of z (and each copy's nearest
     points of x the same): in parts, the copies get equal gradients that add up to the
     single point's, as untiled."""
-    module = _module(name, tmp_path, target)
+    module = modules(name, target)
     array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}[target]
     rng = np.random.default_rng(4)
     x, p = rng.standard_normal((2, 9, 3)), rng.standard_normal((2, 4, 3))
@@ -188,7 +190,7 @@ def test_tiling_in_parts_splits_ties_equally(name, target, tmp_path):
     assert np.abs(grad_z).max() > 0.1
 
 
-def test_training_steps_in_parts_equal_todays(tmp_path):
+def test_training_steps_in_parts_equal_todays(modules):
     """Two SGD steps on loss = sum(sin(d1)) + sum(d2**2) of the two-output Chamfer
     distance: PyTorch eagerly, JAX under jit and grad, TensorFlow with a tape; in parts
     and untiled they agree to rounding."""
@@ -198,7 +200,7 @@ def test_training_steps_in_parts_equal_todays(tmp_path):
         return sgd.total(lib.sin(d1), lib) + sgd.total(d2**2, lib)
 
     for target in ("pytorch", "jax", "tensorflow"):
-        module = _module("chamfer_two_outputs", tmp_path, target)
+        module = modules("chamfer_two_outputs", target)
         arrays = _arrays(module.INPUTS)
         want = sgd.two_steps(target, module, arrays, loss_of, lr=0.01)
         module.MAX_TEMP_BYTES = TINY
@@ -238,8 +240,8 @@ def _torch_step_peak(module, xs):
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, tmp_path):
-    module = _module(name, tmp_path, "pytorch")
+def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, modules):
+    module = modules(name, "pytorch")
     xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
     module.MAX_TEMP_BYTES = 2**40
     untiled = _torch_step_peak(module, xs)
@@ -255,9 +257,9 @@ def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, tmp_path):
+def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, modules):
     """The jitted gradient's temporaries (XLA's memory_analysis)."""
-    module = _module(name, tmp_path, "jax")
+    module = modules(name, "jax")
     xs = _memory_inputs(module, jnp.asarray)
 
     module.MAX_TEMP_BYTES = 2**40
@@ -310,10 +312,10 @@ def test_tensorflow_tiled_in_parts_step_memory_is_bounded(tmp_path):
         assert m["tiled"] <= bound, (name, m)
 
 
-def test_pytorch_compile_fullgraph_takes_the_parts(tmp_path):
+def test_pytorch_compile_fullgraph_takes_the_parts(modules):
     """torch.compile(fullgraph=True) takes every part's loop, forward and backward, and
     gives the untiled module's values and gradients."""
-    module = _module("chamfer_two_outputs", tmp_path, "pytorch")
+    module = modules("chamfer_two_outputs", "pytorch")
     x, z = _arrays(module.INPUTS)
     rng = np.random.default_rng(2)
     g1, g2 = torch.tensor(rng.standard_normal((2, 9))), torch.tensor(rng.standard_normal((2, 7)))
@@ -337,11 +339,11 @@ def test_pytorch_compile_fullgraph_takes_the_parts(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_pytorch_parts_skip_a_gradient_that_is_not_needed(name, tmp_path, monkeypatch):
+def test_pytorch_parts_skip_a_gradient_that_is_not_needed(name, modules, monkeypatch):
     """A step that needs x's gradient only (z is a constant): torch's needs_input_grad
     reaches every part's chunks, which return None for z instead of computing it, as the
     one-part tiled backward does; x's gradient is the untiled one."""
-    module = _module(name, tmp_path, "pytorch")
+    module = modules(name, "pytorch")
     x, z = (torch.tensor(a) for a in _arrays(module.INPUTS))
     leaf = x.clone().requires_grad_(True)
 
@@ -377,10 +379,10 @@ def test_pytorch_parts_skip_a_gradient_that_is_not_needed(name, tmp_path, monkey
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
-def test_jax_vmap_of_forward_and_grad_in_parts(name, tmp_path):
+def test_jax_vmap_of_forward_and_grad_in_parts(name, modules):
     """jax.vmap over an extra leading axis, of forward and of its gradient, under jit: in
     parts (a scan per part) as in one piece."""
-    module = _module(name, tmp_path, "jax")
+    module = modules(name, "jax")
     stacked = [
         jnp.stack([_arrays(module.INPUTS, seed)[k] for seed in range(3)])
         for k in range(len(module.INPUTS))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sgd
-from all_targets import REPO, TINY, jax, jnp, tf, torch
+from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import run_tensorflow, torch_peak
 from target_harness import check_target, frameworks
@@ -50,8 +50,10 @@ STAGES = {
 SEED = 1
 
 
-def _module(name, tmp_path, target="tensorflow"):
-    return generate(STAGES[name], tmp_path, prefix="Stages", target=target)
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    """`modules(name, target)`: the module of STAGES[name], generated once for all tests."""
+    return module_cache(STAGES, "Stages", tmp_path_factory.mktemp("stages"))
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))
@@ -72,8 +74,8 @@ def test_each_stage_is_tiled_along_its_own_index(name):
     assert tiling.parts[0].tiling.sliced == (("x", 2),)
 
 
-def test_the_docstring_says_what_each_stage_is_tiled_along(tmp_path):
-    doc = " ".join(_module("hausdorff", tmp_path).__doc__.split())
+def test_the_docstring_says_what_each_stage_is_tiled_along(modules):
+    doc = " ".join(modules("hausdorff").__doc__.split())
     assert "the op runs in stages, one per equation" in doc, doc
     assert "stage 0: inner[b, n] = min(sum(" in doc and "stage 1: h[b] = max(inner[b, n], n)" in doc
     assert "in chunks of n (an output index: one n leaves temporaries" in doc
@@ -114,11 +116,11 @@ def test_ops_one_index_bounds_keep_their_tiling():
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))
-def test_tensorflow_tiling_in_stages_is_exact_everywhere(name, tmp_path):
+def test_tensorflow_tiling_in_stages_is_exact_everywhere(name, modules):
     """forward, vjp, the registered gradient, a tape, finite differences, against the
     reference, the large stages in chunks of one or two positions."""
     case = STAGES[name]
-    module = _module(name, tmp_path)
+    module = modules(name)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)), SEED)
     plan = module._tile_plan(*tensors)
@@ -130,12 +132,12 @@ def test_tensorflow_tiling_in_stages_is_exact_everywhere(name, tmp_path):
 # (the hand-written internal tensor: `test_written_by_hand_or_hoisted_the_results_are_the_same`)
 @pytest.mark.parametrize("name", sorted(set(STAGES) - {"by_hand"}))
 @pytest.mark.parametrize("target", ["pytorch", "jax"])
-def test_pytorch_and_jax_tiling_in_stages_is_exact(name, target, tmp_path):
+def test_pytorch_and_jax_tiling_in_stages_is_exact(name, target, modules):
     """forward, vjp, autodiff through `forward` and the framework's own autodiff, against
     the reference, in stages."""
     case = STAGES[name]
     fw = frameworks()[target]
-    module = _module(name, tmp_path, target)
+    module = modules(name, target)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_NAME)), SEED)
     plan = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors))
@@ -148,7 +150,7 @@ def _arrays(names, seed=0):
     return [rng.uniform(-1, 1, SHAPES[n]) for n in names]
 
 
-def test_written_by_hand_or_hoisted_the_results_are_the_same(tmp_path):
+def test_written_by_hand_or_hoisted_the_results_are_the_same(modules):
     """The hand-written internal tensor and the hoisted one: the same values and
     gradients, tiled and not, in every target."""
     rng = np.random.default_rng(5)
@@ -157,7 +159,7 @@ def test_written_by_hand_or_hoisted_the_results_are_the_same(tmp_path):
         array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}[target]
         found = []
         for name in ("hausdorff", "by_hand"):
-            module = _module(name, tmp_path, target)
+            module = modules(name, target)
             for budget in (2**40, TINY):
                 module.MAX_TEMP_BYTES = budget
                 xs = [array(a) for a in _arrays(module.INPUTS)]
@@ -168,10 +170,10 @@ def test_written_by_hand_or_hoisted_the_results_are_the_same(tmp_path):
                 np.testing.assert_allclose(g, w, rtol=1e-13, atol=1e-13, err_msg=target)
 
 
-def test_tensorflow_tiling_in_stages_under_unknown_sizes_and_xla(tmp_path):
+def test_tensorflow_tiling_in_stages_under_unknown_sizes_and_xla(modules):
     """Unknown sizes under tf.function: the small stage runs as one chunk of its whole
     (unknown) size; under XLA the op runs untiled. Both equal eager."""
-    module = _module("hausdorff", tmp_path)
+    module = modules("hausdorff")
     tensors = [tf.constant(a) for a in _arrays(module.INPUTS)]
     grads = [tf.constant(np.random.default_rng(3).standard_normal(2))]
     want = (module.forward(*tensors), *module.vjp(*tensors, *grads))
@@ -199,13 +201,13 @@ def test_tensorflow_tiling_in_stages_under_unknown_sizes_and_xla(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_ties_of_the_outer_max_across_chunks_split_equally(target, tmp_path):
+def test_ties_of_the_outer_max_across_chunks_split_equally(target, modules):
     """Two points of x at the same place, far from every point of z, in the first and the
     last chunk of n: their nearest distances tie for the max, and in stages each gets half
     of the gradient, as untiled; their nearest point of z is doubled too (m = 2 and 6), and
     the copies share its gradient equally.
     """
-    module = _module("hausdorff", tmp_path, target)
+    module = modules("hausdorff", target)
     array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}[target]
     x, z = _arrays(module.INPUTS, seed=7)
     x[:, :, 0] = x[:, :, 8] = 5.0  # n = 0 and n = 8: the farthest, tied
@@ -233,7 +235,7 @@ def test_ties_of_the_outer_max_across_chunks_split_equally(target, tmp_path):
     np.testing.assert_allclose(grad_z[:, :, 2], -2 * d / 2, rtol=1e-12)
 
 
-def test_training_steps_in_stages_equal_todays(tmp_path):
+def test_training_steps_in_stages_equal_todays(modules):
     """Two SGD steps on loss = sum(sin(h)) of the symmetric Hausdorff distance: PyTorch
     eagerly, JAX under jit and grad, TensorFlow with a tape (its registered gradient); in
     stages and untiled they agree to rounding."""
@@ -242,7 +244,7 @@ def test_training_steps_in_stages_equal_todays(tmp_path):
         return sgd.total(lib.sin(h), lib)
 
     for target in ("pytorch", "jax", "tensorflow"):
-        module = _module("symmetric", tmp_path, target)
+        module = modules("symmetric", target)
         arrays = _arrays(module.INPUTS)
         want = sgd.two_steps(target, module, arrays, loss_of, lr=0.05)
         module.MAX_TEMP_BYTES = TINY
@@ -259,9 +261,9 @@ def test_training_steps_in_stages_equal_todays(tmp_path):
 COMPILE_BUDGET = 4096
 
 
-def test_pytorch_compile_fullgraph_takes_the_stages(tmp_path):
+def test_pytorch_compile_fullgraph_takes_the_stages(modules):
     """torch.compile(fullgraph=True) takes every stage's loop, forward and backward."""
-    module = _module("hausdorff", tmp_path, "pytorch")
+    module = modules("hausdorff", "pytorch")
     x, z = _arrays(module.INPUTS)
     g = torch.tensor(np.random.default_rng(2).standard_normal(2))
     want = module.vjp(torch.tensor(x), torch.tensor(z), g)
@@ -277,9 +279,9 @@ def test_pytorch_compile_fullgraph_takes_the_stages(tmp_path):
         np.testing.assert_allclose(leaf.grad.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
 
 
-def test_jax_vmap_of_forward_and_grad_in_stages(tmp_path):
+def test_jax_vmap_of_forward_and_grad_in_stages(modules):
     """jax.vmap over an extra leading axis, of forward and of its gradient, under jit."""
-    module = _module("hausdorff", tmp_path, "jax")
+    module = modules("hausdorff", "jax")
     stacked = [jnp.stack([_arrays(module.INPUTS, s)[k] for s in range(3)]) for k in range(2)]
 
     def both(*xs):
@@ -314,8 +316,8 @@ def _io_bytes(xs, outputs):
     return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))
 
 
-def test_pytorch_tiled_in_stages_step_memory_is_bounded(tmp_path):
-    module = _module("hausdorff", tmp_path, "pytorch")
+def test_pytorch_tiled_in_stages_step_memory_is_bounded(modules):
+    module = modules("hausdorff", "pytorch")
     xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
 
     def step():
@@ -333,9 +335,9 @@ def test_pytorch_tiled_in_stages_step_memory_is_bounded(tmp_path):
     assert tiled <= bound, (tiled, untiled)
 
 
-def test_jax_tiled_in_stages_gradient_memory_is_bounded(tmp_path):
+def test_jax_tiled_in_stages_gradient_memory_is_bounded(modules):
     """The jitted gradient's temporaries (XLA's memory_analysis)."""
-    module = _module("hausdorff", tmp_path, "jax")
+    module = modules("hausdorff", "jax")
     xs = _memory_inputs(module, jnp.asarray)
 
     def temporaries():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from all_targets import REPO, TINY, jax, jnp, tf, torch
+from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import jax_step_memory, run_tensorflow
 from target_harness import check_target, frameworks
@@ -70,8 +70,10 @@ SUMMED = {
 }
 
 
-def _module(name, tmp_path, target="tensorflow"):
-    return generate(SUMMED[name], tmp_path, prefix="Summed", target=target)
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    """`modules(name, target)`: the module of SUMMED[name], generated once for all tests."""
+    return module_cache(SUMMED, "Summed", tmp_path_factory.mktemp("summed"))
 
 
 @pytest.mark.parametrize("name", sorted(SUMMED))
@@ -123,11 +125,11 @@ def _module_of(case, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(SUMMED))
-def test_tensorflow_summed_tiling_is_exact_everywhere(name, tmp_path):
+def test_tensorflow_summed_tiling_is_exact_everywhere(name, modules):
     """forward, vjp, the registered gradient, a tape, finite differences, against the
     reference, in chunks of one position."""
     case = SUMMED[name]
-    module = _module(name, tmp_path)
+    module = modules(name)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
     n, c = module._tile_plan(*tensors, **case.attrs)
@@ -136,9 +138,9 @@ def test_tensorflow_summed_tiling_is_exact_everywhere(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["rbf_energy", "moved_read", "mean_energy"])
-def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, tmp_path):
+def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, modules):
     case = SUMMED[name]
-    module = _module(name, tmp_path)
+    module = modules(name)
     tensors = make_inputs(case, build(op_spec(case, module.OP_TYPE)))
     grad = tf.constant(np.random.default_rng(3).standard_normal(2))
     want = module.vjp(*tensors, grad)
@@ -163,12 +165,12 @@ def test_tensorflow_summed_tiling_under_unknown_sizes_and_xla(name, tmp_path):
         ("scaled_loss", "jax"),
     ],
 )
-def test_pytorch_and_jax_summed_tiling_is_exact(name, target, tmp_path):
+def test_pytorch_and_jax_summed_tiling_is_exact(name, target, modules):
     """forward, vjp, autodiff through `forward` and the framework's own autodiff, against
     the reference, in chunks."""
     case = SUMMED[name]
     fw = frameworks()[target]
-    module = _module(name, tmp_path, target)
+    module = modules(name, target)
     module.MAX_TEMP_BYTES = TINY
     tensors = make_inputs(case, build(op_spec(case, module.OP_NAME)))
     n, c = module._tile_plan(*(fw.tensor(t.numpy()) for t in tensors), **case.attrs)
@@ -177,10 +179,10 @@ def test_pytorch_and_jax_summed_tiling_is_exact(name, target, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_summed_tiling_splits_ties_equally(target, tmp_path):
+def test_summed_tiling_splits_ties_equally(target, modules):
     """One-way Chamfer per cloud, every point of x equally near two copies of a point of
     z: in chunks of n, the copies get equal gradients that add up to the single point's."""
-    module = _module("chamfer_one_way", tmp_path, target)
+    module = modules("chamfer_one_way", target)
     array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}[target]
     rng = np.random.default_rng(4)
     x, p = rng.standard_normal((2, 9, 3)), rng.standard_normal((2, 4, 3))
@@ -207,7 +209,7 @@ def _arrays(case, names, seed=0):
 
 
 @pytest.mark.parametrize("name", ["kernel_loss"])
-def test_training_steps_in_chunks_equal_todays(name, tmp_path):
+def test_training_steps_in_chunks_equal_todays(name, modules):
     """Two SGD steps on loss = sum(forward(...)**2): PyTorch eagerly, JAX under jit,
     TensorFlow with a tape; tiled and untiled agree to rounding."""
     case = SUMMED[name]
@@ -243,7 +245,7 @@ def test_training_steps_in_chunks_equal_todays(name, tmp_path):
         return [p.numpy() for p in params]
 
     for target, steps in (("pytorch", torch_steps), ("jax", jax_steps), ("tensorflow", tf_steps)):
-        module = _module(name, tmp_path, target)
+        module = modules(name, target)
         want = steps(module)
         module.MAX_TEMP_BYTES = TINY
         got = steps(module)
@@ -263,10 +265,10 @@ TORCH_BUDGET = 2**20  # fewer chunks: the profiler's events make each one slow
 
 
 @pytest.mark.parametrize("name", sorted(MEMORY))
-def test_pytorch_summed_tiled_step_memory_is_bounded(name, tmp_path):
+def test_pytorch_summed_tiled_step_memory_is_bounded(name, modules):
     """The tiled forward keeps only the inputs for the backward; a training step's peak
     allocation (torch.profiler) stays within 4x the inputs and outputs plus the budget."""
-    module = _module(name, tmp_path, "pytorch")
+    module = modules(name, "pytorch")
     rng = np.random.default_rng(6)
     xs = [
         torch.tensor(rng.uniform(-1, 1, MEMORY[name][n]), dtype=torch.float32, requires_grad=True)
@@ -287,10 +289,10 @@ def test_pytorch_summed_tiled_step_memory_is_bounded(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(MEMORY))
-def test_jax_summed_tiled_gradient_memory_is_bounded(name, tmp_path):
+def test_jax_summed_tiled_gradient_memory_is_bounded(name, modules):
     """The jitted gradient's temporaries (XLA's memory_analysis) stay within the bound
     tiled, where untiled they are many times it."""
-    module = _module(name, tmp_path, "jax")
+    module = modules(name, "jax")
     rng = np.random.default_rng(6)
     xs = [jnp.asarray(rng.uniform(-1, 1, MEMORY[name][n]), jnp.float32) for n in module.INPUTS]
 
