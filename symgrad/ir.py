@@ -91,6 +91,8 @@ OPS = {
     "tan": "tan x",
     "tanh": "tanh x",
     "where": "where(condition, a, b), broadcast",
+    "select": "select(condition, a, b): where over three tensors of one shape, at any rank "
+    "(TensorFlow's where broadcasts, and runs, only up to rank 8)",
     "cast": "cast(x, dtype): to the computation dtype (the variable `dtype`)",
     "to_int64": "to_int64(x): positions in int64 (an int64 id must not wrap in int32)",
     # shapes and layout

@@ -212,6 +212,9 @@ class Evaluator:
         if inside is None:
             return values
         tensor = values.tensor
+        if tensor.shape.rank > 8:  # tf.where runs only up to rank 8 (NATTEN's 3-D window)
+            mask = tf.broadcast_to(inside.tensor, tf.shape(tensor))
+            return Dense(tf.compat.v1.where(mask, tensor, tf.zeros_like(tensor)), values.labels)
         return Dense(tf.where(inside.tensor, tensor, tf.zeros_like(tensor)), values.labels)
 
     def gathered(self, node: Access) -> tuple[Dense, Dense | None]:

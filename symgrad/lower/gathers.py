@@ -15,6 +15,11 @@ from .common import (
     align,
 )
 
+# The highest rank at which TensorFlow's `tf.where` (SelectV2) runs: beside a rank-9
+# gather (NATTEN's 3-D window) it raised "Broadcast ... is not supported yet", even
+# between operands of one shape.
+MAX_BROADCAST_RANK = 8
+
 
 class Gathers:
     """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
@@ -171,6 +176,8 @@ class Gathers:
         body.uses_dtype = True
         zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
         mask = self.align(body, valid, inner, indices)
+        if len(indices) > MAX_BROADCAST_RANK:
+            return ir.Call("select", (mask, value, ir.Call("zeros_like", (value,))))
         return ir.Call("where", (mask, value, zero))
 
     def reads_rows(self, scatter: Scatter) -> bool:

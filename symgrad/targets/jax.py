@@ -64,6 +64,7 @@ NAMES = {
     "tile": "jnp.tile",
     "transpose": "jnp.transpose",
     "where": "jnp.where",
+    "select": "jnp.where",
     "zeros": "jnp.zeros",
     "zeros_like": "jnp.zeros_like",
     # helpers of the template (TF's backprop kernels as explicit convolutions)

@@ -107,6 +107,7 @@ PARAMETERS = {
     "to_int64": ("x",),
     "transpose": ("x", "perm"),
     "where": ("condition", "x", "y"),
+    "select": ("condition", "x", "y"),
     "zeros": ("shape", "dtype"),
     "maximum": ("x", "y"),
     "minimum": ("x", "y"),
@@ -429,6 +430,8 @@ class PyTorchPrinter(Printer):
             f"torch.where({self.tensor(condition, dtype=False)}, "
             f"{x_text or self.code(x)}, {y_text or self.code(y)})"
         )
+
+    call_select = call_where  # torch.where takes any rank
 
     def call_cast(self, args: dict) -> str:
         x, dtype = args["x"], self.code(args["dtype"])

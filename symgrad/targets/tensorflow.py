@@ -66,6 +66,7 @@ NAMES = {
     "tile": "tf.tile",
     "transpose": "tf.transpose",
     "where": "tf.where",
+    "select": "tf.compat.v1.where",  # no broadcast, so any rank (tf.where: up to 8)
     "zeros": "tf.zeros",
     "zeros_like": "tf.zeros_like",
 }
