@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def peak(run) -> int:
@@ -124,4 +125,34 @@ def jax_step_bytes(module, args, attrs=None, wrt=None) -> int:
         analysis.temp_size_in_bytes
         + analysis.argument_size_in_bytes
         + analysis.output_size_in_bytes
+    )
+
+
+FORMULA_STEPS = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import tensorflow as tf
+from pathlib import Path
+from harness import Case, generate
+from peaks import tf_step_peaks
+rng = np.random.default_rng(0)
+
+found = {{}}
+for name, (formulas, shapes) in {cases!r}.items():
+    module = generate(Case(formulas, {{}}), Path({folder!r}), prefix="Memory")
+    args = [tf.constant(rng.uniform(-1, 1, shapes[n]).astype(np.float32)) for n in module.INPUTS]
+    found[name] = tf_step_peaks(module, args, {budget})
+print(json.dumps(found))
+"""
+
+
+def tf_formula_peaks(cases: dict, budget: int, folder) -> dict:
+    """Per name of `cases` (name -> (formulas, input -> shape)), `tf_step_peaks` of its
+    TensorFlow module at `budget`, on float32 inputs of those shapes drawn uniformly from
+    [-1, 1) (one generator, seeded 0, in the order of `cases`): every case in one fresh
+    process (`run_tensorflow`), generated into `folder`."""
+    tests = str(Path(__file__).resolve().parent)
+    return run_tensorflow(
+        FORMULA_STEPS.format(tests=tests, cases=cases, folder=str(folder), budget=budget)
     )

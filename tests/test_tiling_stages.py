@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sgd
-from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
+from all_targets import TINY, jax, jnp, module_cache, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import run_tensorflow, torch_peak
+from peaks import tf_formula_peaks, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -357,46 +357,10 @@ def test_jax_tiled_in_stages_gradient_memory_is_bounded(modules):
     assert tiled <= bound, (tiled, untiled)
 
 
-MEASURE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import numpy as np
-import tensorflow as tf
-from pathlib import Path
-from harness import Case, generate
-from peaks import peak
-
-rng = np.random.default_rng(0)
-module = generate(Case({formula!r}, {{}}), Path({folder!r}), prefix="Memory")
-args = [tf.constant(rng.uniform(-1, 1, {memory}[n]).astype(np.float32)) for n in module.INPUTS]
-
-
-def run():
-    with tf.GradientTape() as tape:
-        tape.watch(args)
-        loss = tf.reduce_sum(tf.sin(module.forward(*args)))
-    return [g.numpy() for g in tape.gradient(loss, args)]
-
-
-io = sum(a.numpy().nbytes for a in args) + module.forward(*args).numpy().nbytes
-module.MAX_TEMP_BYTES = 2**40
-untiled = peak(run)
-module.MAX_TEMP_BYTES = {budget}
-tiled = peak(run)
-print(json.dumps(dict(io=io, untiled=untiled, tiled=tiled)))
-"""
-
-
 def test_tensorflow_tiled_in_stages_step_memory_is_bounded(tmp_path):
     """TensorFlow's allocator statistics (BFC), in a fresh process: a training step."""
-    code = MEASURE.format(
-        tests=str(REPO / "tests"),
-        formula=STAGES["hausdorff"].formulas,
-        memory=MEMORY,
-        folder=str(tmp_path),
-        budget=BUDGET,
-    )
-    m = run_tensorflow(code)
+    cases = {"hausdorff": (STAGES["hausdorff"].formulas, MEMORY)}
+    m = tf_formula_peaks(cases, BUDGET, tmp_path)["hausdorff"]
     bound = 4 * m["io"] + BUDGET
     print(f"hausdorff: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
     assert m["untiled"] > 10 * bound, m

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import jax_step_memory, run_tensorflow
+from peaks import jax_step_memory, tf_formula_peaks
 from target_harness import check_target, frameworks
 from test_tiling import _torch_memory
 
@@ -307,38 +307,10 @@ def test_jax_summed_tiled_gradient_memory_is_bounded(name, modules):
     assert tiled <= bound, (tiled, untiled)
 
 
-MEASURE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import numpy as np
-import tensorflow as tf
-from pathlib import Path
-from harness import Case, generate
-from peaks import tf_step_peaks
-cases = {cases}
-memory = {memory}
-rng = np.random.default_rng(0)
-
-found = {{}}
-for name, formula in cases.items():
-    module = generate(Case(formula, {{}}), Path({folder!r}), prefix="Memory")
-    args = [tf.constant(rng.uniform(-1, 1, memory[name][n]).astype(np.float32))
-            for n in module.INPUTS]
-    found[name] = tf_step_peaks(module, args, {budget})
-print(json.dumps(found))
-"""
-
-
 def test_tensorflow_summed_tiled_step_memory_is_bounded(tmp_path):
     """TensorFlow's allocator statistics (BFC), in a fresh process: a training step."""
-    code = MEASURE.format(
-        tests=str(REPO / "tests"),
-        cases={name: SUMMED[name].formulas for name in MEMORY},
-        memory=MEMORY,
-        folder=str(tmp_path),
-        budget=BUDGET,
-    )
-    found = run_tensorflow(code)
+    cases = {name: (SUMMED[name].formulas, MEMORY[name]) for name in MEMORY}
+    found = tf_formula_peaks(cases, BUDGET, tmp_path)
     for name, m in found.items():
         bound = 4 * m["io"] + BUDGET
         print(f"{name}: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
