@@ -311,6 +311,9 @@ class Tiling:
     # A second level (`tile_nest`): when one position of `index` still holds more than
     # the budget, each chunk of one position runs in chunks of this index too.
     inner: Inner | None = None
+    # Levels below `inner`, outermost first (`tile_nest`): where one position of `index` and
+    # `inner.index` still holds more than the budget, each such chunk runs in chunks of these.
+    deeper: tuple[Inner, ...] = ()
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
@@ -319,8 +322,9 @@ class Tiling:
 
 @dataclass(frozen=True)
 class Inner:
-    """The second index of a nested tiling (`tile_nest`): the chunk (whose program the
-    module carries) reads `start` and `length` of this index beside the outer ones."""
+    """An inner index of a nested tiling (`tile_nest`), the second or a deeper one: the
+    chunk (whose program the module carries) reads `start` and `length` of this index
+    beside the outer ones'."""
 
     index: str
     start: str | None

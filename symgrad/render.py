@@ -113,8 +113,8 @@ def tile_nest_context(module: ir.Module) -> dict:
     if tiling is None:
         return {"tile_defaults": [], "nest": None}
     names = [(tiling.start, False), (tiling.length, True)]
-    if tiling.inner is not None:
-        names += [(tiling.inner.start, False), (tiling.inner.length, True)]
+    for inner in (tiling.inner, *tiling.deeper) if tiling.inner else ():
+        names += [(inner.start, False), (inner.length, True)]
     defaults = [(n, ": int | None = None" if length else ": int = 0") for n, length in names if n]
     if tiling.inner is None:
         return {"tile_defaults": defaults, "nest": None}
@@ -147,8 +147,36 @@ def tile_nest_context(module: ir.Module) -> dict:
             **kinds,
             "returns": returns,
             "inner_axes": _axes_and_ranks(inner.output_axes, module.output_axes),
+            "tile_names": [n for n, _ in names if n],
+            "deeper": _deeper_levels(module),
         },
     }
+
+
+def _deeper_levels(module: ir.Module) -> list[dict]:
+    """Per level below the second of a nested tiling (`tile_nest`): its index, its number
+    (3 for the first), what it cuts and where its chunks' outputs go, and, per input with a
+    gradient, the axis its chunks' gradients are joined along (None: they are added)."""
+    levels = module.tiling.deeper
+    found = []
+    for k, level in enumerate(levels):
+        grads = [
+            (name, n, level.cut_axis(name), module.ranks[n])
+            for n, (name, grad) in enumerate(zip(module.inputs, module.backward.returns))
+            if grad is not None
+        ]
+        found.append(
+            {
+                "level": level,
+                "number": k + 3,
+                "grads": grads,
+                "axes": _axes_and_ranks(level.output_axes, module.output_axes),
+                "below": k + 4 if k + 1 < len(levels) else None,
+                "above": [module.tiling.index, module.tiling.inner.index]
+                + [d.index for d in levels[:k]],
+            }
+        )
+    return found
 
 
 def _tile_grads(module: ir.Module) -> list[tuple[str, str, int | None, int | None]]:

@@ -54,10 +54,9 @@ def merge(module: ir.Module) -> tuple[ir.Module, str]:
             return module, f"{kind}: {merged}"
         blocks.append(merged)
     forward, backward = blocks
-    names = (tiling.start, tiling.length)
-    if tiling.inner is not None:  # a nested tiling's program reads the inner level's too
-        names += (tiling.inner.start, tiling.inner.length)
-    own = tuple(a for a in chunk.attrs if a.name in names)
+    # The chunk's own attrs: its starts and lengths (a nested tiling's, every level's).
+    theirs = {a.name for a in module.attrs}
+    own = tuple(a for a in chunk.attrs if a.name not in theirs)
     attrs = (*module.attrs, *own)
     positive = tuple(dict.fromkeys((*module.positive_attrs, *chunk.positive_attrs)))
     program = replace(
