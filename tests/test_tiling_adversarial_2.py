@@ -219,3 +219,72 @@ def test_pytorch_training_step_of_real_ops_stays_within_the_bound(name, tmp_path
     print(f"{name}: untiled {untiled} bytes, tiled {tiled}, bound {bound}")
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)
+
+
+# ------------------------------------------------- pinned: a NaN that graph mode drops
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TensorFlow's graph optimizer (Grappler's arithmetic optimizer) rewrites "
+    "reduce_max(log(1 + s)) as log(1 + reduce_max(s)), which drops the NaN of a log of a "
+    "number below zero; the chunks run in a tf.function, the untiled op eagerly. Keeping "
+    "the NaN needs the max spelled so that the rewrite does not apply (a monotone "
+    "function with a second use, or the NaN carried by a separate any(is_nan) reduction)",
+)
+def test_tensorflow_chunks_keep_the_nan_of_a_max_over_a_log_of_negatives(tmp_path):
+    """max over m of log(1 + x.z) where some x.z < -1: the untiled forward (eager) is NaN
+    at those n, as the reference evaluator; in chunks the same formula gave a finite
+    number (0.336 at n = 0 against NaN), silently."""
+    case = Case(
+        "y[b,n] = max(log(1 + sum(x[b,n,c] * z[b,m,c], c)), m)",
+        {"x": (2, 7, 3), "z": (2, 5, 3)},
+    )
+    module = generate(case, tmp_path, prefix="NanMax")
+    x, z = make_tensors(case, module.INPUTS)
+    (expected,) = reference(case, {"x": x, "z": z})
+    assert np.isnan(expected.numpy()).any() and not np.isnan(expected.numpy()).all()
+    module.MAX_TEMP_BYTES = 2**40
+    np.testing.assert_array_equal(module.forward(x, z).numpy(), expected.numpy())
+    module.MAX_TEMP_BYTES = TINY
+    assert module._tile_plan(x, z) is not None
+    np.testing.assert_array_equal(module.forward(x, z).numpy(), expected.numpy())
+
+
+# ---------------------------------------------------------------- hostile values, sizes
+
+DISTANCE = "sum((x[b,n,c] - z[b,m,c])**2, c)"
+CHAMFER_MEAN = Case(
+    f"y[b] = mean(min({DISTANCE}, m), n) + mean(min({DISTANCE}, n), m)",
+    {"x": (2, 7, 3), "z": (2, 5, 3)},
+)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_chamfer_mean_far_from_the_origin_in_float32_chunks(target, tmp_path):
+    """The symmetric Chamfer loss with its means (mmcv's reduction), clouds offset by 1e4
+    with spreads of 10: in chunks of one position, float32 stays within float32 rounding
+    of the float64 module (measured 5e-8 TF, 1.2e-7 PyTorch, tiled as untiled)."""
+    from test_tiling_adversarial import _float32_against_float64
+
+    rng = np.random.default_rng(11)
+    x, z = (rng.standard_normal((2, n, 3)) * 10 + 1e4 for n in (7, 5))
+    tiled, untiled, plan = _float32_against_float64(CHAMFER_MEAN, [x, z], target, tmp_path)
+    assert plan is not None
+    assert tiled < 1e-6 and untiled < 1e-6, (tiled, untiled)
+
+
+def test_natten_dilated_window_under_unknown_sizes_in_chunks(tmp_path):
+    """NATTEN's dilated window (`%` and `//` of the position) under tf.function with every
+    size unknown and a budget of 1 byte gives the untiled vjp."""
+    case = REAL["natten_qk_1d_dilated"]
+    module = generate(case, tmp_path, prefix="NattenUnknown")
+    query, key = make_tensors(case, module.INPUTS)
+    cotangent = tf.constant(np.random.default_rng(12).standard_normal((2, 3, 12, 3)))
+    module.MAX_TEMP_BYTES = 2**40
+    want = module.vjp(query, key, cotangent, **case.attrs)
+    module.MAX_TEMP_BYTES = TINY
+    spec = [tf.TensorSpec([None] * 4, tf.float64)] * 3
+    unknown = tf.function(lambda q, k, g: module.vjp(q, k, g, **case.attrs), input_signature=spec)
+    for got, w in zip(unknown(query, key, cotangent), want, strict=True):
+        np.testing.assert_allclose(got.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
