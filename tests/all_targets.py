@@ -18,7 +18,7 @@ import jax.numpy as jnp
 REPO = Path(__file__).resolve().parent.parent
 TINY = 1024  # far below any chunk at these sizes: one or two positions per chunk
 
-__all__ = ["REPO", "TINY", "jax", "jnp", "module_cache", "tf", "torch"]
+__all__ = ["REPO", "TINY", "jax", "jnp", "module_cache", "modules_fixture", "tf", "torch"]
 
 
 def module_cache(cases: dict, prefix: str, folder: Path):
@@ -39,3 +39,14 @@ def module_cache(cases: dict, prefix: str, folder: Path):
         return module
 
     return get
+
+
+def modules_fixture(cases: dict, prefix: str):
+    """A module-scoped fixture, `modules(name, target)`: `module_cache` of `cases`, for a
+    test module to take as its own (`modules = modules_fixture(CASES, "Prefix")`)."""
+
+    @pytest.fixture(scope="module")
+    def modules(tmp_path_factory):
+        return module_cache(cases, prefix, tmp_path_factory.mktemp(prefix.lower()))
+
+    return modules

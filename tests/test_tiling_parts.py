@@ -15,9 +15,9 @@ import inspect
 import numpy as np
 import pytest
 import sgd
-from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
+from all_targets import TINY, jax, jnp, modules_fixture, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import jax_step_memory, run_tensorflow, torch_peak
+from peaks import jax_step_memory, tf_formula_peaks, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -46,10 +46,7 @@ PARTS = {
 SEEDS = {"chamfer_two_outputs": 1, "chamfer_loss": 1}
 
 
-@pytest.fixture(scope="module")
-def modules(tmp_path_factory):
-    """`modules(name, target)`: the module of PARTS[name], generated once for all tests."""
-    return module_cache(PARTS, "Parts", tmp_path_factory.mktemp("parts"))
+modules = modules_fixture(PARTS, "Parts")  # each module generated once
 
 
 @pytest.mark.parametrize("name", sorted(PARTS))
@@ -274,36 +271,10 @@ def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, modules):
     assert tiled <= bound, (tiled, untiled)
 
 
-MEASURE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import numpy as np
-import tensorflow as tf
-from pathlib import Path
-from harness import Case, generate
-from peaks import tf_step_peaks
-rng = np.random.default_rng(0)
-
-found = {{}}
-for name, formulas in {cases}.items():
-    module = generate(Case(formulas, {{}}), Path({folder!r}), prefix="Memory")
-    args = [tf.constant(rng.uniform(-1, 1, {memory}[n]).astype(np.float32))
-            for n in module.INPUTS]
-    found[name] = tf_step_peaks(module, args, {budget})
-print(json.dumps(found))
-"""
-
-
 def test_tensorflow_tiled_in_parts_step_memory_is_bounded(tmp_path):
     """TensorFlow's allocator statistics (BFC), in a fresh process: a training step."""
-    code = MEASURE.format(
-        tests=str(REPO / "tests"),
-        cases={name: PARTS[name].formulas for name in PARTS},
-        memory=MEMORY,
-        folder=str(tmp_path),
-        budget=BUDGET,
-    )
-    found = run_tensorflow(code)
+    cases = {name: (PARTS[name].formulas, MEMORY) for name in PARTS}
+    found = tf_formula_peaks(cases, BUDGET, tmp_path)
     assert sorted(found) == sorted(PARTS)
     for name, m in found.items():
         bound = 4 * m["io"] + BUDGET

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sgd
-from all_targets import TINY, jax, jnp, module_cache, tf, torch
+from all_targets import TINY, jax, jnp, modules_fixture, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import tf_formula_peaks, torch_peak
 from target_harness import check_target, frameworks
@@ -50,10 +50,7 @@ STAGES = {
 SEED = 1
 
 
-@pytest.fixture(scope="module")
-def modules(tmp_path_factory):
-    """`modules(name, target)`: the module of STAGES[name], generated once for all tests."""
-    return module_cache(STAGES, "Stages", tmp_path_factory.mktemp("stages"))
+modules = modules_fixture(STAGES, "Stages")  # each module generated once
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))

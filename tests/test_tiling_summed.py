@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from all_targets import REPO, TINY, jax, jnp, module_cache, tf, torch
+from all_targets import REPO, TINY, jax, jnp, modules_fixture, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
 from peaks import jax_step_memory, tf_formula_peaks
 from target_harness import check_target, frameworks
@@ -70,10 +70,7 @@ SUMMED = {
 }
 
 
-@pytest.fixture(scope="module")
-def modules(tmp_path_factory):
-    """`modules(name, target)`: the module of SUMMED[name], generated once for all tests."""
-    return module_cache(SUMMED, "Summed", tmp_path_factory.mktemp("summed"))
+modules = modules_fixture(SUMMED, "Summed")  # each module generated once
 
 
 @pytest.mark.parametrize("name", sorted(SUMMED))
