@@ -6,8 +6,8 @@ For each case, the TensorFlow module's call-time plan (`_tile_plan`) is run on i
 the case's shapes; the plan's estimate of the bytes a chunk of one position holds (its
 largest temporaries times the number it assumes held at once, `_HELD`) is printed beside
 the default budget (16 MiB), for one position of the first index the plan cuts and, for a
-module tiled in two levels (`symgrad/tile_nest.py`), of both. A chunk holds at least one
-position of each: where that estimate exceeds the budget, a step exceeds its bound by
+module tiled in two levels or more (`symgrad/tile_nest.py`), of every level. A chunk holds
+at least one position of each: where that estimate exceeds the budget, a step exceeds its bound by
 about that much (README, "One chunk holds at least one position").
 """
 
@@ -142,17 +142,27 @@ def one_position(folder: Path, spec_file: str, op_name: str, shapes, ints, attrs
 
     def plan2(n, n2, volumes, itemsize):
         seen.update(n=n, n2=n2, volumes=volumes, itemsize=itemsize)
+        return n, 1, n2, 1  # a plan, so that a module with deeper levels asks for theirs
+
+    def plan_deeper(counts, volumes, itemsize):
+        seen.update(deeper=counts[2:])
+        return tuple((n, 1) for n in counts[2:])
 
     import tensorflow as tf
 
     module._plan = plan
     module._plan2 = plan2
+    module._plan_deeper = plan_deeper
     module._tile_plan(*[tf.constant(a) for a in arrays], **attrs)
     held = module._HELD * seen["itemsize"] * sum(_product(v) for v in seen["volumes"])
     tiling = compile_op(op).tiling
     n, n2 = int(seen["n"]), int(seen.get("n2", 1))
     inner = tiling.inner.index if tiling.inner else "-"
-    return tiling.index, inner, held / n, held / (n * n2)
+    inner = ", ".join([inner, *(d.index for d in tiling.deeper)])
+    every = held / (n * n2)
+    for count in seen.get("deeper", ()):
+        every /= int(count)
+    return tiling.index, inner, held / n, every
 
 
 def _product(sizes) -> int:
@@ -166,7 +176,7 @@ def main() -> None:
     budget = 16 * 2**20
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
-        print("| op | sizes | tiled along | one position of the first (MB, x budget) | of both |")
+        print("| op | sizes | tiled along | one position of the first (MB, x budget) | of every level |")
         print("|---|---|---|---|---|")
         for spec_file, op, shapes, ints, attrs in CASES:
             index, inner, one, both = one_position(Path(tmp), spec_file, op, shapes, ints, attrs)

@@ -35,7 +35,9 @@ CASES = {
     "NattenQk2d": ({"query": (2, 3, 7, 6, 5), "key": (2, 3, 7, 6, 5)}, {"K": 3}),
     "Involution": ({"x": (2, 4, 5, 6), "weight": (2, 2, 3, 3, 5, 6)}, {}),
 }
-SEPARATE = {"NattenQk2d", "Involution"}
+# Correlation too: its third level's chunk sizes u by the chunk's length (`tile_nest`), which
+# lowers otherwise than the chunk of i and j
+SEPARATE = {"NattenQk2d", "Involution", "Correlation"}
 
 
 def _op(name: str):
@@ -116,8 +118,10 @@ def test_two_levels_of_chunks_are_exact(op, target, folder, monkeypatch):
         plan = module._tile_plan(
             *(jnp.asarray(a) if target == "jax" else torch.tensor(a) for a in arrays), **attrs
         )
-    n, c, n2, c2 = plan
+    n, c, n2, c2, *deeper = plan
     assert (c, c2) == (1, 1) and n > 1 and n2 > 1  # one position of i, chunks of j
+    # a correlation's position still gathers its window: one displacement u, v a chunk
+    assert deeper == ([((3, 1), (3, 1))] if op == "Correlation" else []), deeper
     chunked = STEPS[target](module, arrays, attrs)
     for a, b in zip(whole, chunked, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
