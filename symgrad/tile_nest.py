@@ -6,8 +6,9 @@ correlation's displacement volume), one position holds a whole row of windows, t
 channels: 22 MB for NATTEN's 2-D AV at 56x56, 4 heads, 32 channels and K = 7 (a 16 MiB
 budget), 1.8 GB for FlowNet's correlation at 48x64, 256 channels, 21x21 displacements.
 
-Where one position of `t` leaves a large temporary larger than every input and output
-(`tile_sum.bounded`), the chunk of `t` is itself an op, and `tile.choose` picks its own
+Where one position of `t` can exceed the bound -- it leaves a large temporary larger than
+every input and output, or as large as a whole one (`position_bound.within_bound`: a
+strict part of one is within the bound at any size) -- the chunk of `t` is itself an op, and `tile.choose` picks its own
 index `s` (another output index, never `t`). Its chunk -- the op's formulas with
 `t -> t + start`, `s -> s + start2`, inputs cut along both where they read them plainly --
 is the module's one program (`tile_once`, merged twice: at `start2 = 0` and no `length2`
@@ -24,17 +25,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from . import ir, tile, tile_once, tile_sum
+from . import ir, tile, tile_once
 from .derive import derive
 from .lower import lower
 from .model import Program, build
+from .position_bound import output_volumes, within_bound
 
 
 def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Tiling):
     """The module tiled along `choice` and, inside each chunk, along a second output index
     (one program for all where the lowerings agree); None when one position of
-    `choice.index` is bounded or no second index serves."""
-    if tiling.summed or tiling.parts or tile_sum.bounded(choice, program):
+    `choice.index` is within the bound at any size or no second index serves."""
+    if tiling.summed or tiling.parts or within_bound(choice, program):
         return None
     outputs = {i.name for i in program.outputs[0].level.indices}
     chunk_program = build(choice.chunk)
@@ -71,6 +73,7 @@ def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Ti
             sliced=inner.sliced,
             output_axes=axes,
             count=_count(choice, tiling, inner.index),
+            output_volumes=output_volumes(choice, program, tiling),
         ),
     )
     if once.tiling.program is not None:
