@@ -140,7 +140,7 @@ def one_position(folder: Path, spec_file: str, op_name: str, shapes, ints, attrs
     def plan(n, volumes, itemsize):
         seen.update(n=n, volumes=volumes, itemsize=itemsize)
 
-    def plan2(n, n2, volumes, itemsize):
+    def plan2(n, n2, volumes, itemsize, *bound):
         seen.update(n=n, n2=n2, volumes=volumes, itemsize=itemsize)
         return n, 1, n2, 1  # a plan, so that a module with deeper levels asks for theirs
 

@@ -332,6 +332,9 @@ class Inner:
     sliced: tuple[tuple[str, int], ...]  # (input, axis): inputs cut along this index too
     output_axes: tuple[int, ...]  # per output, the axis of `index`
     count: str  # the size variable of `index` in the tiling's `sizes`
+    # per output, the size variables of its indices, for the bytes the plan's bound counts
+    # (`tile_nest.output_volumes`; empty: the plan counts the inputs alone)
+    output_volumes: tuple[tuple[str, ...], ...] = ()
 
     def cut_axis(self, name: str) -> int | None:
         return dict(self.sliced).get(name)

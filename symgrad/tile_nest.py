@@ -6,9 +6,10 @@ correlation's displacement volume), one position holds a whole row of windows, t
 channels: 22 MB for NATTEN's 2-D AV at 56x56, 4 heads, 32 channels and K = 7 (a 16 MiB
 budget), 1.8 GB for FlowNet's correlation at 48x64, 256 channels, 21x21 displacements.
 
-Where one position of `t` leaves a large temporary larger than every input and output
-(`tile_sum.bounded`), the chunk of `t` is itself an op, and `tile.choose` picks its own
-index `s` (another output index, never `t`). Its chunk -- the op's formulas with
+Where one position of `t` can exceed the bound -- it leaves a large temporary larger than
+every input and output, or as large as a whole one (`position_bound.within_bound`: a
+strict part of one is within the bound at any size) -- the chunk of `t` is itself an op,
+and `tile.choose` picks its own index `s` (another output index, never `t`). Its chunk -- the op's formulas with
 `t -> t + start`, `s -> s + start2`, inputs cut along both where they read them plainly --
 is the module's one program (`tile_once`, merged twice: at `start2 = 0` and no `length2`
 it is the chunk of `t`, and at `start = 0` and no `length` the op), or, where the
@@ -41,18 +42,20 @@ from __future__ import annotations
 import ast
 from dataclasses import replace
 
-from . import ir, tile, tile_once, tile_sum
+from . import ir, tile, tile_once
 from .derive import derive
 from .lower import lower
 from .model import Program, build
+from .position_bound import output_volumes, within_bound
 
 
 def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Tiling):
     """The module tiled along `choice` and, inside each chunk, along a second output index,
     and below it along more while one position of every level still leaves a temporary
     larger than the inputs and outputs (one program for all where the lowerings agree);
-    None when one position of `choice.index` is bounded or no second index serves."""
-    if tiling.summed or tiling.parts or tile_sum.bounded(choice, program):
+    None when one position of `choice.index` is within the bound at any size or no second
+    index serves."""
+    if tiling.summed or tiling.parts or within_bound(choice, program):
         return None
     levels = [choice]
     while len(levels) == 1 or not _bounded(choice, program, levels):
@@ -68,6 +71,8 @@ def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Ti
         chunks.append(lower(level_program, derive(level_program)))
     deepest = chunks[-1]
     inners = tuple(_inner(choice, program, tiling, level) for level in levels[1:])
+    # the second level's plan counts the outputs' bytes (`position_bound.output_volumes`)
+    inners = (replace(inners[0], output_volumes=output_volumes(choice, program, tiling)), *inners[1:])
     nested = replace(tiling, inner=inners[0], deeper=inners[1:])
     # One program for every level, merged from the deepest up (`tile_once`): at start 0 and
     # no length of a level, the chunk of the level above it.
