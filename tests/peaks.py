@@ -156,3 +156,19 @@ def tf_formula_peaks(cases: dict, budget: int, folder) -> dict:
     return run_tensorflow(
         FORMULA_STEPS.format(tests=tests, cases=cases, folder=str(folder), budget=budget)
     )
+
+
+def memory_inputs(names, shapes: dict, make) -> list:
+    """Float32 inputs `names` of `shapes` (input -> shape) for a memory test, drawn
+    uniformly from [-1, 1) (seed 6), each passed through `make` (a framework's tensor)."""
+    import numpy as np
+
+    rng = np.random.default_rng(6)
+    return [make(rng.uniform(-1, 1, shapes[n]).astype(np.float32)) for n in names]
+
+
+def io_bytes(xs, outputs) -> int:
+    """The bytes of an op's inputs and outputs (arrays or detached tensors)."""
+    import numpy as np
+
+    return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))

@@ -17,7 +17,7 @@ import pytest
 import sgd
 from all_targets import TINY, jax, jnp, modules_fixture, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import jax_step_memory, tf_formula_peaks, torch_peak
+from peaks import io_bytes, jax_step_memory, memory_inputs, tf_formula_peaks, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -215,15 +215,6 @@ BUDGET = 2**18  # TensorFlow and JAX
 TORCH_BUDGET = 2**20  # fewer chunks: the profiler's events make each one slow
 
 
-def _memory_inputs(module, make):
-    rng = np.random.default_rng(6)
-    return [make(rng.uniform(-1, 1, MEMORY[n]).astype(np.float32)) for n in module.INPUTS]
-
-
-def _io_bytes(xs, outputs):
-    return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))
-
-
 def _torch_step_peak(module, xs):
     """Peak bytes allocated by a training step's forward and backward (tests/peaks.py)."""
 
@@ -239,7 +230,7 @@ def _torch_step_peak(module, xs):
 @pytest.mark.parametrize("name", sorted(PARTS))
 def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, modules):
     module = modules(name, "pytorch")
-    xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
+    xs = memory_inputs(module.INPUTS, MEMORY, lambda a: torch.tensor(a, requires_grad=True))
     module.MAX_TEMP_BYTES = 2**40
     untiled = _torch_step_peak(module, xs)
     module.MAX_TEMP_BYTES = TORCH_BUDGET
@@ -247,7 +238,7 @@ def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, modules):
     tiled = _torch_step_peak(module, xs)
     outputs = module.forward(*xs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    bound = TORCH_BUDGET + 4 * _io_bytes([x.detach() for x in xs], [o.detach() for o in outputs])
+    bound = TORCH_BUDGET + 4 * io_bytes([x.detach() for x in xs], [o.detach() for o in outputs])
     print(f"{name}: PyTorch step peak {untiled} -> {tiled} bytes, bound {bound}")
     assert untiled > 10 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, untiled)
@@ -257,7 +248,7 @@ def test_pytorch_tiled_in_parts_step_memory_is_bounded(name, modules):
 def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, modules):
     """The jitted gradient's temporaries (XLA's memory_analysis)."""
     module = modules(name, "jax")
-    xs = _memory_inputs(module, jnp.asarray)
+    xs = memory_inputs(module.INPUTS, MEMORY, jnp.asarray)
 
     module.MAX_TEMP_BYTES = 2**40
     untiled = jax_step_memory(module, xs).temp_size_in_bytes
@@ -265,7 +256,7 @@ def test_jax_tiled_in_parts_gradient_memory_is_bounded(name, modules):
     assert module._tile_plan(*xs) is not None
     tiled = jax_step_memory(module, xs).temp_size_in_bytes
     outputs = module.forward(*xs)
-    bound = BUDGET + 4 * _io_bytes(xs, outputs if isinstance(outputs, tuple) else (outputs,))
+    bound = BUDGET + 4 * io_bytes(xs, outputs if isinstance(outputs, tuple) else (outputs,))
     print(f"{name}: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
     assert untiled > 10 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, untiled)
@@ -429,14 +420,14 @@ def test_pytorch_full_mmd_in_parts_is_bounded(tmp_path):
     """The full MMD's step, batch-tiled before (each b held three [n,m] matrices), within
     4x its inputs and outputs plus the budget in parts."""
     module = generate(SIGNED["mmd"], tmp_path, prefix="Signed", target="pytorch")
-    xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
+    xs = memory_inputs(module.INPUTS, MEMORY, lambda a: torch.tensor(a, requires_grad=True))
     module.MAX_TEMP_BYTES = 2**40
     untiled = _torch_step_peak(module, xs)
     module.MAX_TEMP_BYTES = TORCH_BUDGET
     assert module._tile_plan(*xs) is not None
     tiled = _torch_step_peak(module, xs)
     outputs = (module.forward(*xs),)
-    bound = TORCH_BUDGET + 4 * _io_bytes([x.detach() for x in xs], [o.detach() for o in outputs])
+    bound = TORCH_BUDGET + 4 * io_bytes([x.detach() for x in xs], [o.detach() for o in outputs])
     print(f"mmd: PyTorch step peak {untiled} -> {tiled} bytes, bound {bound}")
     assert untiled > 10 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, untiled)

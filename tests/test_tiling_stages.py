@@ -18,7 +18,7 @@ import pytest
 import sgd
 from all_targets import TINY, jax, jnp, modules_fixture, tf, torch
 from harness import Case, check, generate, make_inputs, op_spec
-from peaks import tf_formula_peaks, torch_peak
+from peaks import io_bytes, memory_inputs, tf_formula_peaks, torch_peak
 from target_harness import check_target, frameworks
 
 from symgrad.model import build
@@ -304,18 +304,9 @@ BUDGET = 2**18  # TensorFlow and JAX
 TORCH_BUDGET = 2**20  # fewer chunks: the profiler's events make each one slow
 
 
-def _memory_inputs(module, make):
-    rng = np.random.default_rng(6)
-    return [make(rng.uniform(-1, 1, MEMORY[n]).astype(np.float32)) for n in module.INPUTS]
-
-
-def _io_bytes(xs, outputs):
-    return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))
-
-
 def test_pytorch_tiled_in_stages_step_memory_is_bounded(modules):
     module = modules("hausdorff", "pytorch")
-    xs = _memory_inputs(module, lambda a: torch.tensor(a, requires_grad=True))
+    xs = memory_inputs(module.INPUTS, MEMORY, lambda a: torch.tensor(a, requires_grad=True))
 
     def step():
         torch.autograd.grad(torch.sin(module.forward(*xs)).sum(), xs)
@@ -326,7 +317,7 @@ def test_pytorch_tiled_in_stages_step_memory_is_bounded(modules):
     assert module._tile_plan(*xs) is not None
     tiled = torch_peak(step)
     out = module.forward(*xs).detach()
-    bound = TORCH_BUDGET + 4 * _io_bytes([x.detach() for x in xs], [out])
+    bound = TORCH_BUDGET + 4 * io_bytes([x.detach() for x in xs], [out])
     print(f"hausdorff: PyTorch step peak {untiled} -> {tiled} bytes, bound {bound}")
     assert untiled > 10 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, untiled)
@@ -335,7 +326,7 @@ def test_pytorch_tiled_in_stages_step_memory_is_bounded(modules):
 def test_jax_tiled_in_stages_gradient_memory_is_bounded(modules):
     """The jitted gradient's temporaries (XLA's memory_analysis)."""
     module = modules("hausdorff", "jax")
-    xs = _memory_inputs(module, jnp.asarray)
+    xs = memory_inputs(module.INPUTS, MEMORY, jnp.asarray)
 
     def temporaries():
         def grad(*a):  # a new function: traced with the current budget
@@ -348,7 +339,7 @@ def test_jax_tiled_in_stages_gradient_memory_is_bounded(modules):
     module.MAX_TEMP_BYTES = BUDGET
     assert module._tile_plan(*xs) is not None
     tiled = temporaries()
-    bound = BUDGET + 4 * _io_bytes(xs, [module.forward(*xs)])
+    bound = BUDGET + 4 * io_bytes(xs, [module.forward(*xs)])
     print(f"hausdorff: JAX gradient temporaries {untiled} -> {tiled} bytes, bound {bound}")
     assert untiled > 10 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, untiled)
