@@ -353,3 +353,61 @@ def test_tensorflow_tiled_in_stages_step_memory_is_bounded(tmp_path):
     print(f"hausdorff: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
     assert m["untiled"] > 10 * bound, m
     assert m["tiled"] <= bound, m
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_a_training_step_runs_the_matrix_stage_once_forward_and_once_backward(target, tmp_path):
+    """The internal tensor `inner` (no larger than the inputs) is kept by the forward for
+    the backward: a training step runs the stage that computes it (over the [n,m]
+    matrix) once, where it ran it again in the backward (three matrix passes a step, now
+    two: the forward, and the stage's own gradient); under a second tape (a gradient of
+    the gradient) the stage runs again, so that its dependence is recorded."""
+    module = _module("hausdorff", tmp_path, target)
+    rng = np.random.default_rng(SEED)
+    arrays = [rng.uniform(-3, 3, SHAPES[n]) for n in module.INPUTS]
+    module.MAX_TEMP_BYTES = TINY
+    calls = []
+    stage = module._part0_tiled_compute
+    module._part0_tiled_compute = lambda *a, **k: calls.append(1) or stage(*a, **k)
+    if target == "pytorch":
+        xs = [torch.tensor(a, requires_grad=True) for a in arrays]
+        got = torch.autograd.grad(torch.sin(module.forward(*xs)).sum(), xs)
+        got = [g.numpy() for g in got]
+    else:
+        xs = [tf.constant(a) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(tf.sin(module.forward(*xs)))
+        got = [g.numpy() for g in tape.gradient(loss, xs)]
+    assert len(calls) == 1, calls
+    module._part0_tiled_compute = stage
+    module.MAX_TEMP_BYTES = 2**40
+    if target == "pytorch":
+        xs = [torch.tensor(a, requires_grad=True) for a in arrays]
+        want = torch.autograd.grad(torch.sin(module.forward(*xs)).sum(), xs)
+        want = [g.numpy() for g in want]
+    else:
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(tf.sin(module.forward(*xs)))
+        want = [g.numpy() for g in tape.gradient(loss, xs)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    if target == "tensorflow":  # a gradient of the gradient: the stage runs again
+
+        def second():
+            with tf.GradientTape() as outer:
+                outer.watch(xs)
+                with tf.GradientTape() as tape:
+                    tape.watch(xs)
+                    loss = tf.reduce_sum(tf.sin(module.forward(*xs)))
+                total = tf.add_n([tf.reduce_sum(g**2) for g in tape.gradient(loss, xs)])
+            return [g.numpy() for g in outer.gradient(total, xs)]
+
+        want = second()
+        module.MAX_TEMP_BYTES = TINY
+        module._part0_tiled_compute = lambda *a, **k: calls.append(1) or stage(*a, **k)
+        got = second()
+        assert len(calls) == 3, calls
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
