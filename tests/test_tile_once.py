@@ -31,6 +31,9 @@ FOLDERS = ["generated", "generated_torch", "generated_jax", "benchmarks/generate
 # The ops whose chunk lowers otherwise than the op (a read the op lowers to a slice, a
 # reshape or a kernel is a gather at shifted positions): they keep two programs.
 SEPARATE = {"cc_attention_map", "cc_attention_scores", "max_pool2x2", "rwkv_wkv"}
+# The correlations' third level sizes the displacement u by the chunk's length, which lowers
+# otherwise than the chunk of i and j (`tile_nest`): two programs.
+SEPARATE |= {"correlation", "mmcv_correlation", "bench_correlation"}
 SEPARATE |= {"segment_csr_sum", "bench_max_pool", "natten_qk2d"}
 # Tiled in two levels (`tile_nest`) where the chunk of both indices lowers otherwise than
 # the chunk of one (a window read as a convolution along the inner index, then a gather).
@@ -125,10 +128,10 @@ def _both(op, target, folder, monkeypatch):
     return one, two
 
 
-# Each kind of shift: an int position (Correlation), a length as well (LightconvSame), a
+# Each kind of shift: an int position (NattenAv2d's window), a length as well (LightconvSame), a
 # float position (RoiAlign, DeformConv2d), a position cast to int64 (LongformerQk).
 CASES = {
-    "Correlation": ({"f1": (2, 5, 4, 3), "f2": (2, 5, 4, 3)}, {"r": 1}),
+    "NattenAv2d": ({"attn": (2, 3, 7, 6, 9), "value": (2, 3, 7, 6, 5)}, {"K": 3}),
     "LightconvSame": ({"w": (3, 5), "x": (2, 3, 11)}, {}),
     "LongformerQk": ({"X": (2, 9, 3, 4), "Y": (2, 9, 3, 4), "D": (3,)}, {"w": 2}),
     "RoiAlign": (
@@ -171,7 +174,7 @@ def test_tensorflow_untiled_call_is_bit_identical_to_the_two_program_module(
             np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
 
 
-@pytest.mark.parametrize("name", ["Correlation", "LightconvSame"])
+@pytest.mark.parametrize("name", ["NattenAv2d", "LightconvSame"])
 def test_pytorch_and_jax_untiled_calls_are_bit_identical_too(name, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     jnp = pytest.importorskip("jax.numpy")
@@ -255,9 +258,9 @@ def _inputs_of(names, shapes):
 
 def test_the_whole_op_adds_no_start():
     """`_shift` with the Python int 0 hands its positions back: no op runs."""
-    import generated.correlation as tf_module
-    import generated_jax.correlation as jax_module
-    import generated_torch.correlation as torch_module
+    import generated.natten_av2d as tf_module
+    import generated_jax.natten_av2d as jax_module
+    import generated_torch.natten_av2d as torch_module
 
     for module in (tf_module, torch_module, jax_module):
         positions = np.arange(3)
