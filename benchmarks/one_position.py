@@ -176,7 +176,9 @@ def main() -> None:
     budget = 16 * 2**20
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
-        print("| op | sizes | tiled along | one position of the first (MB, x budget) | of every level |")
+        print(
+            "| op | sizes | tiled along | one position of the first (MB, x budget) | of every level |"
+        )
         print("|---|---|---|---|---|")
         for spec_file, op, shapes, ints, attrs in CASES:
             index, inner, one, both = one_position(Path(tmp), spec_file, op, shapes, ints, attrs)

@@ -72,7 +72,10 @@ def nest(module: ir.Module, program: Program, choice: tile.Choice, tiling: ir.Ti
     deepest = chunks[-1]
     inners = tuple(_inner(choice, program, tiling, level) for level in levels[1:])
     # the second level's plan counts the outputs' bytes (`position_bound.output_volumes`)
-    inners = (replace(inners[0], output_volumes=output_volumes(choice, program, tiling)), *inners[1:])
+    inners = (
+        replace(inners[0], output_volumes=output_volumes(choice, program, tiling)),
+        *inners[1:],
+    )
     nested = replace(tiling, inner=inners[0], deeper=inners[1:])
     # One program for every level, merged from the deepest up (`tile_once`): at start 0 and
     # no length of a level, the chunk of the level above it.

@@ -356,13 +356,13 @@ def test_tensorflow_tiled_in_stages_step_memory_is_bounded(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
-def test_a_training_step_runs_the_matrix_stage_once_forward_and_once_backward(target, tmp_path):
+def test_a_training_step_runs_the_matrix_stage_once_forward_and_once_backward(target, modules):
     """The internal tensor `inner` (no larger than the inputs) is kept by the forward for
     the backward: a training step runs the stage that computes it (over the [n,m]
     matrix) once, where it ran it again in the backward (three matrix passes a step, now
     two: the forward, and the stage's own gradient); under a second tape (a gradient of
     the gradient) the stage runs again, so that its dependence is recorded."""
-    module = _module("hausdorff", tmp_path, target)
+    module = modules("hausdorff", target)
     rng = np.random.default_rng(SEED)
     arrays = [rng.uniform(-3, 3, SHAPES[n]) for n in module.INPUTS]
     module.MAX_TEMP_BYTES = TINY
@@ -379,8 +379,8 @@ def test_a_training_step_runs_the_matrix_stage_once_forward_and_once_backward(ta
             tape.watch(xs)
             loss = tf.reduce_sum(tf.sin(module.forward(*xs)))
         got = [g.numpy() for g in tape.gradient(loss, xs)]
+    module._part0_tiled_compute = stage  # the module is shared by the file's tests
     assert len(calls) == 1, calls
-    module._part0_tiled_compute = stage
     module.MAX_TEMP_BYTES = 2**40
     if target == "pytorch":
         xs = [torch.tensor(a, requires_grad=True) for a in arrays]
@@ -408,6 +408,7 @@ def test_a_training_step_runs_the_matrix_stage_once_forward_and_once_backward(ta
         module.MAX_TEMP_BYTES = TINY
         module._part0_tiled_compute = lambda *a, **k: calls.append(1) or stage(*a, **k)
         got = second()
+        module._part0_tiled_compute = stage
         assert len(calls) == 3, calls
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
