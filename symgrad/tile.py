@@ -279,12 +279,17 @@ def choose(
 
     small = _no_larger(program)
     window = _one_window(program, reads)
+    whole = _sampled_whole_input(program)
 
     def score(index: Index) -> tuple:
         sliced = _sliced(index.name, reads, op)
         return (
             # a chunk of one position larger than the inputs would outgrow the bound
-            sum(not small(set(b) - {index}) and not window(index, set(b) - {index}) for b in big),
+            sum(
+                (not small(set(b) - {index}) and not window(index, set(b) - {index}))
+                or whole(index, b)
+                for b in big
+            ),
             program.outputs[0].level.indices.index(index) == 0,  # a batch axis: few chunks
             not _in_positions(index.name, reads),  # a window's centre: a long axis
             not any(axis > 0 for _, axis in sliced),  # a cut input, not at its batch axis
@@ -316,6 +321,31 @@ def choose(
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
     return Choice(name, sliced, tuple(big), chunk, start, length)
+
+
+def _sampled_whole_input(program: Program):
+    """`whole(index, indices)`: whether one position of `index` leaves a sampled read's
+    temporary over `indices` as large as a whole input or output (over all of its axes
+    that an index runs along; not `loc`'s axis of two coordinates, read at constants).
+    Such a temporary is bounded, but counted `sampled_temps.WEIGHT` times in a forward and
+    backward that each hold several: dozens of that input's size per position, over the
+    memory bound at any budget (multi-scale deformable attention cut along its channel `d`:
+    its corners over `[b,l,q,m,p]`, the size of `attn`, held 1.4-1.8x the bound at value
+    2x3024x4x16, 300 queries). Another index bounds it better (there, the queries)."""
+    key = _size_key(program)
+    levels = [*program.intermediates, *(o.level for o in program.outputs)]
+    indexed = {key(i) for level in levels for i in level.indices}
+    sizes = [_input_sizes(program, name, key) for name in program.inputs]
+    sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
+    alongs = [Counter({k: n for k, n in s.items() if k in indexed}) for s in sizes]
+
+    def whole(index: Index, indices) -> bool:
+        if sampled_temps.weight(tuple(indices), program) == 1:
+            return False
+        rest = Counter(key(i) for i in set(indices) if i.name.replace("'", "") != index.name)
+        return any(len(along) > 1 and along == rest for along in alongs)
+
+    return whole
 
 
 def in_composite_output(index: Index, program: Program) -> bool:

@@ -49,7 +49,7 @@ def _module(target, tmp_path):
 
 def _tile(module, args):
     """Set the smallest budget that tiles into several chunks, the last one partial."""
-    for budget in (2**k for k in range(6, 30)):
+    for budget in (int(2 ** (k / 4)) for k in range(24, 120)):  # quarter octaves
         module.MAX_TEMP_BYTES = budget
         plan = module._tile_plan(*args)
         if plan is not None and 1 < plan[1] < plan[0] and plan[0] % plan[1]:

@@ -166,6 +166,51 @@ def test_causal_attention_with_values_inside_the_mask_at_logits_in_the_hundreds(
     assert tiled < 1e-4 and untiled < 1e-3, (tiled, untiled)
 
 
+PADDED_ATTENTION = Case(
+    "y[b,i,e] = sum(where(m[b,j] > 0, exp(sum(q[b,i,d] * k[b,j,d], d)) * v[b,j,e], 0), j)"
+    " / sum(where(m[b,j] > 0, exp(sum(q[b,i,d] * k[b,j,d], d)), 0), j)",
+    {"q": (2, 6, 4), "k": (2, 9, 4), "v": (2, 9, 3), "m": (2, 9)},
+    inputs=("q", "k", "v", "m"),
+)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_padded_attention_ignores_inf_and_nan_values_under_the_mask(target, tmp_path):
+    """`where(m[b,j] > 0, exp(s) * v, 0)` is computed as `exp(where(.., s, -inf)) * v`
+    (stable past logits of 88); a padded value that is inf or nan gave exp(-inf) * inf =
+    nan in every output and gradient, where the `where` dropped it. The values are masked
+    too now: the forward and vjp with inf and nan under the mask are exactly those with
+    zeros there, tiled and untiled."""
+    module = generate(PADDED_ATTENTION, tmp_path, prefix="Padded", target=target)
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 6, 4), (2, 9, 4), (2, 9, 3)))
+    m = np.where(rng.uniform(size=(2, 9)) < 0.4, -1.0, 1.0)
+    m[:, 0] = 1.0  # every row has a key
+    padded = np.broadcast_to(m[..., None] <= 0, v.shape)
+    bad = np.where(padded, np.where(rng.uniform(size=v.shape) < 0.5, np.inf, np.nan), v)
+    clean = np.where(padded, 0.0, v)
+    cotangent = rng.standard_normal((2, 6, 3))
+    for budget in (2**40, TINY):
+        module.MAX_TEMP_BYTES = budget
+        tensors = (ARRAY[target](a) for a in (q, k, v, m))
+        assert (module._tile_plan(*tensors) is None) == (budget > TINY)
+        got, want = (
+            [
+                _numpy(t)
+                for t in (
+                    module.forward(*(ARRAY[target](a) for a in (q, k, values, m))),
+                    *module.vjp(*(ARRAY[target](a) for a in (q, k, values, m, cotangent))),
+                )
+            ]
+            for values in (bad, clean)
+        )
+        assert np.all(np.isfinite(want[0])), budget
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                np.testing.assert_array_equal(g, w)
+
+
 KERNEL_LOSS = Case(
     f"y[b] = sum(w[b,n] * log(sum(exp(-{DISTANCE}), m)), n)",
     {"w": (2, 7), "x": (2, 7, 3), "z": (2, 5, 3)},

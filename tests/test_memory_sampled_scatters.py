@@ -1,0 +1,96 @@
+"""The memory bound on sampled reads whose scatters dominate a chunk (README, "Memory"):
+ROI Align, tiled in two levels, in TensorFlow held the chunk's scatter, its transposed
+copy, two running sums of the input's size and the forward's transposed copy of the input
+at once (1.30x the bound at the size below); multi-scale deformable attention was cut
+along its channel, one channel of which holds its corners over the whole of `attn`, dozens
+of times (TensorFlow 1.46x, PyTorch 1.77x). Peaks as in tests/test_memory_sampled_reads.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+from peaks import run_tensorflow
+from test_tiling import _torch_memory
+
+REPO = Path(__file__).resolve().parent.parent
+BUDGET = 2**18
+
+# case -> (module, the float inputs the step differentiates); each index its own size
+WATCHED = {"roi_align": (0, 2, 3, 4, 5), "ms_deform_attn": (0, 3, 4)}
+
+
+def arrays(stem: str):
+    """ROI Align: x 2x32x64x72, 40 boxes of 7x6 bins, 2x2 samples; multi-scale deformable
+    attention: value 2x3024x4x16 over levels 48x48, 24x24, 12x12, 300 queries, 5 points."""
+    rng = np.random.default_rng(5)
+    if stem == "roi_align":
+        x = rng.standard_normal((2, 32, 64, 72)).astype(np.float32)
+        bi = rng.integers(0, 2, 40).astype(np.int32)
+        boxes = [rng.uniform(-2, n - 10, 40) for n in (64, 72)]
+        sizes = [rng.uniform(0.5, 3, 40) for _ in range(2)]
+        args = [x, bi, *(a.astype(np.float32) for a in (*boxes, *sizes))]
+        return args, {"S": 2, "PH": 7, "PW": 6}
+    shapes = np.array([[48, 48], [24, 24], [12, 12]], np.float32)
+    start = np.array([0, 2304, 2880], np.int64)
+    value = rng.standard_normal((2, 3024, 4, 16)).astype(np.float32)
+    loc = rng.uniform(-0.05, 1.05, (2, 300, 4, 3, 5, 2)).astype(np.float32)
+    attn = rng.uniform(0, 1, (2, 300, 4, 3, 5)).astype(np.float32)
+    return [value, shapes, start, loc, attn], {}
+
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {repo!r})
+sys.path.insert(0, {tests!r})
+import importlib
+import tensorflow as tf
+from peaks import tf_step_peaks
+from test_memory_sampled_scatters import BUDGET, WATCHED, arrays
+
+found = {{}}
+for stem, watched in WATCHED.items():
+    module = importlib.import_module("generated." + stem)
+    given, attrs = arrays(stem)
+    args = [tf.constant(a) for a in given]
+    found[stem] = tf_step_peaks(module, args, BUDGET, attrs, [args[i] for i in watched])
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def tensorflow_peaks():
+    return run_tensorflow(MEASURE.format(repo=str(REPO), tests=str(REPO / "tests")))
+
+
+def _check(stem, target, io, untiled, tiled):
+    bound = 4 * io + BUDGET
+    print(f"{stem} {target}: untiled {untiled / bound:.2f}x, tiled {tiled / bound:.2f}x")
+    assert untiled > 2 * bound, f"{stem} {target}: the size does not test the bound"
+    assert tiled <= bound, f"{stem} {target}: a tiled step peaks at {tiled} > {bound}"
+
+
+@pytest.mark.parametrize("stem", sorted(WATCHED))
+def test_tensorflow_step_of_a_scatter_heavy_sampled_read_is_bounded(stem, tensorflow_peaks):
+    found = tensorflow_peaks[stem]
+    _check(stem, "tensorflow", found["io"], found["untiled"], found["tiled"])
+
+
+def test_pytorch_step_of_multi_scale_deformable_attention_is_bounded(monkeypatch):
+    import generated_torch.ms_deform_attn as module
+
+    given, attrs = arrays("ms_deform_attn")
+    args = [torch.tensor(a) for a in given]
+    xs = [args[i].requires_grad_(True) for i in WATCHED["ms_deform_attn"]]
+    with torch.no_grad():
+        io = sum(a.nbytes for a in given) + module.forward(*args).nbytes
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
+    _, untiled = _torch_memory(module, xs, attrs, args)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
+    assert module._tile_plan(*args) is not None
+    _check("ms_deform_attn", "pytorch", io, untiled, _torch_memory(module, xs, attrs, args)[1])
