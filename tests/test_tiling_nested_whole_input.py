@@ -167,6 +167,27 @@ def one_position_a_chunk(plan2):
     return plan
 
 
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+@pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1d"])
+def test_whole_positions_in_several_outer_chunks_are_exact(op, target, folder, monkeypatch):
+    """The plan's whole positions of the outer index (c2 = n2), several outer chunks: the
+    inner level runs as one call (TensorFlow's `_inner_tiled`), whose parts must be added
+    to the running sums the outer loop hands it (`_tiled_into`). Taking its parts for the
+    sums dropped every earlier chunk's share of `Y`'s (`key`'s) gradient."""
+    module = _module(op, target, folder)
+    attrs = CASES[op][2]
+    xs = arrays(op)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
+    whole = STEPS[target](module, xs, attrs)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 1)
+    monkeypatch.setattr(module, "_plan2", one_position_a_chunk(module._plan2))
+    n, c, n2, c2 = module._tile_plan(*(TENSORS[target](a) for a in xs), **attrs)
+    assert (c, c2) == (1, n2) and n > 1  # several outer chunks, the inner index whole
+    chunked = STEPS[target](module, xs, attrs)
+    for a, b in zip(whole, chunked, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+
+
 def test_pytorch_step_is_bounded_where_one_position_is_not(folder, monkeypatch):
     module = _module("NattenQk1d", "pytorch", folder)
     xs = [torch.tensor(a, requires_grad=True) for a in _peak_arrays()]
