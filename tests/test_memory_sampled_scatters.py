@@ -19,7 +19,7 @@ from peaks import run_tensorflow
 from test_tiling import _torch_memory
 
 REPO = Path(__file__).resolve().parent.parent
-BUDGET = 2**18
+BUDGETS = {"roi_align": 2**18, "ms_deform_attn": 2**15}  # each where the bound bites
 
 # case -> (module, the float inputs the step differentiates); each index its own size
 WATCHED = {"roi_align": (0, 2, 3, 4, 5), "ms_deform_attn": (0, 3, 4)}
@@ -27,7 +27,9 @@ WATCHED = {"roi_align": (0, 2, 3, 4, 5), "ms_deform_attn": (0, 3, 4)}
 
 def arrays(stem: str):
     """ROI Align: x 2x32x64x72, 40 boxes of 7x6 bins, 2x2 samples; multi-scale deformable
-    attention: value 2x3024x4x16 over levels 48x48, 24x24, 12x12, 300 queries, 5 points."""
+    attention: value 2x756x4x16 over levels 24x24, 12x12, 6x6, 60 queries, 5 points (at
+    48x48, 24x24, 12x12 and 300 queries the figures are about the same, in four times the
+    chunks: untiled 6.8x, tiled 0.63x the bound in PyTorch)."""
     rng = np.random.default_rng(5)
     if stem == "roi_align":
         x = rng.standard_normal((2, 32, 64, 72)).astype(np.float32)
@@ -36,11 +38,11 @@ def arrays(stem: str):
         sizes = [rng.uniform(0.5, 3, 40) for _ in range(2)]
         args = [x, bi, *(a.astype(np.float32) for a in (*boxes, *sizes))]
         return args, {"S": 2, "PH": 7, "PW": 6}
-    shapes = np.array([[48, 48], [24, 24], [12, 12]], np.float32)
-    start = np.array([0, 2304, 2880], np.int64)
-    value = rng.standard_normal((2, 3024, 4, 16)).astype(np.float32)
-    loc = rng.uniform(-0.05, 1.05, (2, 300, 4, 3, 5, 2)).astype(np.float32)
-    attn = rng.uniform(0, 1, (2, 300, 4, 3, 5)).astype(np.float32)
+    shapes = np.array([[24, 24], [12, 12], [6, 6]], np.float32)
+    start = np.array([0, 576, 720], np.int64)
+    value = rng.standard_normal((2, 756, 4, 16)).astype(np.float32)
+    loc = rng.uniform(-0.05, 1.05, (2, 60, 4, 3, 5, 2)).astype(np.float32)
+    attn = rng.uniform(0, 1, (2, 60, 4, 3, 5)).astype(np.float32)
     return [value, shapes, start, loc, attn], {}
 
 
@@ -51,14 +53,14 @@ sys.path.insert(0, {tests!r})
 import importlib
 import tensorflow as tf
 from peaks import tf_step_peaks
-from test_memory_sampled_scatters import BUDGET, WATCHED, arrays
+from test_memory_sampled_scatters import BUDGETS, WATCHED, arrays
 
 found = {{}}
 for stem, watched in WATCHED.items():
     module = importlib.import_module("generated." + stem)
     given, attrs = arrays(stem)
     args = [tf.constant(a) for a in given]
-    found[stem] = tf_step_peaks(module, args, BUDGET, attrs, [args[i] for i in watched])
+    found[stem] = tf_step_peaks(module, args, BUDGETS[stem], attrs, [args[i] for i in watched])
 print(json.dumps(found))
 """
 
@@ -69,7 +71,7 @@ def tensorflow_peaks():
 
 
 def _check(stem, target, io, untiled, tiled):
-    bound = 4 * io + BUDGET
+    bound = 4 * io + BUDGETS[stem]
     print(f"{stem} {target}: untiled {untiled / bound:.2f}x, tiled {tiled / bound:.2f}x")
     assert untiled > 2 * bound, f"{stem} {target}: the size does not test the bound"
     assert tiled <= bound, f"{stem} {target}: a tiled step peaks at {tiled} > {bound}"
@@ -91,6 +93,6 @@ def test_pytorch_step_of_multi_scale_deformable_attention_is_bounded(monkeypatch
         io = sum(a.nbytes for a in given) + module.forward(*args).nbytes
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
     _, untiled = _torch_memory(module, xs, attrs, args)
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGETS["ms_deform_attn"])
     assert module._tile_plan(*args) is not None
     _check("ms_deform_attn", "pytorch", io, untiled, _torch_memory(module, xs, attrs, args)[1])
