@@ -153,9 +153,11 @@ def budgets(module, arrays, attrs) -> list[int]:
 
 
 def _chunks(plan) -> int:
-    """The chunks a plan runs: (n, c), or (n, c, n2, c2) for two levels (`tile_nest`)."""
+    """The chunks a plan runs: (n, c), or (n, c, n2, c2) for two levels (`tile_nest`), then
+    the deeper levels' ((n3, c3), ...)."""
+    levels = [*zip(plan[:4:2], plan[1:4:2], strict=True), *(plan[4] if len(plan) > 4 else ())]
     count = 1
-    for n, c in zip(plan[::2], plan[1::2], strict=True):
+    for n, c in levels:
         count *= -(-n // c)
     return count
 
