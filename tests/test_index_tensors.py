@@ -454,9 +454,11 @@ MEMORY = {
 
 @pytest.mark.parametrize("name", sorted(MEMORY))
 def test_torch_training_step_of_a_gathered_window_is_bounded(name, folder):
-    """Untiled, a training step holds the gathered window (15-17x a key); with a 256 KiB
-    budget it holds at most 2x the budget plus 4x its inputs and outputs (the bound of
-    tests/test_tiling.py)."""
+    """Untiled, a training step holds the gathered window (15-17x a key), over twice the
+    bound; with a 256 KiB budget it holds at most 2x the budget plus 4x its inputs and
+    outputs (the bound of tests/test_tiling.py). The plan takes whole positions while one
+    is within that allowance (`_plan2`), so the tiled step uses much of the bound: the
+    test asks for the bound, not for a fixed fraction of the untiled peak."""
     from test_tiling import _torch_memory
 
     shapes, attrs = MEMORY[name]
@@ -481,8 +483,9 @@ def test_torch_training_step_of_a_gathered_window_is_bounded(name, folder):
     with torch.no_grad():
         outputs = module.forward(*xs, **attrs).nbytes
     print(f"{name}: peak {untiled} / {tiled} (untiled / tiled), in+out {inputs + outputs}")
-    assert tiled <= 2 * budget + 4 * (inputs + outputs), (tiled, untiled)
-    assert untiled >= 3 * tiled, (tiled, untiled)
+    bound = 2 * budget + 4 * (inputs + outputs)
+    assert untiled > 2 * bound, (untiled, bound)  # the size tests the bound
+    assert tiled <= bound, (tiled, untiled, bound)
 
 
 def test_an_op_with_a_let_runs_in_chunks_like_in_one_piece(folder):
