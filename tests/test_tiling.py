@@ -492,8 +492,9 @@ def test_jax_tiled_eager_one_position_per_chunk(modules, monkeypatch, budget_of)
     cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(want_y.shape))
     want_vjp = module.vjp(*xs, cotangent, **attrs)
     budget_of(module, 1024)
-    # one row exceeds 1 KiB: one position of i, and of j, per chunk (tile_nest)
-    assert module._tile_plan(*xs, **attrs) == (5, 1, 4, 1)
+    # one row exceeds 1 KiB: one position of i, and of j, per chunk (tile_nest), and below
+    # them one displacement u and two of v per chunk (the levels below the second)
+    assert module._tile_plan(*xs, **attrs) == (5, 1, 4, 1, ((3, 1), (3, 2)))
     calls = _counting(monkeypatch, module)
     _close(module.forward(*xs, **attrs), want_y, f"{name} forward")
     assert calls, "the forward did not run in chunks"
