@@ -123,18 +123,25 @@ TENSORS = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarra
 def test_two_levels_of_chunks_are_exact(op, target, folder, monkeypatch):
     if target == "jax":
         jax.config.update("jax_enable_x64", True)  # as the other float64 JAX tests
+    n, c, n2, c2 = _chunked_equals_whole(op, target, folder, monkeypatch, budget_alone)
+    assert (c, c2) == (1, 1) and n > 1 and n2 > 1  # one position of each index a chunk
+
+
+def _chunked_equals_whole(op, target, folder, monkeypatch, planned):
+    """The step's output and gradients at a 1-byte budget under the plan `planned(_plan2)`
+    equal the untiled step's (float64); returns the plan."""
     module = _module(op, target, folder)
     attrs = CASES[op][2]
     xs = arrays(op)
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
     whole = STEPS[target](module, xs, attrs)
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", 1)
-    monkeypatch.setattr(module, "_plan2", budget_alone(module._plan2))
-    n, c, n2, c2 = module._tile_plan(*(TENSORS[target](a) for a in xs), **attrs)
-    assert (c, c2) == (1, 1) and n > 1 and n2 > 1  # one position of each index a chunk
+    monkeypatch.setattr(module, "_plan2", planned(module._plan2))
+    plan = module._tile_plan(*(TENSORS[target](a) for a in xs), **attrs)
     chunked = STEPS[target](module, xs, attrs)
     for a, b in zip(whole, chunked, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
+    return plan
 
 
 # A size where one window offset of NATTEN's 1-D QK ([b,h,i,d], the size of `query`) is
@@ -174,18 +181,8 @@ def test_whole_positions_in_several_outer_chunks_are_exact(op, target, folder, m
     inner level runs as one call (TensorFlow's `_inner_tiled`), whose parts must be added
     to the running sums the outer loop hands it (`_tiled_into`). Taking its parts for the
     sums dropped every earlier chunk's share of `Y`'s (`key`'s) gradient."""
-    module = _module(op, target, folder)
-    attrs = CASES[op][2]
-    xs = arrays(op)
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    whole = STEPS[target](module, xs, attrs)
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 1)
-    monkeypatch.setattr(module, "_plan2", one_position_a_chunk(module._plan2))
-    n, c, n2, c2 = module._tile_plan(*(TENSORS[target](a) for a in xs), **attrs)
+    n, c, n2, c2 = _chunked_equals_whole(op, target, folder, monkeypatch, one_position_a_chunk)
     assert (c, c2) == (1, n2) and n > 1  # several outer chunks, the inner index whole
-    chunked = STEPS[target](module, xs, attrs)
-    for a, b in zip(whole, chunked, strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
 
 
 def test_pytorch_step_is_bounded_where_one_position_is_not(folder, monkeypatch):
