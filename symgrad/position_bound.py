@@ -22,15 +22,14 @@ from collections import Counter
 
 from . import sampled_temps
 from .model import Program
-from .tile import Choice, _input_sizes, _size_key
+from .tile import Choice, _size_key, tensor_sizes
 
 
 def within_bound(choice: Choice, program: Program) -> bool:
     """Whether one position of `choice.index` leaves every large temporary a strict part
     of an input or output (the same sizes, perhaps under other names, and fewer axes)."""
     key = _size_key(program)
-    sizes = [_input_sizes(program, name, key) for name in program.inputs]
-    sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
+    sizes = tensor_sizes(program, key)
 
     def part(indices) -> bool:
         counted = Counter(key(i) for i in set(indices))

@@ -115,15 +115,22 @@ def _no_larger(program: Program, outputs: bool = True, key=None):
     program's inputs or outputs (the same sizes, perhaps under other names); of its
     inputs only when not `outputs`. `key`: an index's size key (default `_size_key`)."""
     key = _size_key(program) if key is None else key
-    sizes = [_input_sizes(program, name, key) for name in program.inputs]
-    if outputs:
-        sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
+    sizes = tensor_sizes(program, key, outputs)
 
     def small(indices) -> bool:
         counted = Counter(key(i) for i in set(indices))
         return any(counted <= other for other in sizes)
 
     return small
+
+
+def tensor_sizes(program: Program, key, outputs: bool = True) -> list[Counter]:
+    """Each input's (and, where `outputs`, each output's) axes as a multiset of size keys
+    (`key(index)`), to compare a temporary's indices with."""
+    sizes = [_input_sizes(program, name, key) for name in program.inputs]
+    if outputs:
+        sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
+    return sizes
 
 
 def _one_window(program: Program, reads: dict[str, list[list[ast.AST]]]):
@@ -335,9 +342,9 @@ def _sampled_whole_input(program: Program):
     key = _size_key(program)
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     indexed = {key(i) for level in levels for i in level.indices}
-    sizes = [_input_sizes(program, name, key) for name in program.inputs]
-    sizes += [Counter(key(i) for i in o.level.indices) for o in program.outputs]
-    alongs = [Counter({k: n for k, n in s.items() if k in indexed}) for s in sizes]
+    alongs = [
+        Counter({k: n for k, n in s.items() if k in indexed}) for s in tensor_sizes(program, key)
+    ]
 
     def whole(index: Index, indices) -> bool:
         if sampled_temps.weight(tuple(indices), program) == 1:

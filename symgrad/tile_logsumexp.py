@@ -1,8 +1,9 @@
 """Tiling a log-sum-exp along an index it reduces: chunks combined by logaddexp.
 
-`y[b] = log(sum(exp(-d[b,n,m]), n, m))` keeps only the batch index `b` among its outputs,
-and one position of `b` holds the whole pairwise matrix. It is no sum of its chunks (`tile_sum`), but the log of one: with S_k the sum
-over a chunk k of `n` and L_k = log S_k the same formula over that chunk,
+`y[b] = log(sum(exp(-d[b,n,m]), n, m))` keeps only the batch index `b` among its
+outputs, and one position of `b` holds the whole pairwise matrix. It is no sum of its
+chunks (`tile_sum`), but the log of one: with S_k the sum over a chunk k of `n` and
+L_k = log S_k the same formula over that chunk,
 
     L = log Σ_k S_k = logaddexp_k(L_k)    (a running max-shifted sum of the L_k)
 
@@ -65,14 +66,7 @@ def reduction(rhs: ast.AST) -> ast.Call | None:
     ):
         return None
     (total,) = rhs.args
-    if not (
-        isinstance(total, ast.Call)
-        and isinstance(total.func, ast.Name)
-        and total.func.id == "sum"
-        and len(total.args) >= 2
-        and not total.keywords
-        and all(isinstance(a, ast.Name) for a in total.args[1:])
-    ):
+    if not tile_sum.reduction(total, ("sum",)):
         return None
     body = total.args[0]
     if _called(body, "where") and len(body.args) == 3:

@@ -120,14 +120,19 @@ def _displacement(name: str, op) -> bool:
     batch or head index would only multiply tiny chunks of one that is small already."""
     trees = [ast.parse(text.strip(" "), mode="exec") for text in op.formulas]
     inputs = {n for tree in trees for n in tile._names(tree)}
-    positions = [
+    return any(name in _outside_reads(p) for p in _moved_positions(trees, inputs))
+
+
+def _moved_positions(trees: list[ast.AST], inputs: set[str]) -> list[ast.AST]:
+    """The positions of the reads of `inputs` in `trees` that are no plain index name
+    (`i + u - r`, not `c`)."""
+    return [
         p
         for positions_list in tile._reads(trees, inputs).values()
         for positions in positions_list
         for p in positions
         if not isinstance(p, ast.Name)
     ]
-    return any(name in _outside_reads(p) for p in positions)
 
 
 def _outside_reads(node: ast.AST) -> set[str]:
@@ -151,13 +156,7 @@ def _bounded(choice: tile.Choice, program: Program, levels: list[tile.Choice]) -
     names = {c.index for c in levels}
     outputs = {i for o in program.outputs for i in o.level.indices}
     trees = [ast.parse(text.strip(" "), mode="exec") for text in choice.chunk.formulas]
-    together = [
-        tile._names(p)
-        for positions_list in tile._reads(trees, set(program.inputs)).values()
-        for positions in positions_list
-        for p in positions
-        if not isinstance(p, ast.Name)
-    ]
+    together = [tile._names(p) for p in _moved_positions(trees, set(program.inputs))]
 
     def offset(index) -> bool:
         name = index.name.replace("'", "")
