@@ -160,11 +160,8 @@ def _deeper_levels(module: ir.Module) -> list[dict]:
     levels = module.tiling.deeper
     found = []
     for k, level in enumerate(levels):
-        grads = [
-            (name, n, level.cut_axis(name), module.ranks[n])
-            for n, (name, grad) in enumerate(zip(module.inputs, module.backward.returns))
-            if grad is not None
-        ]
+        ways = _gradient_ways(module.inputs, level, module.inputs, module.backward.returns)
+        grads = [(name, n, axis, module.ranks[n]) for name, how, axis, n in ways if how != "none"]
         found.append(
             {
                 "level": level,
