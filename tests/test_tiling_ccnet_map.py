@@ -1,0 +1,227 @@
+"""CCNet's attention map (`CcAttentionMap`, speedinghzl/CCNet's ca_map kernels) in chunks.
+
+    o[b,c,i,j] = sum(g[b,c,i,u] * a[b,u,i,j], u)
+               + sum(where(v < i, g[b,c,v,j] * a[b, W + v, i, j],
+                           where(v > i, g[b,c,v,j] * a[b, W + v - 1, i, j], 0)), v)
+
+Tiled along the rows `i`, then the batch `b`. One position of both still holds the
+column product `[c, v, j]`, 9.3x the default budget at CCNet's size (2x512x97x97,
+`benchmarks/one_position.py`); but each such temporary is no larger than `g` at one batch
+position, and `g` and `o` are two of the inputs and outputs, so the step's bound, 4 x
+(inputs + outputs) + the budget, has room for 8 of them at any size. The peak tests take
+one batch position and many channels (a position as large as the whole of `g`, the worst
+case), where the untiled step is 3.8-5.9x the bound: PyTorch and JAX hold 0.76-0.85x of
+it; TensorFlow 0.89-1.04x run to run (xfail, not strict).
+
+The masked branch (`v == i`) contributes 0 whatever `g` holds there, untiled and in chunks,
+as the CUDA kernel skips it: an inf in `g` gives +-inf at its own position (through the row
+term), not the nan that `inf * 0` would.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
+from harness import Case, generate
+from peaks import jax_step_bytes, run_tensorflow, torch_peak
+
+TARGETS = ("tensorflow", "pytorch", "jax")
+FORMULA = (
+    "o[b,c,i,j] = sum(g[b,c,i,u] * a[b,u,i,j], u) + sum(where(v < i, g[b,c,v,j] * "
+    "a[b, W + v, i, j], where(v > i, g[b,c,v,j] * a[b, W + v - 1, i, j], 0)), v)"
+)
+
+
+def _case(b, c, h, w):
+    return Case(
+        FORMULA,
+        {"a": (b, h + w - 1, h, w), "g": (b, c, h, w)},
+        inputs=("a", "g"),
+        lets={"W": "g.shape[3]"},
+        let_values={"W": w},
+        ranges={"u": "W"},
+        sizes={"u": w},
+    )
+
+
+SMALL = _case(2, 3, 4, 5)  # b, c, i, j: each its own size (v runs over i, u over j)
+PEAK = (1, 64, 12, 20)  # one batch position, many channels
+PEAK_BUDGET = 32 * 1024
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ccnet_map")
+    return {t: generate(SMALL, folder, prefix="CcMap", target=t) for t in TARGETS}
+
+
+def _ca_map_kernel(a, g):
+    """ca_map_forward_kernel (CCNet, cc_attention/src/ca.cu) in loops: the column term skips
+    the position itself."""
+    batch, channels, height, width = g.shape
+    out = np.zeros_like(g)
+    for n in range(batch):
+        for c in range(channels):
+            for y in range(height):
+                for x in range(width):
+                    total = 0.0
+                    for k in range(width):
+                        total += g[n, c, y, k] * a[n, k, y, x]
+                    for k in range(height):
+                        if k == y:
+                            continue
+                        total += g[n, c, k, x] * a[n, width + (k if k < y else k - 1), y, x]
+                    out[n, c, y, x] = total
+    return out
+
+
+def _both_levels(module, monkeypatch):
+    """Chunks of one row and one batch position: a 1-byte budget, and the plan without the
+    step's allowance (which keeps whole batch positions at these sizes)."""
+    plan2 = module._plan2
+    monkeypatch.setattr(
+        module, "_plan2", lambda n, n2, volumes, itemsize, *_: plan2(n, n2, volumes, itemsize)
+    )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ccnet_map_in_chunks_equals_the_untiled_module_on_every_path(target, modules, monkeypatch):
+    """forward, vjp, the registered gradient and a tape (TF), autograd (PyTorch), jax.vjp
+    and jit (JAX), and a training step: in chunks of one row and one batch position, equal
+    to the untiled module in float64."""
+    module, fw = modules[target], FRAMEWORKS[target]
+    module.MAX_TEMP_BYTES = 2**40
+    want = run_everywhere(fw, module, SMALL), train_step(fw, module, SMALL)
+    _both_levels(module, monkeypatch)
+    module.MAX_TEMP_BYTES = 1
+    try:
+        assert module._tile_plan(*inputs(SMALL, module, fw)) == (4, 1, 2, 1)
+        (outputs, grads), step = run_everywhere(fw, module, SMALL), train_step(fw, module, SMALL)
+    finally:
+        module.MAX_TEMP_BYTES = 2**40
+    for found, wanted in ((outputs, want[0][0]), (grads, want[0][1])):
+        for how, got in found.items():
+            for g, w in zip(got, wanted[how], strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=how)
+    for g, w in zip(step["grads"], want[1]["grads"], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg="training step")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ccnet_map_masked_branch_adds_nothing_whatever_g_holds(target, modules, monkeypatch):
+    """inf, -inf and nan in `g`, each also read by the masked branch (v == i) of its own
+    position: untiled and in chunks, the outputs are the CUDA kernel's (which skips that
+    branch), so an inf gives +-inf at its own position, not nan; the gradients in chunks
+    are the untiled ones, nan for nan."""
+    module, fw = modules[target], FRAMEWORKS[target]
+    rng = np.random.default_rng(7)
+    a = rng.uniform(0.5, 1.5, (2, 8, 4, 5))  # positive: an inf's products keep its sign
+    g = rng.standard_normal((2, 3, 4, 5))
+    g[0, 1, 2, 3], g[1, 0, 0, 4], g[1, 2, 3, 1] = np.inf, -np.inf, np.nan
+    want = _ca_map_kernel(a, g)
+    assert want[0, 1, 2, 3] == np.inf and want[1, 0, 0, 4] == -np.inf
+    grad_o = fw.tensor(rng.standard_normal(want.shape))
+    _both_levels(module, monkeypatch)
+    found = {}
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        try:
+            o = fw.numpy(module.forward(fw.tensor(a), fw.tensor(g)))
+            grads = [fw.numpy(x) for x in module.vjp(fw.tensor(a), fw.tensor(g), grad_o)]
+        finally:
+            module.MAX_TEMP_BYTES = 2**40
+        np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-12, err_msg=f"budget {budget}")
+        found[budget] = grads
+    for tiled, untiled in zip(found[1], found[2**40], strict=True):
+        np.testing.assert_allclose(tiled, untiled, rtol=1e-12, atol=1e-12)
+
+
+def _peak_arrays(dtype=np.float32):
+    b, c, h, w = PEAK
+    rng = np.random.default_rng(6)
+    a = rng.uniform(-1, 1, (b, h + w - 1, h, w)).astype(dtype)
+    g = rng.uniform(-1, 1, (b, c, h, w)).astype(dtype)
+    return a, g
+
+
+def _bound():
+    a, g = _peak_arrays()
+    io = a.nbytes + 2 * g.nbytes  # a, g and o (g's shape)
+    return 4 * io + PEAK_BUDGET
+
+
+def _peak_module(target, tmp_path):
+    b, c, h, w = PEAK
+    return generate(_case(b, c, h, w), tmp_path, prefix="CcMapPeak", target=target)
+
+
+def test_pytorch_ccnet_map_step_is_within_the_bound(tmp_path):
+    module = _peak_module("pytorch", tmp_path)
+    a, g = (torch.tensor(x, requires_grad=True) for x in _peak_arrays())
+
+    def step():
+        torch.sin(module.forward(a, g)).sum().backward()
+
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = torch_peak(step)
+    module.MAX_TEMP_BYTES = PEAK_BUDGET
+    assert module._tile_plan(a.detach(), g.detach()) is not None
+    tiled = torch_peak(step)
+    print(f"pytorch: untiled {untiled / _bound():.2f}x, tiled {tiled / _bound():.2f}x")
+    assert untiled > 3 * _bound(), "the size does not test the bound"
+    assert tiled <= _bound()
+
+
+def test_jax_ccnet_map_step_is_within_the_bound(tmp_path):
+    module = _peak_module("jax", tmp_path)
+    args = [jax.numpy.asarray(x) for x in _peak_arrays()]
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = jax_step_bytes(module, args)
+    module.MAX_TEMP_BYTES = PEAK_BUDGET
+    assert module._tile_plan(*args) is not None
+    tiled = jax_step_bytes(module, args)
+    print(f"jax: untiled {untiled / _bound():.2f}x, tiled {tiled / _bound():.2f}x")
+    assert untiled > 3 * _bound(), "the size does not test the bound"
+    assert tiled <= _bound()
+
+
+TF_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import tensorflow as tf
+from pathlib import Path
+from harness import Case, generate
+from peaks import tf_step_peaks
+from test_tiling_ccnet_map import PEAK, PEAK_BUDGET, _case, _peak_arrays
+
+module = generate(_case(*PEAK), Path({folder!r}), prefix="CcMapPeak")
+args = [tf.constant(x) for x in _peak_arrays()]
+print(json.dumps(tf_step_peaks(module, args, PEAK_BUDGET)))
+"""
+
+
+@pytest.mark.xfail(
+    reason="TensorFlow's step is at the bound at this size, 0.89-1.04x run to run: one (row, "
+    "batch) position's column products [c, v, j], each as large as g, are held several at "
+    "once; a level below it would cut them (README, CCNet's map)",
+    strict=False,
+)
+def test_tensorflow_ccnet_map_step_is_within_the_bound(tmp_path):
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    found = run_tensorflow(TF_SCRIPT.format(tests=tests, folder=str(tmp_path)))
+    bound = 4 * found["io"] + PEAK_BUDGET
+    assert bound == _bound()
+    print(
+        f"tensorflow: untiled {found['untiled'] / bound:.2f}x, tiled {found['tiled'] / bound:.2f}x"
+    )
+    assert found["untiled"] > 3 * bound, "the size does not test the bound"
+    assert found["tiled"] <= bound
