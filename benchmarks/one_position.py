@@ -8,7 +8,10 @@ largest temporaries times the number it assumes held at once, `_HELD`) is printe
 the default budget (16 MiB), for one position of the first index the plan cuts and, for a
 module tiled in two levels or more (`symgrad/tile_nest.py`), of every level. A chunk holds
 at least one position of each: where that estimate exceeds the budget, a step exceeds its bound by
-about that much (README, "One chunk holds at least one position").
+about that much (README, "One chunk holds at least one position"), unless the bound, 4 x (inputs +
+outputs) + the budget, has room for it: the last column puts one position of every level against
+the bound (modules in two levels or more, whose plan is handed the inputs' bytes and the outputs'
+sizes).
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def one_position(folder: Path, spec_file: str, op_name: str, shapes, ints, attrs
         seen.update(n=n, volumes=volumes, itemsize=itemsize)
 
     def plan2(n, n2, volumes, itemsize, *bound):
-        seen.update(n=n, n2=n2, volumes=volumes, itemsize=itemsize)
+        seen.update(n=n, n2=n2, volumes=volumes, itemsize=itemsize, bound=bound)
         return n, 1, n2, 1  # a plan, so that a module with deeper levels asks for theirs
 
     def plan_deeper(counts, volumes, itemsize):
@@ -162,7 +165,12 @@ def one_position(folder: Path, spec_file: str, op_name: str, shapes, ints, attrs
     every = held / (n * n2)
     for count in seen.get("deeper", ()):
         every /= int(count)
-    return tiling.index, inner, held / n, every
+    bound = None
+    if seen.get("bound"):
+        inputs, outputs = seen["bound"]
+        io = int(inputs) + seen["itemsize"] * sum(_product(v) for v in outputs)
+        bound = 4 * io + module.MAX_TEMP_BYTES
+    return tiling.index, inner, held / n, every, bound
 
 
 def _product(sizes) -> int:
@@ -177,17 +185,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
         print(
-            "| op | sizes | tiled along | one position of the first (MB, x budget) | of every level |"
+            "| op | sizes | tiled along | one position of the first (MB, x budget) "
+            "| of every level | of every level, x the bound |"
         )
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|")
         for spec_file, op, shapes, ints, attrs in CASES:
-            index, inner, one, both = one_position(Path(tmp), spec_file, op, shapes, ints, attrs)
+            index, inner, one, both, bound = one_position(
+                Path(tmp), spec_file, op, shapes, ints, attrs
+            )
             sizes = ", ".join("x".join(map(str, s)) for s in shapes.values())
             extra = ", ".join(f"{k}={v}" for k, v in attrs.items())
             second = f"{both / 1e6:.2f} ({both / budget:.2f}x)" if inner != "-" else "-"
+            against = f"{both / bound:.2f}x of {bound / 1e6:.0f} MB" if bound else "-"
             print(
                 f"| {op} | {sizes}{', ' + extra if extra else ''} | {index}, {inner} | "
-                f"{one / 1e6:.2f} ({one / budget:.2f}x) | {second} |"
+                f"{one / 1e6:.2f} ({one / budget:.2f}x) | {second} | {against} |"
             )
 
 
