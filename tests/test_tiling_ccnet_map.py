@@ -31,6 +31,8 @@ from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
 from harness import Case, generate
 from peaks import jax_step_bytes, run_tensorflow, torch_peak
 
+jax.config.update("jax_enable_x64", True)  # float64, as the other exactness tests
+
 TARGETS = ("tensorflow", "pytorch", "jax")
 FORMULA = (
     "o[b,c,i,j] = sum(g[b,c,i,u] * a[b,u,i,j], u) + sum(where(v < i, g[b,c,v,j] * "
@@ -113,12 +115,32 @@ def test_ccnet_map_in_chunks_equals_the_untiled_module_on_every_path(target, mod
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg="training step")
 
 
+def _ca_map_backward_kernels(a, g, grad_o):
+    """ca_map_backward_kernel_w and _g (CCNet) in loops: the gradients of a and g; the
+    position itself sends nothing."""
+    batch, _, height, width = g.shape
+    grad_a, grad_g = np.zeros_like(a), np.zeros_like(g)
+    for n in range(batch):
+        for y in range(height):
+            for x in range(width):
+                for k in range(width):
+                    grad_a[n, k, y, x] += np.sum(grad_o[n, :, y, x] * g[n, :, y, k])
+                    grad_g[n, :, y, k] += grad_o[n, :, y, x] * a[n, k, y, x]
+                for k in range(height):
+                    if k == y:
+                        continue
+                    z = width + (k if k < y else k - 1)
+                    grad_a[n, z, y, x] += np.sum(grad_o[n, :, y, x] * g[n, :, k, x])
+                    grad_g[n, :, k, x] += grad_o[n, :, y, x] * a[n, z, y, x]
+    return grad_a, grad_g
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_ccnet_map_masked_branch_adds_nothing_whatever_g_holds(target, modules, monkeypatch):
     """inf, -inf and nan in `g`, each also read by the masked branch (v == i) of its own
-    position: untiled and in chunks, the outputs are the CUDA kernel's (which skips that
-    branch), so an inf gives +-inf at its own position, not nan; the gradients in chunks
-    are the untiled ones, nan for nan."""
+    position: untiled and in chunks, the outputs and gradients are the CUDA kernels'
+    (which skip that branch), so an inf gives +-inf at its own position, not nan, and
+    sends no nan to the scores it is not multiplied by."""
     module, fw = modules[target], FRAMEWORKS[target]
     rng = np.random.default_rng(7)
     a = rng.uniform(0.5, 1.5, (2, 8, 4, 5))  # positive: an inf's products keep its sign
@@ -126,9 +148,11 @@ def test_ccnet_map_masked_branch_adds_nothing_whatever_g_holds(target, modules, 
     g[0, 1, 2, 3], g[1, 0, 0, 4], g[1, 2, 3, 1] = np.inf, -np.inf, np.nan
     want = _ca_map_kernel(a, g)
     assert want[0, 1, 2, 3] == np.inf and want[1, 0, 0, 4] == -np.inf
-    grad_o = fw.tensor(rng.standard_normal(want.shape))
+    grad_o = rng.standard_normal(want.shape)
+    want_grads = _ca_map_backward_kernels(a, g, grad_o)
+    assert np.isinf(want_grads[0]).any() and not np.isnan(want_grads[0]).all()
+    grad_o = fw.tensor(grad_o)
     _both_levels(module, monkeypatch)
-    found = {}
     for budget in (2**40, 1):
         module.MAX_TEMP_BYTES = budget
         try:
@@ -137,9 +161,8 @@ def test_ccnet_map_masked_branch_adds_nothing_whatever_g_holds(target, modules, 
         finally:
             module.MAX_TEMP_BYTES = 2**40
         np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-12, err_msg=f"budget {budget}")
-        found[budget] = grads
-    for tiled, untiled in zip(found[1], found[2**40], strict=True):
-        np.testing.assert_allclose(tiled, untiled, rtol=1e-12, atol=1e-12)
+        for got, wanted in zip(grads, want_grads, strict=True):
+            np.testing.assert_allclose(got, wanted, rtol=1e-12, atol=1e-12, err_msg=f"{budget}")
 
 
 def _peak_arrays(dtype=np.float32):
