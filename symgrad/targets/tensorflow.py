@@ -3,6 +3,8 @@ mostly spelling; `ir.Cond` is `tf.cond`, a new axis is `tf.expand_dims`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import ir
 from .printer import ATOM, Printer, precedence
 
@@ -88,6 +90,12 @@ KERNELS = {
     "sparse_rows": ("_sparse_rows",),
 }
 
+# Max and min over axes take their operand through the module's `_whole`: under
+# tf.function, Grappler's arithmetic optimizer rewrites a max or min over a monotone
+# function (max(log(s)) as log(max(s)); exp, sqrt, rsqrt, negation, ... in chains), which
+# drops the NaN of a log or a square root of a negative s that is not the extremum.
+EXTREMA = ("reduce_max", "reduce_min")
+
 
 class TensorFlowPrinter(Printer):
     def axis_size(self, e: ir.AxisSize) -> str:
@@ -105,6 +113,8 @@ class TensorFlowPrinter(Printer):
         return f'tf.einsum("{e.subscripts}", {operands})'
 
     def call(self, e: ir.Call) -> str:
+        if e.function == "whole":  # the module's helper, not a neutral op (EXTREMA)
+            return f"_whole({self.arguments(e)})"
         if e.function == "to_int64":
             return f"tf.cast({self.arguments(e)}, tf.int64)"
         if e.function == "exact_div":  # a module checks it (`_exact_div`); explain not
@@ -118,6 +128,9 @@ class TensorFlowPrinter(Printer):
             if self.in_module:
                 return f"_shift({self.arguments(e)})"
             return self.code(ir.Binary("+", start, x))
+        if self.in_module and e.function in EXTREMA:
+            whole = replace(e, args=(ir.Call("whole", e.args[:1]), *e.args[1:]))
+            return f"{NAMES[e.function]}({self.arguments(whole)})"
         if self.in_module and e.function in KERNELS:
             # The module's helper: zeros, never the kernel, when an axis is empty.
             helper, *kernel = KERNELS[e.function]

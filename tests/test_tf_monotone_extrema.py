@@ -1,0 +1,81 @@
+"""A max or min over a monotone function keeps its NaN under tf.function.
+
+TensorFlow's graph optimizer (Grappler's arithmetic optimizer) rewrites `reduce_max(f(s))`
+as `f(reduce_max(s))` for a monotone f (log, sqrt, exp, 1/sqrt, negation, ... and chains
+of them; min for a decreasing f). Where f(s) is NaN at an s that is not the extremum (a log
+or a square root of a negative number), the rewritten max is finite: the reference and the
+eager module give NaN. Chunks always run in a tf.function, and so does a user's training
+step; the generated max and min reduce a snapshot of their operand there (`_whole`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, generate, make_tensors, reference
+
+S = "1 + sum(x[b,n,c] * z[b,m,c], c)"  # below 0 for some (b, n, m): x, z in [-1, 1)
+CASE = Case(
+    (
+        f"y1[b,n] = max(log({S}), m)",  # increasing, NaN below the max
+        f"y2[b,n] = max(exp(sqrt({S})), m)",  # a chain of two monotone functions
+        f"y3[b,n] = min(-log({S}), m)",  # decreasing: min(-log s) = -log(max s)
+        f"y4[b,n] = min(1 / sqrt({S}), m)",  # decreasing: min(1/sqrt s) = 1/sqrt(max s)
+    ),
+    {"x": (2, 7, 3), "z": (2, 5, 3)},
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    module = generate(CASE, tmp_path_factory.mktemp("extrema"), prefix="MonotoneExtrema")
+    x, z = make_tensors(CASE, module.INPUTS)
+    expected = [e.numpy() for e in reference(CASE, {"x": x, "z": z})]
+    for e in expected:  # each output NaN at some (b, n), finite at others
+        assert np.isnan(e).any() and not np.isnan(e).all()
+    return module, x, z, expected
+
+
+def _same(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.isnan(g.numpy()), np.isnan(e))
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-14, atol=0)
+
+
+def test_the_untiled_module_in_a_tf_function_keeps_the_nan_of_a_max_over_a_monotone_function(
+    setup,
+):
+    """The whole op (no chunks) inside a user's tf.function: before, y1 and y2 were finite
+    everywhere (log and exp∘sqrt hoisted out of the max), y3 and y4 too."""
+    module, x, z, expected = setup
+    module.MAX_TEMP_BYTES = 2**40
+    assert module._tile_plan(x, z) is None
+    _same(module.forward(x, z), expected)
+    _same(tf.function(module.forward)(x, z), expected)
+
+
+def test_chunks_keep_the_nan_of_a_max_or_min_over_a_monotone_function(setup):
+    """In chunks of one position (their own tf.function), called eagerly and from a
+    user's tf.function."""
+    module, x, z, expected = setup
+    module.MAX_TEMP_BYTES = 1
+    assert module._tile_plan(x, z) is not None
+    _same(module.forward(x, z), expected)
+    _same(tf.function(module.forward)(x, z), expected)
+
+
+def test_the_gradient_in_a_tf_function_equals_the_eager_gradient(setup):
+    """vjp under tf.function, whole and in chunks, gives the eager whole op's gradients,
+    NaN where they are NaN."""
+    module, x, z, _ = setup
+    rng = np.random.default_rng(3)
+    grads = [tf.constant(rng.standard_normal((2, 7))) for _ in range(4)]
+    module.MAX_TEMP_BYTES = 2**40
+    want = [w.numpy() for w in module.vjp(x, z, *grads)]
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        _same(tf.function(module.vjp)(x, z, *grads), want)
