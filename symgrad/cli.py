@@ -239,8 +239,9 @@ def _generate(args) -> int:
     distinct_folders(spec, folders)
     # Everything is generated and planned before the first write: all or nothing.
     work = []
+    compiled = {}  # each op through the stages before render once, for every target
     for target, out in folders:
-        files = generate(spec, target, spec_source(spec, out))
+        files = generate(spec, target, spec_source(spec, out), compiled)
         work.append((out, files, plan(files, out, Path(spec.path))))
     if args.check or args.diff:
         codes = [_report(c, out, len(files), show_diff=args.diff) for out, files, c in work]

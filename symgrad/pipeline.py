@@ -120,11 +120,15 @@ def stamp(text: str) -> str:
     return text.replace(f"# hash: {PLACEHOLDER}", f"# hash: {content_hash(text)}", 1)
 
 
-def module_text(op: OpSpec, source_name: str, target: str = "tensorflow") -> str:
-    """One op's module for a target: compile, render, format, validate, stamp."""
+def module_text(
+    op: OpSpec, source_name: str, target: str = "tensorflow", compiled: dict | None = None
+) -> str:
+    """One op's module for a target: compile, render, format, validate, stamp. `compiled`
+    (op -> `compile_op`'s module), where given, is read and filled: the stages before
+    render know no target, so the targets of one run compile each op once."""
     if recurrence.is_recurrence(op):  # a scan around its steps (`scan_render`)
         return scan_render.module_text(op, source_name, target)
-    module = compile_op(op)
+    module = _compiled(op, compiled)
     name = f"{snake_case(op.name)}.py"
     source = render(module, target)
     source = source.replace(f"# source: {op.source}", f"# source: {_source_line(op, source_name)}")
@@ -135,6 +139,14 @@ def module_text(op: OpSpec, source_name: str, target: str = "tensorflow") -> str
         raise SymgradError(f"generated code for {op.name} does not compile: {exc}") from None
     _check_structure(formatted, op.name)
     return stamp(formatted)
+
+
+def _compiled(op: OpSpec, compiled: dict | None) -> ir.Module:
+    if compiled is None:
+        return compile_op(op)
+    if op not in compiled:
+        compiled[op] = compile_op(op)
+    return compiled[op]
 
 
 def _check_structure(source: str, op_name: str) -> None:
@@ -187,10 +199,16 @@ def package_init(spec: Spec, source_name: str, target: str = "tensorflow") -> st
     return stamp(text)
 
 
-def generate(spec: Spec, target: str, source_name: str) -> dict[str, str]:
+def generate(
+    spec: Spec, target: str, source_name: str, compiled: dict | None = None
+) -> dict[str, str]:
     """Every file of a target's output package, in memory. SymgradError on bad input.
-    `source_name` is how the files name the spec (`folders.spec_source`)."""
-    files = {f"{snake_case(op.name)}.py": module_text(op, source_name, target) for op in spec.ops}
+    `source_name` is how the files name the spec (`folders.spec_source`); `compiled` is
+    `module_text`'s, one dict for every target of a run."""
+    files = {
+        f"{snake_case(op.name)}.py": module_text(op, source_name, target, compiled)
+        for op in spec.ops
+    }
     files[INIT] = package_init(spec, source_name, target)
     return dict(sorted(files.items()))
 

@@ -69,3 +69,32 @@ def op_library_path(tmp_path_factory):
         return library
 
     return build
+
+
+# The test PyTorch C++ ops: `symgrad check`'s (namespace checkcpp) and a custom op the
+# generated backward is registered for (symgrad_cpp_test), one library: a build is about
+# 35 s on two cores, most of it reading PyTorch's headers, whatever the ops.
+TORCH_CPP_SOURCES = ("check_torch_ops.cc", "scaled_mat_mul.cc")
+
+
+@pytest.fixture(scope="session")
+def torch_op_library(tmp_path_factory) -> Path:
+    """tests/custom_op's PyTorch C++ ops (`TORCH_CPP_SOURCES`) built once per session with
+    torch.utils.cpp_extension and loaded into this process; the library's path. Skips
+    without PyTorch or g++."""
+    pytest.importorskip("torch")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found; cannot build a C++ op")
+    from torch.utils.cpp_extension import load_inline
+
+    folder = tmp_path_factory.mktemp("torch_ops")
+    load_inline(
+        name="symgrad_torch_test_ops",
+        cpp_sources=[(CUSTOM_OPS / name).read_text() for name in TORCH_CPP_SOURCES],
+        is_python_module=False,
+        build_directory=str(folder),
+        extra_cflags=["-O1"],
+    )
+    library = folder / "symgrad_torch_test_ops.so"
+    assert library.is_file()
+    return library

@@ -172,3 +172,52 @@ def io_bytes(xs, outputs) -> int:
     import numpy as np
 
     return sum(int(np.asarray(a).nbytes) for a in (*xs, *outputs))
+
+
+SWAPPED_PLAN_PEAKS = """
+import json, sys
+import tensorflow as tf
+sys.path.insert(0, {folder!r})
+sys.path.insert(0, {tests!r})
+from peaks import peak
+from {arrays_from} import {arrays}
+from {swap_from} import {swap}
+import {stem} as module
+
+args = [tf.constant(a) for a in {arrays}()]
+attrs = {attrs!r}
+
+def step():
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        loss = tf.reduce_sum(tf.sin(module.forward(*args, **attrs)))
+    return [g.numpy() for g in tape.gradient(loss, args)]
+
+module.MAX_TEMP_BYTES = {budget}
+planned = peak(step)
+module.{plan} = {swap}(module.{plan})
+print(json.dumps(dict(planned=planned, swapped=peak(step))))
+"""
+
+
+def tf_swapped_plan_peaks(folder, stem, arrays, attrs, budget, plan, swap) -> dict:
+    """In a fresh process (`run_tensorflow`): TensorFlow's peak bytes (`peak`) for a training
+    step of module `stem` in `folder` (the gradient of the sum of sin of its output with
+    respect to every input) on `arrays()`, at MAX_TEMP_BYTES `budget`: under the module's
+    own plan (`planned`), then with its function `plan` replaced by `swap(plan)`
+    (`swapped`). `arrays` and `swap` are "test_module:function" of tests/."""
+    arrays_from, arrays_name = arrays.split(":")
+    swap_from, swap_name = swap.split(":")
+    script = SWAPPED_PLAN_PEAKS.format(
+        folder=str(folder),
+        tests=str(Path(__file__).resolve().parent),
+        arrays_from=arrays_from,
+        arrays=arrays_name,
+        swap_from=swap_from,
+        swap=swap_name,
+        stem=stem,
+        attrs=attrs,
+        budget=budget,
+        plan=plan,
+    )
+    return run_tensorflow(script)

@@ -190,24 +190,10 @@ def test_framework_usage_errors_are_exit_2_with_one_line(project, args, message)
     assert message in line
 
 
-def test_a_compiled_pytorch_cpp_op_library(project, tmp_path):
-    """A .so of TORCH_LIBRARY ops (torch.utils.cpp_extension, about 35 s to build on two
-    cores), loaded with torch.ops.load_library; the spec's other ops are skipped."""
-    torch = pytest.importorskip("torch")
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found; cannot build a C++ op")
-    from torch.utils.cpp_extension import load_inline
-
-    del torch
-    load_inline(
-        name="check_torch_ops",
-        cpp_sources=[(CUSTOM / "check_torch_ops.cc").read_text()],
-        is_python_module=False,
-        build_directory=str(tmp_path),
-        extra_cflags=["-O1"],
-    )
-    library = tmp_path / "check_torch_ops.so"
-    assert library.is_file()
+def test_a_compiled_pytorch_cpp_op_library(project, torch_op_library):
+    """A .so of TORCH_LIBRARY ops (tests/custom_op/check_torch_ops.cc, in the session's one
+    compiled library), loaded with torch.ops.load_library; the spec's other ops are skipped."""
+    library = torch_op_library
     result, report = run_check(project, "--target", "pytorch", "--library", str(library))
     assert result.returncode == 1, result.stdout + result.stderr
     assert sorted(report["skipped"]) == ["PyStridedConv", "PyTransposed"]

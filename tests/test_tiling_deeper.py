@@ -6,8 +6,6 @@ training step stays under its bound where two levels do not.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -16,10 +14,8 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from harness import Case, check, generate
-from peaks import jax_step_bytes, run_tensorflow
-
-from symgrad.pipeline import compile_op
-from symgrad.spec import load_spec
+from peaks import jax_step_bytes, tf_swapped_plan_peaks
+from tiling_steps import compiled
 
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp
@@ -35,17 +31,11 @@ SMALL = Case(
     sizes={"u": 3, "v": 3},
 )
 TINY = 1  # every level runs in chunks of one position
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _op(name):
-    (op,) = [o for o in load_spec(REPO / "symgrad.toml").ops if o.name == name]
-    return op
 
 
 def test_correlations_are_cut_along_their_displacements_below_the_position():
     for name in ("Correlation", "MmcvCorrelation"):
-        tiling = compile_op(_op(name)).tiling
+        tiling = compiled(name).tiling
         levels = (tiling.index, tiling.inner.index, *(d.index for d in tiling.deeper))
         assert levels == ("i", "j", "u", "v"), name
 
@@ -54,7 +44,7 @@ def test_correlations_are_cut_along_their_displacements_below_the_position():
 def test_ops_whose_position_is_a_window_or_has_no_displacement_keep_two_levels(name):
     """NATTEN's position holds one window about (i, j); CCNet's map and the deformable
     convolution have no output index a read moves by, below the second level."""
-    tiling = compile_op(_op(name)).tiling
+    tiling = compiled(name).tiling
     assert tiling.inner is not None and tiling.deeper == (), name
 
 
@@ -192,9 +182,14 @@ def _bound():
     return 4 * io + PEAK["budget"]
 
 
-def _two_levels(counts, volumes, itemsize):
-    """A plan that runs every level below the second whole: two levels, as before."""
-    return tuple((n, n) for n in counts[2:])
+def two_levels(plan_deeper):
+    """In place of the plan of the levels below the second: every one of them whole (two
+    levels, as before)."""
+
+    def plan(counts, volumes, itemsize):
+        return tuple((n, n) for n in counts[2:])
+
+    return plan
 
 
 def _check(target, deeper, two):
@@ -210,38 +205,17 @@ def peak_module(folder):
     return {t: generate(case, folder, prefix="DeeperPeak", target=t) for t in ("tensorflow", "jax")}
 
 
-MEASURE = """
-import json, sys
-import tensorflow as tf
-sys.path.insert(0, {folder!r})
-sys.path.insert(0, {tests!r})
-from peaks import peak
-from test_tiling_deeper import _peak_arrays, _two_levels
-import {stem} as module
-
-args = [tf.constant(a) for a in _peak_arrays()]
-
-def step():
-    with tf.GradientTape() as tape:
-        tape.watch(args)
-        loss = tf.reduce_sum(tf.sin(module.forward(*args, r=10)))
-    return [g.numpy() for g in tape.gradient(loss, args)]
-
-module.MAX_TEMP_BYTES = {budget}
-deeper = peak(step)
-module._plan_deeper = _two_levels
-two = peak(step)
-print(json.dumps(dict(deeper=deeper, two=two)))
-"""
-
-
 def test_tensorflow_step_is_bounded_where_two_levels_are_not(folder, peak_module):
-    stem = peak_module["tensorflow"].__name__
-    script = MEASURE.format(
-        folder=str(folder), tests=str(REPO / "tests"), stem=stem, budget=PEAK["budget"]
+    found = tf_swapped_plan_peaks(
+        folder,
+        peak_module["tensorflow"].__name__,
+        "test_tiling_deeper:_peak_arrays",
+        {"r": 10},
+        PEAK["budget"],
+        "_plan_deeper",
+        "test_tiling_deeper:two_levels",
     )
-    found = run_tensorflow(script)
-    _check("tensorflow", found["deeper"], found["two"])
+    _check("tensorflow", found["planned"], found["swapped"])
 
 
 def test_jax_step_is_bounded_where_two_levels_are_not(peak_module, monkeypatch):
@@ -249,5 +223,5 @@ def test_jax_step_is_bounded_where_two_levels_are_not(peak_module, monkeypatch):
     args = [jnp.asarray(a) for a in _peak_arrays()]
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", PEAK["budget"])
     deeper = jax_step_bytes(module, args, {"r": 10})
-    monkeypatch.setattr(module, "_plan_deeper", _two_levels)
+    monkeypatch.setattr(module, "_plan_deeper", two_levels(module._plan_deeper))
     _check("jax", deeper, jax_step_bytes(module, args, {"r": 10}))

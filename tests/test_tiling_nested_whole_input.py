@@ -21,9 +21,14 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp
 from harness import load_module
 from peaks import jax_step_bytes, run_tensorflow, torch_peak
-
-from symgrad.pipeline import compile_op, module_text
-from symgrad.spec import parse_spec
+from tiling_steps import (
+    STEPS,
+    budget_alone,
+    chunked_equals_whole,
+    compiled,
+    one_position_a_chunk,
+    spec_text,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,19 +45,13 @@ CASES = {
 }
 
 
-def _op(name: str):
-    spec = parse_spec((REPO / "symgrad.toml").read_text(encoding="utf-8"), "symgrad.toml")
-    return next(op for op in spec.ops if op.name == name)
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("whole_input")
 
 
 def _module(op, target, folder):
-    stem = f"whole_{target}_{op}"
-    return load_module(module_text(_op(op), "symgrad.toml", target), folder, stem)
+    return load_module(spec_text(op, target), folder, f"whole_{target}_{op}")
 
 
 def arrays(op, dtype=np.float64, shapes=None):
@@ -69,53 +68,10 @@ def test_a_position_as_large_as_an_input_gets_a_second_level():
     position a strict part of an input or output (a Chamfer row `[b, j]` of `z[b, j, c]`,
     a GridSample row of its output) is within the bound at any size: one level."""
     for name, (_, _, _, indices) in CASES.items():
-        tiling = compile_op(_op(name)).tiling
+        tiling = compiled(name).tiling
         assert tiling.index + tiling.inner.index == indices, name
     for name in ("ChamferDistance", "GridSample"):
-        assert compile_op(_op(name)).tiling.inner is None, name
-
-
-def _tf_step(module, arrays, attrs):
-    xs = [tf.constant(a) for a in arrays]
-    watched = [x for x in xs if x.dtype.is_floating]
-    with tf.GradientTape() as tape:
-        tape.watch(watched)
-        y = module.forward(*xs, **attrs)
-        loss = tf.reduce_sum(tf.sin(y))
-    return [y.numpy(), *(g.numpy() for g in tape.gradient(loss, watched))]
-
-
-def _torch_step(module, arrays, attrs):
-    xs = [torch.tensor(a, requires_grad=a.dtype != np.int32) for a in arrays]
-    watched = [x for x in xs if x.requires_grad]
-    y = module.forward(*xs, **attrs)
-    grads = torch.autograd.grad(torch.sin(y).sum(), watched)
-    return [y.detach().numpy(), *(g.numpy() for g in grads)]
-
-
-def _jax_step(module, arrays, attrs):
-    xs = [jnp.asarray(a) for a in arrays]
-    wrt = tuple(k for k, a in enumerate(arrays) if a.dtype != np.int32)
-
-    def loss(*a):
-        return jnp.sum(jnp.sin(module.forward(*a, **attrs)))
-
-    grads = jax.jit(jax.grad(loss, argnums=wrt))(*xs)
-    return [np.asarray(module.forward(*xs, **attrs)), *(np.asarray(g) for g in grads)]
-
-
-def budget_alone(plan2):
-    """The two-level plan without the step's allowance (3 x the inputs and outputs): split
-    wherever one position exceeds MAX_TEMP_BYTES, as at tiny sizes a test needs."""
-
-    def plan(n, n2, volumes, itemsize, *allowance):
-        return plan2(n, n2, volumes, itemsize)
-
-    return plan
-
-
-STEPS = {"tensorflow": _tf_step, "pytorch": _torch_step, "jax": _jax_step}
-TENSORS = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}
+        assert compiled(name).tiling.inner is None, name
 
 
 @pytest.mark.parametrize("target", sorted(STEPS))
@@ -128,20 +84,9 @@ def test_two_levels_of_chunks_are_exact(op, target, folder, monkeypatch):
 
 
 def _chunked_equals_whole(op, target, folder, monkeypatch, planned):
-    """The step's output and gradients at a 1-byte budget under the plan `planned(_plan2)`
-    equal the untiled step's (float64); returns the plan."""
+    """`chunked_equals_whole` of the op's module for `target` on its small arrays."""
     module = _module(op, target, folder)
-    attrs = CASES[op][2]
-    xs = arrays(op)
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    whole = STEPS[target](module, xs, attrs)
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 1)
-    monkeypatch.setattr(module, "_plan2", planned(module._plan2))
-    plan = module._tile_plan(*(TENSORS[target](a) for a in xs), **attrs)
-    chunked = STEPS[target](module, xs, attrs)
-    for a, b in zip(whole, chunked, strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)
-    return plan
+    return chunked_equals_whole(target, module, arrays(op), CASES[op][2], monkeypatch, planned)
 
 
 # A size where one window offset of NATTEN's 1-D QK ([b,h,i,d], the size of `query`) is
@@ -162,16 +107,6 @@ def _bound():
     arrays = _peak_arrays()
     attn = 4 * PEAK_SHAPES["query"][2] * PEAK_ATTRS["kernel_size"] * 2  # [b,h,i,k] float32
     return 4 * (sum(a.nbytes for a in arrays) + attn) + BUDGET
-
-
-def one_position_a_chunk(plan2):
-    """The two-level plan with the inner index whole: one level, one position a chunk."""
-
-    def plan(*args):
-        found = plan2(*args)
-        return found and (found[0], 1, found[2], found[2])
-
-    return plan
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch"])

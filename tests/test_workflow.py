@@ -311,6 +311,26 @@ def test_output_is_byte_identical_across_hash_seeds(tmp_path):
                 assert text == (REPO / name).read_bytes(), name  # and the committed ones
 
 
+def test_one_run_compiles_each_op_once_for_all_its_targets(tmp_path, capsys, monkeypatch):
+    """The stages before render know no target: `generate` of three targets takes each op
+    through them once, and writes what each target's generation alone would."""
+    folders = {"tensorflow": "gen_tf", "pytorch": "gen_torch", "jax": "gen_jax"}
+    targets = "".join(f'{t} = "{f}"\n' for t, f in folders.items())
+    tables = "\n".join(f"[ops.{name}]\n{body}\n" for name, body in OPS.items())
+    spec = tmp_path / "symgrad.toml"
+    spec.write_text(f"[targets]\n{targets}\n{tables}", encoding="utf-8")
+    compiled = []
+    real = pipeline.compile_op
+    monkeypatch.setattr(pipeline, "compile_op", lambda op: compiled.append(op.name) or real(op))
+    assert run(capsys, "generate", spec)[0] == 0
+    assert sorted(compiled) == sorted(OPS)
+    monkeypatch.undo()
+    for target, folder in folders.items():
+        alone = pipeline.generate(load_spec(spec), target, "../symgrad.toml")
+        written = {p.name: p.read_bytes().decode() for p in (tmp_path / folder).iterdir()}
+        assert written == alone, target
+
+
 # ------------------------------------------------------------ writing: only, all, atomic
 
 
