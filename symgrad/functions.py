@@ -3,7 +3,9 @@
 One place per rule: SymPy's own functions where their derivative matches TensorFlow's
 convention, small `Function` subclasses (with `fdiff`) where TF's hand-written gradient
 fixes a value SymPy leaves open -- `max`/`min` at ties (`Heaviside(0)` in SymPy) -- or
-where SymPy has no function (sigmoid, softplus).
+where SymPy has no function (sigmoid, softplus, and the activations relu, silu, gelu,
+gelu_tanh, elu: each one call of its framework's own function forward, its derivative
+written from SymPy's functions).
 
 Conventions at non-smooth points (the same as TensorFlow's):
 - `abs(x)`: derivative `sign(x)`, so 0 at x = 0.
@@ -44,6 +46,61 @@ class softplus(sp.Function):
     def eval(cls, x):
         if x.is_number:
             return sp.log(1 + sp.exp(x))
+        return None
+
+
+class silu(sp.Function):
+    """x * sigmoid(x) (SiLU, swish)."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        x = self.args[0]
+        return sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_number:
+            return x / (1 + sp.exp(-x))
+        return None
+
+
+class gelu(sp.Function):
+    """x * Φ(x) = x / 2 * (1 + erf(x / sqrt(2))): GELU in its exact form (the default of
+    `tf.nn.gelu` and `torch.nn.functional.gelu`)."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        x = self.args[0]
+        return (1 + sp.erf(x / sp.sqrt(2))) / 2 + x * sp.exp(-(x**2) / 2) / sp.sqrt(2 * sp.pi)
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_number:
+            return x * (1 + sp.erf(x / sp.sqrt(2))) / 2
+        return None
+
+
+def _gelu_tanh(x: sp.Expr) -> sp.Expr:
+    """GELU's tanh approximation, written out (as TensorFlow's `approximate=True`)."""
+    return x * (1 + sp.tanh(sp.sqrt(2 / sp.pi) * (x + sp.Rational(44715, 10**6) * x**3))) / 2
+
+
+class gelu_tanh(sp.Function):
+    """x / 2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))): GELU's tanh approximation
+    (GPT-2's; `approximate=True` in TensorFlow and JAX, `"tanh"` in PyTorch)."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        s = sp.Dummy("s", real=True)
+        return sp.diff(_gelu_tanh(s), s).subs(s, self.args[0])
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_number:
+            return _gelu_tanh(x)
         return None
 
 
@@ -201,6 +258,38 @@ class minimum(_Extremum):
     fold = sp.Min
 
 
+class elu(sp.Function):
+    """x where x > 0, else exp(x) - 1 (ELU with alpha 1). Its derivative is
+    exp(min(x, 0)): 1 for x >= 0 (as TensorFlow's EluGrad at 0), exp(x) below."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.exp(minimum(self.args[0], 0))
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_number:
+            return x if x > 0 else sp.exp(x) - 1
+        return None
+
+
+class relu(sp.Function):
+    """max(x, 0) with the frameworks' gradient at 0: 1 only where x > 0 (`max(x, 0)`
+    gives its tie at 0 to x, as TensorFlow's maximum does)."""
+
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return 1 - step_le(self.args[0], 0)
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_number:
+            return sp.Max(x, 0)
+        return None
+
+
 _UNARY = {
     "exp": sp.exp,
     "log": sp.log,
@@ -216,6 +305,11 @@ _UNARY = {
     "softplus": softplus,
     "erf": sp.erf,
     "floor": floor,
+    "silu": silu,
+    "gelu": gelu,
+    "gelu_tanh": gelu_tanh,
+    "elu": elu,
+    "relu": relu,
 }
 _BINARY = {"max": maximum, "min": minimum}
 

@@ -48,6 +48,11 @@ FUNCTIONS: dict[str, int] = {
     "max": 2,
     "min": 2,
     "floor": 1,  # the largest integer <= x, as a value; its gradient is zero
+    "silu": 1,  # activations, each its framework's own function (functions.py)
+    "gelu": 1,
+    "gelu_tanh": 1,
+    "elu": 1,
+    "relu": 1,
 }
 REDUCTIONS = ("sum", "mean")
 EXTREMA = ("max", "min")  # `max(x, y)` is elementwise; `max(expr, k, ...)` reduces over k
@@ -1038,6 +1043,14 @@ def _softplus(x: float) -> float:
     return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
 
 
+def _gelu(x: float) -> float:
+    return x * (1 + math.erf(x / math.sqrt(2))) / 2
+
+
+def _gelu_tanh(x: float) -> float:
+    return x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))) / 2
+
+
 FLOAT_FUNCTIONS = {
     "exp": math.exp,
     "log": math.log,
@@ -1055,6 +1068,11 @@ FLOAT_FUNCTIONS = {
     "max": max,
     "min": min,
     "floor": math.floor,
+    "silu": lambda x: x * _sigmoid(x),
+    "gelu": _gelu,
+    "gelu_tanh": _gelu_tanh,
+    "elu": lambda x: x if x > 0 else math.expm1(x),
+    "relu": lambda x: max(x, 0.0),
 }
 
 

@@ -57,6 +57,12 @@ FUNCTIONS = {
     "sigmoid": tf.sigmoid,
     "softplus": tf.nn.softplus,
     "erf": tf.math.erf,
+    "silu": tf.nn.silu,
+    # tf.nn.gelu's constants go through float32 (1e-8 off in float64): its formulas
+    "gelu": lambda x: 0.5 * x * tf.math.erfc(-0.7071067811865476 * x),
+    "gelu_tanh": lambda x: 0.5 * x * (1 + tf.tanh(0.7978845608028654 * (x + 0.044715 * x**3))),
+    "elu": tf.nn.elu,
+    "relu": tf.nn.relu,
     "max": tf.maximum,
     "min": tf.minimum,
     "floor": tf.floor,  # TF's Floor has no gradient: zero

@@ -126,7 +126,7 @@ CASES = [
         "a conditional expression is not allowed",
         at="A[b,i] if",
     ),
-    Case("unknown-function", op("y[b,i] = relu(A[b,i])"), "unknown function 'relu'", at="relu("),
+    Case("unknown-function", op("y[b,i] = mish(A[b,i])"), "unknown function 'mish'", at="mish("),
     Case(
         "matmul-operator",
         op("y[b,i] = A[b,i] @ B[b,i]"),

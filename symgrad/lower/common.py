@@ -44,6 +44,11 @@ UNARY = {
     fn.sigmoid: "sigmoid",
     fn.softplus: "softplus",
     fn.floor: "floor",
+    fn.silu: "silu",
+    fn.gelu: "gelu",
+    fn.gelu_tanh: "gelu_tanh",
+    fn.elu: "elu",
+    fn.relu: "relu",
 }
 
 

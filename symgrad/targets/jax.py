@@ -55,6 +55,9 @@ NAMES = {
     "sinh": "jnp.sinh",
     "softmax": "jax.nn.softmax",
     "softplus": "jax.nn.softplus",
+    "silu": "jax.nn.silu",
+    "elu": "jax.nn.elu",
+    "relu": "jax.nn.relu",
     "sqrt": "jnp.sqrt",
     "square": "jnp.square",
     "squeeze": "jnp.squeeze",
@@ -181,6 +184,12 @@ class JaxPrinter(Printer):
 
     def call_reduce_max(self, e: ir.Call) -> str:
         return f"jnp.max({self.arguments(e)}, initial=-jnp.inf)"
+
+    def call_gelu(self, e: ir.Call) -> str:  # jax.nn.gelu is the tanh form by default
+        return f"jax.nn.gelu({self.arguments(e)}, approximate=False)"
+
+    def call_gelu_tanh(self, e: ir.Call) -> str:
+        return f"jax.nn.gelu({self.arguments(e)}, approximate=True)"
 
     def call_exact_div(self, e: ir.Call) -> str:
         return f"_exact_div({self.arguments(e)})"

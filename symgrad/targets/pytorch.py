@@ -48,6 +48,10 @@ ELEMENTWISE = {
     "sin": "torch.sin",
     "sinh": "torch.sinh",
     "softplus": "torch.nn.functional.softplus",
+    "silu": "torch.nn.functional.silu",
+    "gelu": "torch.nn.functional.gelu",  # approximate="none" by default: the exact form
+    "elu": "torch.nn.functional.elu",
+    "relu": "torch.relu",
     "sqrt": "torch.sqrt",
     "square": "torch.square",
     "tan": "torch.tan",
@@ -89,6 +93,7 @@ PARAMETERS = {
     "conv_unwindow": ("g", "axes"),
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
+    "gelu_tanh": ("x",),
     "gather": ("x", "positions", "axis"),
     "pad": ("x", "paddings"),
     "range": ("n",),
@@ -432,6 +437,9 @@ class PyTorchPrinter(Printer):
         )
 
     call_select = call_where  # torch.where takes any rank
+
+    def call_gelu_tanh(self, args: dict) -> str:
+        return f'torch.nn.functional.gelu({self.tensor(args["x"])}, approximate="tanh")'
 
     def call_cast(self, args: dict) -> str:
         x, dtype = args["x"], self.code(args["dtype"])

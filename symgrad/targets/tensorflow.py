@@ -58,6 +58,9 @@ NAMES = {
     "slice": "tf.slice",
     "softmax": "tf.nn.softmax",
     "softplus": "tf.nn.softplus",
+    "silu": "tf.nn.silu",
+    "elu": "tf.nn.elu",
+    "relu": "tf.nn.relu",
     "sparse_rows": "tf.IndexedSlices",
     "sqrt": "tf.sqrt",
     "square": "tf.square",
@@ -131,11 +134,22 @@ class TensorFlowPrinter(Printer):
         if self.in_module and e.function in EXTREMA:
             whole = replace(e, args=(ir.Call("whole", e.args[:1]), *e.args[1:]))
             return f"{NAMES[e.function]}({self.arguments(whole)})"
+        if e.function in ("gelu", "gelu_tanh"):
+            return self.gelu(e)
         if self.in_module and e.function in KERNELS:
             # The module's helper: zeros, never the kernel, when an axis is empty.
             helper, *kernel = KERNELS[e.function]
             return f"{helper}({', '.join([*kernel, self.arguments(e)])})"
         return f"{NAMES[e.function]}({self.arguments(e)})"
+
+    def gelu(self, e: ir.Call) -> str:
+        """GELU written out: `tf.nn.gelu` casts its constants through float32 (1e-8 off in
+        float64). Its argument is printed twice (three times in the tanh form)."""
+        arg = e.args[0]
+        x = self.code(arg) if precedence(arg) >= ATOM else f"({self.code(arg)})"
+        if e.function == "gelu":
+            return f"0.5 * {x} * tf.math.erfc(-0.7071067811865476 * {x})"
+        return f"0.5 * {x} * (1 + tf.tanh(0.7978845608028654 * ({x} + 0.044715 * {x} ** 3)))"
 
     def cond(self, e: ir.Cond) -> str:
         predicate, then, otherwise = (
