@@ -233,3 +233,35 @@ def test_gathers_and_segment_maxima_need_no_chunks_and_match_the_reference(name,
             np.testing.assert_allclose(fw.numpy(g), want[floats.index(k)].numpy(), atol=1e-12)
         else:
             assert g is None
+
+
+def test_pytorch_step_of_dilated_2d_neighborhood_attention_stays_within_the_bound(tmp_path):
+    """NATTEN's dilated 2-D QK, float32 (1 x 2 heads x 16 x 14 x 16 channels, K = 5, D = 2)
+    at a budget of 64 KiB: a training step holds at most 4x the bytes of its inputs and
+    outputs plus the budget, where the untiled step (the [.., 25, d] key window) holds over
+    three times that bound. At 1 x 4 x 32 x 32 x 32, K = 7 and 256 KiB: PyTorch 10.6x
+    the bound untiled, 0.56x in chunks; TensorFlow 12.3x and 0.62x."""
+    from peaks import torch_peak
+
+    case = REAL["natten_qk_2d_dilated"]
+    attrs = {"K": 5, "D": 2}
+    module = generate(case, tmp_path, prefix="Peak3", target="pytorch")
+    rng = np.random.default_rng(7)
+    xs = [
+        torch.tensor(rng.standard_normal((1, 2, 16, 14, 16)), dtype=torch.float32).requires_grad_()
+        for _ in module.INPUTS
+    ]
+
+    def step():
+        out = module.forward(*xs, **attrs)
+        torch.autograd.grad(torch.sin(out).sum(), xs)
+
+    budget = 2**16
+    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = torch_peak(step)
+    module.MAX_TEMP_BYTES = budget
+    assert module._tile_plan(*xs, **attrs) is not None
+    tiled = torch_peak(step)
+    assert untiled > 3 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, bound)
