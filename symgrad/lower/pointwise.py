@@ -136,6 +136,10 @@ class Pointwise:
             if exponent == -1:
                 return ir.Binary("/", ir.Lit("1"), self.expr(body, base, target))
             inner = self.expr(body, base, target)
+            if base.is_integer and exponent.is_Integer and exponent > 0:
+                # a power in a position (`(c // G)*K*K` is `K**2`): an integer, never the
+                # float `square` of the inputs' dtype (PyTorch's index_select refuses it)
+                return ir.Binary("**", inner, ir.Lit(str(int(exponent))))
             if exponent == 2:
                 return ir.Call("square", (inner,))
             if exponent == sp.Rational(1, 2):
