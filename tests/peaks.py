@@ -52,7 +52,8 @@ def tf_step_peaks(module, args, budget, attrs=None, watched=None) -> dict:
                 loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in out])
             else:
                 loss = tf.reduce_sum(tf.sin(out[0]))
-        return [g.numpy() for g in tape.gradient(loss, watched)]
+        # tf.convert_to_tensor: a gathered input's gradient may be IndexedSlices
+        return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, watched)]
 
     io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
     module.MAX_TEMP_BYTES = 2**40
@@ -191,7 +192,8 @@ def step():
     with tf.GradientTape() as tape:
         tape.watch(args)
         loss = tf.reduce_sum(tf.sin(module.forward(*args, **attrs)))
-    return [g.numpy() for g in tape.gradient(loss, args)]
+    # a gathered input's gradient may be IndexedSlices
+    return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, args)]
 
 module.MAX_TEMP_BYTES = {budget}
 planned = peak(step)
