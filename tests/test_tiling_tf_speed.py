@@ -1,0 +1,94 @@
+"""TensorFlow's tiled steps spend their time on the op, not on how a chunk is spelled.
+
+A chunk of one position of a tiled index leaves an einsum summing an axis of one
+position (MemLocalAttention's `grad_q` sums u, its chunks are of one u). TF's einsum
+transposes the larger operand into a batch of 1 x 1 matrix products for it, 6x slower
+than the product it is; the module's `_einsum` computes that product instead. These
+tests pin the structure (which ops the traced step runs) and the values, not a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, check, generate, make_tensors
+
+# Longformer's sliding-window scores (benchmarks' MemLocalAttention), each index its own size.
+LOCAL_ATTENTION = Case(
+    "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + u - w, h, d], d)",
+    {"q": (2, 7, 3, 5), "k": (2, 7, 3, 5)},
+    attrs={"w": 2},
+    ranges={"u": "2*w + 1"},
+    sizes={"u": 5},
+    fd_directions=2,
+)
+
+
+@pytest.fixture(scope="module")
+def local_attention(tmp_path_factory):
+    return generate(LOCAL_ATTENTION, tmp_path_factory.mktemp("speed"), "Speed")
+
+
+def _einsum_equations(function) -> set[str]:
+    """The equations of every Einsum op a traced function runs, loop bodies included."""
+    graph = function.graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return {n.attr["equation"].s.decode() for n in nodes if n.op == "Einsum"}
+
+
+def test_a_chunk_of_one_position_sums_by_a_product_not_a_matrix_product(local_attention):
+    module = local_attention
+    module.MAX_TEMP_BYTES = 512  # chunks of one position of u
+    tensors = make_tensors(LOCAL_ATTENTION, module.INPUTS)
+    plan = module._tile_plan(*tensors, w=2)
+    assert plan is not None and plan[1] == 1  # one u a chunk
+    grad_y = tf.ones_like(module.forward(*tensors, w=2))
+    traced = module._tiled_backward.get_concrete_function(*tensors, grad_y, *plan, w=2)
+    # The forward's einsum sums d (5 positions): a contraction; grad_q's sums u (one).
+    assert _einsum_equations(traced) == {"biuhd,bihd->bhiu"}
+
+
+def test_chunks_of_one_position_are_exact(local_attention):
+    local_attention.MAX_TEMP_BYTES = 512
+    check(LOCAL_ATTENTION, local_attention)
+
+
+SUBSCRIPTS = [
+    # (subscripts, shape of a, shape of b): every summed axis of one position
+    ("biuhd,bhiu->bihd", (2, 7, 1, 3, 5), (2, 3, 7, 1)),  # b's axes within a's
+    ("bju,biu->bij", (2, 4, 1), (2, 6, 1)),  # an outer product: neither within the other
+    ("buv,bvu->b", (3, 1, 1), (3, 1, 1)),  # two summed axes
+    ("ub,ui->ib", (1, 4), (1, 6)),  # output in neither operand's order
+]
+
+
+@pytest.mark.parametrize("subscripts, left, right", SUBSCRIPTS)
+def test_einsum_helper_equals_tf_einsum(local_attention, subscripts, left, right):
+    rng = np.random.default_rng(3)
+    a = tf.constant(rng.standard_normal(left))
+    b = tf.constant(rng.standard_normal(right))
+    want = tf.einsum(subscripts, a, b)
+    got = local_attention._einsum(subscripts, a, b)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=0)
+
+
+def test_einsum_helper_contracts_longer_and_unknown_axes(local_attention):
+    rng = np.random.default_rng(4)
+    a = tf.constant(rng.standard_normal((2, 7, 4, 3, 5)))
+    b = tf.constant(rng.standard_normal((2, 3, 7, 4)))
+    want = tf.einsum("biuhd,bhiu->bihd", a, b)
+    np.testing.assert_allclose(
+        local_attention._einsum("biuhd,bhiu->bihd", a, b).numpy(), want.numpy(), rtol=1e-12
+    )
+    spec = tf.TensorSpec([None] * 5, tf.float64), tf.TensorSpec([None] * 4, tf.float64)
+    unknown = tf.function(lambda x, y: local_attention._einsum("biuhd,bhiu->bihd", x, y))
+    traced = unknown.get_concrete_function(*spec)
+    assert _einsum_equations(traced) == {"biuhd,bhiu->bihd"}  # u may be long: a contraction
+    a1, b1 = a[:, :, :1], b[..., :1]
+    np.testing.assert_allclose(
+        traced(a1, b1).numpy(), tf.einsum("biuhd,bhiu->bihd", a1, b1).numpy(), rtol=1e-12
+    )
