@@ -14,7 +14,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from harness import Case, check, generate, make_tensors
+from harness import Case, FakeOp, check, generate, make_tensors
 
 # Longformer's sliding-window scores (benchmarks' MemLocalAttention), each index its own size.
 LOCAL_ATTENTION = Case(
@@ -92,3 +92,66 @@ def test_einsum_helper_contracts_longer_and_unknown_axes(local_attention):
     np.testing.assert_allclose(
         traced(a1, b1).numpy(), tf.einsum("biuhd,bhiu->bihd", a1, b1).numpy(), rtol=1e-12
     )
+
+
+# A log-sum-exp over two clouds (`tile_logsumexp`): tiled along n, combined by logaddexp.
+LOG_SUM_EXP = Case(
+    "y[b] = log(sum(exp(-sum((x[b,n,c] - z[b,m,c])**2, c)), n, m))",
+    {"x": (2, 9, 3), "z": (2, 7, 3)},
+    low=-0.8,
+    high=0.8,
+)
+
+
+def _tape_gradients(module, xs, order):
+    """The gradient of sum(sin(y)) (order 1, one tape), or of the squared norm of that
+    gradient (order 2: a gradient of the gradient, under a second tape), as arrays."""
+
+    def first():
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(tf.sin(module.forward(*xs)))
+        return tape.gradient(loss, xs)
+
+    if order == 1:
+        return [g.numpy() for g in first()]
+    with tf.GradientTape() as outer:
+        outer.watch(xs)
+        total = tf.add_n([tf.reduce_sum(g**2) for g in first()])
+    return [g.numpy() for g in outer.gradient(total, xs)]
+
+
+def test_a_tiled_log_sum_exp_gradient_reads_its_totals_from_the_outputs(tmp_path):
+    """The chunks' shares exp(L_k - L) need the whole L: the forward's outputs (a training
+    step) and the op's (the registered gradient) are L, so the backward runs no forward
+    pass of its own over the chunks; under a second tape it does, so that L's dependence
+    on the inputs is recorded. Every path equals the untiled module."""
+    module = generate(LOG_SUM_EXP, tmp_path, "Totals")
+    xs = make_tensors(LOG_SUM_EXP, module.INPUTS)
+    grad_y = tf.constant([0.7, -1.3], tf.float64)
+    module.MAX_TEMP_BYTES = 2**40
+    want = [_tape_gradients(module, xs, order) for order in (1, 2)]
+    want_vjp = [g.numpy() for g in module.vjp(*xs, grad_y)]
+    module.MAX_TEMP_BYTES = 2000  # chunks of 2 positions of n
+    assert module._tile_plan(*xs)[1] < 9
+    calls = []
+    passes = module._tiled_compute
+    module._tiled_compute = lambda *a, **k: calls.append(1) or passes(*a, **k)
+
+    got = _tape_gradients(module, xs, 1)
+    assert len(calls) == 1, calls  # the forward's pass only
+    for g, w in zip(got, want[0], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+    y = module.forward(*xs)
+    del calls[:]
+    fake = FakeOp(xs, [y], {}, module)
+    got = [g.numpy() for g in module.gradient(fake, grad_y)]
+    assert not calls, calls
+    for g, w in zip(got, want_vjp, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+    got = _tape_gradients(module, xs, 2)
+    assert len(calls) > 1, calls  # the gradient of the gradient computes L again
+    for g, w in zip(got, want[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
