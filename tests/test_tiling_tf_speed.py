@@ -9,12 +9,16 @@ tests pin the structure (which ops the traced step runs) and the values, not a t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from harness import Case, FakeOp, check, generate, make_tensors
+from harness import Case, FakeOp, check, generate, load_module, make_tensors
+
+REPO = Path(__file__).resolve().parent.parent
 
 # Longformer's sliding-window scores (benchmarks' MemLocalAttention), each index its own size.
 LOCAL_ATTENTION = Case(
@@ -155,3 +159,38 @@ def test_a_tiled_log_sum_exp_gradient_reads_its_totals_from_the_outputs(tmp_path
     assert len(calls) > 1, calls  # the gradient of the gradient computes L again
     for g, w in zip(got, want[1], strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+def _ms_deform_attn_inputs(queries: int):
+    """Multi-scale deformable attention (symgrad.toml's MsDeformAttn): value 2 x 3024 x 4
+    x 16 over levels 48x48, 24x24, 12x12, `queries` queries, 5 points."""
+    rng = np.random.default_rng(5)
+    levels = [(48, 48), (24, 24), (12, 12)]
+    value = rng.standard_normal((2, sum(h * w for h, w in levels), 4, 16))
+    loc = rng.uniform(-0.05, 1.05, (2, queries, 4, 3, 5, 2))
+    attn = rng.uniform(0, 1, (2, queries, 4, 3, 5))
+    return [
+        tf.constant(value, tf.float32),
+        tf.constant(levels, tf.float32),
+        tf.constant([0, 2304, 2880], tf.int64),
+        tf.constant(loc, tf.float32),
+        tf.constant(attn, tf.float32),
+    ]
+
+
+def test_whole_positions_within_the_bound_run_as_many_a_chunk_as_it_allows(tmp_path):
+    """MsDeformAttn at 256 KiB: one query exceeds the budget but is within the step's
+    allowance, so the plan keeps whole positions of m; it now takes as many queries a
+    chunk as the allowance holds (18 of 300: 17 chunks) where it took one (300 chunks,
+    each costing about what a small chunk does: the step was 1.6x the untiled one), with
+    the same plan under unknown sizes."""
+    text = (REPO / "generated" / "ms_deform_attn.py").read_text(encoding="utf-8")
+    module = load_module(text, tmp_path, "symgrad_speed_ms_deform_attn")
+    module.MAX_TEMP_BYTES = 2**18
+    tensors = _ms_deform_attn_inputs(300)
+    n, c, n2, c2 = module._tile_plan(*tensors)
+    assert (n, n2, c2) == (300, 4, 4)  # whole positions of m
+    assert 1 < c < n
+    unknown = [tf.TensorSpec([None] * t.shape.rank, t.dtype) for t in tensors]
+    traced = tf.function(module._tile_plan).get_concrete_function(*unknown)
+    assert [int(v) for v in traced(*tensors)] == [n, c, n2, c2]
