@@ -100,6 +100,17 @@ KERNELS = {
 EXTREMA = ("reduce_max", "reduce_min")
 
 
+def _sums_two(subscripts: str) -> bool:
+    """Whether an einsum of two operands (no ellipsis, no repeated axis) sums an axis."""
+    inputs, output = subscripts.split("->")
+    operands = inputs.split(",")
+    if len(operands) != 2 or "." in subscripts:
+        return False
+    if any(len(set(letters)) < len(letters) for letters in operands):
+        return False
+    return bool(set(inputs.replace(",", "")) - set(output))
+
+
 class TensorFlowPrinter(Printer):
     def axis_size(self, e: ir.AxisSize) -> str:
         # In a module, `_dim(X, k)` reads a static size as a Python int (no op to run
@@ -113,6 +124,9 @@ class TensorFlowPrinter(Printer):
 
     def einsum(self, e: ir.Einsum) -> str:
         operands = ", ".join(self.code(o) for o in e.operands)
+        if self.in_module and _sums_two(e.subscripts):
+            # A module helper: a product where the summed axes have one position (`_einsum`).
+            return f'_einsum("{e.subscripts}", {operands})'
         return f'tf.einsum("{e.subscripts}", {operands})'
 
     def call(self, e: ir.Call) -> str:
