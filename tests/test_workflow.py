@@ -6,7 +6,8 @@ on change, all-or-nothing generation and atomic files, hand-edited / foreign / o
 files, ruff-clean output, an importable package, `importlib.reload` of a module, and no
 TensorFlow import during generation. Everything runs the real command line
 (`symgrad.cli.main`) on a project folder in tmp_path; only the hash-seed and no-TensorFlow
-tests start fresh `python -m symgrad` processes, and only the reload tests import TF.
+tests start fresh `python -m symgrad` processes (three, shared: `fresh_generations`), and
+only the reload tests import TF.
 """
 
 from __future__ import annotations
@@ -250,11 +251,17 @@ def _permuted(text: str, order) -> str:
     return head + "".join(tables[i].rstrip("\n") + "\n\n" for i in order)
 
 
-def test_output_is_identical_across_runs_and_the_order_of_ops(tmp_path):
+def test_output_is_identical_across_runs_and_the_order_of_ops(tmp_path, fresh_generations):
+    """This process's TensorFlow package of the repo's spec, as written, then with its ops
+    in two other orders, is the one a fresh process wrote (`fresh_generations`, seed 0)."""
     text = REPO_SPEC.read_text(encoding="utf-8")
     count = len(re.findall(r"(?m)^\[ops\.", text))
     assert count >= 4
-    reference = _generate(emit_spec(text, tmp_path, "a"))
+    folder, process = fresh_generations["0"]
+    assert process.returncode == 0, process.stderr
+    reference = {
+        p.name: p.read_bytes().decode("utf-8") for p in sorted((folder / "generated").iterdir())
+    }
     assert _generate(emit_spec(text, tmp_path, "b")) == reference  # a second run
     for order in (list(reversed(range(count))), [*range(1, count), 0]):
         permuted = _permuted(text, order)
@@ -274,16 +281,24 @@ def emit_spec(text: str, folder: Path, name: str):
     return load_spec(path)
 
 
-def test_output_is_byte_identical_across_hash_seeds(tmp_path):
-    """`python -m symgrad generate` of this repo's spec (all three targets) under
-    PYTHONHASHSEED 0, 1 and 12345 (in parallel)."""
+@pytest.fixture(scope="module")
+def fresh_generations(tmp_path_factory):
+    """This repo's spec generated (all three targets) by three fresh processes at once, one
+    per PYTHONHASHSEED of 0, 1 and 12345: seed 0's runs `NO_TENSORFLOW` (the command
+    line's generate, --check and explain, with every framework's import refused), the
+    others `python -m symgrad generate`. Seed -> (its folder, the finished process, with
+    `stdout` and `stderr`). One generation serves the hash-seed, op-order and
+    no-framework tests."""
+    commands = {
+        "0": [sys.executable, "-c", NO_TENSORFLOW, "symgrad.toml"],
+        "1": [sys.executable, "-m", "symgrad", "generate"],
+        "12345": [sys.executable, "-m", "symgrad", "generate"],
+    }
     runs = {}
-    for seed in ("0", "1", "12345"):
-        folder = tmp_path / f"seed{seed}"
-        folder.mkdir()
+    for seed, command in commands.items():
+        folder = tmp_path_factory.mktemp(f"seed{seed}")
         shutil.copy(REPO_SPEC, folder / "symgrad.toml")
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        command = [sys.executable, "-m", "symgrad", "generate"]
         runs[seed] = (
             folder,
             subprocess.Popen(
@@ -295,10 +310,21 @@ def test_output_is_byte_identical_across_hash_seeds(tmp_path):
                 stderr=subprocess.PIPE,
             ),
         )
+    try:
+        for _, process in runs.values():
+            process.stdout, process.stderr = process.communicate(timeout=900)
+    finally:
+        for _, process in runs.values():
+            process.kill()  # none is left running after a timeout (a no-op once finished)
+    return runs
+
+
+def test_output_is_byte_identical_across_hash_seeds(fresh_generations):
+    """`symgrad generate` of this repo's spec (all three targets) under PYTHONHASHSEED 0, 1
+    and 12345 (`fresh_generations`), and the committed folders: the same bytes."""
     outputs = {}
-    for seed, (folder, process) in runs.items():
-        _, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, stderr
+    for seed, (folder, process) in fresh_generations.items():
+        assert process.returncode == 0, process.stderr
         outputs[seed] = {
             str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.py"))
         }
@@ -837,21 +863,14 @@ NO_TENSORFLOW = textwrap.dedent(
 )
 
 
-def test_generate_never_imports_tensorflow(tmp_path):
-    """Nor PyTorch or JAX: generating all three targets imports no framework."""
-    shutil.copy(REPO_SPEC, tmp_path / "symgrad.toml")
-    result = subprocess.run(
-        [sys.executable, "-c", NO_TENSORFLOW, "symgrad.toml"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tmp_path,
-        timeout=300,
-    )
+def test_generate_never_imports_tensorflow(fresh_generations):
+    """Nor PyTorch or JAX: generating all three targets imports no framework (seed 0's
+    process of `fresh_generations`)."""
+    folder, result = fresh_generations["0"]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "loaded: []" in result.stdout
-    for folder in ("generated", "generated_torch", "generated_jax"):
-        assert (tmp_path / folder / "batched_mat_mul.py").is_file()
+    for target in ("generated", "generated_torch", "generated_jax"):
+        assert (folder / target / "batched_mat_mul.py").is_file()
 
 
 # ------------------------------------------------------------------------- pre-commit
