@@ -11,7 +11,7 @@ position, and `g` and `o` are two of the inputs and outputs, so the step's bound
 (inputs + outputs) + the budget, has room for 8 of them at any size. The peak tests take
 one batch position and many channels (a position as large as the whole of `g`, the worst
 case), where the untiled step is 3.8-5.9x the bound: PyTorch and JAX hold 0.76-0.85x of
-it; TensorFlow 0.89-1.04x run to run, at the bound (measured, not pinned: README).
+it; TensorFlow 0.67-0.84x run to run, each chunk's backward ops run in order (README).
 
 The masked branch (`v == i`) contributes 0 whatever `g` holds there, untiled and in chunks,
 as the CUDA kernel skips it: an inf in `g` gives +-inf at its own position (through the row
