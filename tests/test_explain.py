@@ -258,6 +258,7 @@ def _forward_lines(text: str) -> list[str]:
 # kernel on an empty axis, an output too large to allocate) around the same call.
 _HELPERS = {
     "_convolution": "tf.nn.convolution",
+    "_einsum": "tf.einsum",  # a product where every summed axis has one position
     "_gather": "tf.gather",
     "_segment_sum": "tf.math.unsorted_segment_sum",
 }
@@ -270,6 +271,8 @@ class _Explained(ast.NodeTransformer):
         if name is not None:  # a recurrence step's copy of a helper: `_step_step_gather`
             name = re.sub(r"^(?:_step)+(?=_)", "", name)
         if name in ("_size_limit", "_shift"):  # _shift(positions, start): at start 0, positions
+            return node.args[0]
+        if name == "_whole":  # x itself, behind an EnsureShape only in graph mode
             return node.args[0]
         if name == "_segment_extremum":  # (kernel, data, ids, n): -inf for an empty one
             return ast.Call(func=node.args[0], args=node.args[1:], keywords=[])
