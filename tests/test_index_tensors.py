@@ -329,7 +329,8 @@ TILED |= {"NvdiffrastInterpolate"}
 def test_real_op_matches_its_kernel_forward_and_gradient(name, target, budget, folder):
     """Each op as symgrad.toml writes it, against the NumPy transcription of its kernel,
     in float64: forward, and the vjp against the kernel's own (linear) differences; in one
-    piece and, for the ops that tile, in chunks of a 64-byte budget (one position each)."""
+    piece and, for the ops that tile, in several chunks under a 64-byte budget (one position
+    each, or as many whole positions as TF's nested plan finds within the step's allowance)."""
     _, inputs, attrs = REAL[name]
     if budget is not None and name not in TILED:
         pytest.skip("no temporary outgrows the inputs and outputs: never tiled")
@@ -340,7 +341,7 @@ def test_real_op_matches_its_kernel_forward_and_gradient(name, target, budget, f
         module.MAX_TEMP_BYTES = budget
         tensor = TENSORS[target][0]
         plan = module._tile_plan(*(tensor(a) for a in inputs), **attrs)
-        assert plan is not None and int(plan[1]) == 1, plan  # (positions, chunk length)
+        assert plan is not None and int(plan[1]) < int(plan[0]), plan  # (positions, length)
     if target == "jax":  # compiled once: faster than op-by-op dispatch
         module = SimpleNamespace(INPUTS=module.INPUTS, **vars(_jitted(module)))
     tensor, numpy = TENSORS[target]
