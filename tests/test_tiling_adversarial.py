@@ -331,7 +331,7 @@ def test_real_ops_in_chunks_equal_the_untiled_module_on_every_path(name, target,
     want = run_everywhere(fw, module, case), train_step(fw, module, case)
     module.MAX_TEMP_BYTES = TINY
     n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)[:2]
-    assert c == 1 < n
+    assert c < n  # several chunks (TF's nested plan may take several whole positions)
     (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
     for how, got in outputs.items():
         _same(got, want[0][0][how], how)
