@@ -113,7 +113,7 @@ def _bound():
 @pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1d"])
 def test_whole_positions_in_several_outer_chunks_are_exact(op, target, folder, monkeypatch):
     """The plan's whole positions of the outer index (c2 = n2), several outer chunks: the
-    inner level runs as one call (TensorFlow's `_inner_tiled`), whose parts must be added
+    inner level runs as one call (TensorFlow's `_inner_into`), whose parts must be added
     to the running sums the outer loop hands it (`_tiled_into`). Taking its parts for the
     sums dropped every earlier chunk's share of `Y`'s (`key`'s) gradient."""
     n, c, n2, c2 = _chunked_equals_whole(op, target, folder, monkeypatch, one_position_a_chunk)
@@ -215,7 +215,7 @@ def test_tensorflow_adds_an_inner_cut_gradient_into_its_slice_of_the_running_sum
     module = _module("LongformerQk", "tensorflow", folder)
     backward = inspect.getsource(module._tiled_backward.python_function)
     assert "_add_into(_sums2[0], 1, _start2, _length2, _ours[0])" in backward
-    assert "_inner_tiled(" not in backward and "tf.reshape(" not in backward
+    assert "_inner_into(" in backward and "tf.reshape(" not in backward
     rng = np.random.default_rng(8)
     total, part = rng.standard_normal((2, 7, 3)), rng.standard_normal((2, 3, 3))
     want = total.copy()
