@@ -759,16 +759,16 @@ def run(
     given = parse_attr_values(spec, chosen, list(attr_args))
     shapes_given = parse_shapes(chosen, list(shape_args))
     sizes_given = parse_sizes(chosen, list(size_args))
-    reports = []
-    for n, op in enumerate(chosen):
-        module = framework.import_module(out / f"{snake_case(op.name)}.py", op)
-        recurrent = recurrence.is_recurrence(op)
-        from . import check_recurrence  # it reads this module's sizes
+    # Every op's sizes first: a bad --shape or --size is an error before any generated
+    # module (and with it the framework, whose start-up notices go to stderr) is imported.
+    from . import check_recurrence  # it reads this module's sizes
 
+    planned = []
+    for n, op in enumerate(chosen):
+        recurrent = recurrence.is_recurrence(op)
         program = check_recurrence.program(op) if recurrent else build(op)
         defaults = loaded.defaults(op, program) if loaded else {}
-        settings = attr_settings(program, op, given, defaults)
-        for label, attrs in settings:
+        for label, attrs in attr_settings(program, op, given, defaults):
             if loaded is not None:
                 attrs = [_held(loaded, op, name, value, how) for name, value, how in attrs]
             values = {name: value for name, value, _ in attrs}
@@ -781,26 +781,32 @@ def run(
                     shapes=shapes_given.get(op.name, {}),
                     sizes=sizes_given.get(op.name, {}),
                 )
-            if loaded is None:
-                checked = framework.generated(program, module, values, sizes)
-                if recurrent:  # the formula's forward: a loop over the positions
-                    checked = replace(checked, reference=check_recurrence.reference(op, values))
-            else:
-                checked = loaded.target(op, program, module, values, dtype)
-            rng = np.random.default_rng([seed, n])
-            results, notes = _check_op(program, checked, sizes, dtype, rng)
-            written = {i: size for i, size in sizes.indices.items() if "'" not in i}
-            reports.append(
-                OpReport(
-                    op.name,
-                    (*checked.results, *results),
-                    written,
-                    sizes.shapes,
-                    tuple(attrs),
-                    (*checked.notes, *notes),
-                    label,
-                )
+            planned.append((n, op, program, recurrent, label, attrs, values, sizes))
+    reports, modules = [], {}
+    for n, op, program, recurrent, label, attrs, values, sizes in planned:
+        if op.name not in modules:
+            modules[op.name] = framework.import_module(out / f"{snake_case(op.name)}.py", op)
+        module = modules[op.name]
+        if loaded is None:
+            checked = framework.generated(program, module, values, sizes)
+            if recurrent:  # the formula's forward: a loop over the positions
+                checked = replace(checked, reference=check_recurrence.reference(op, values))
+        else:
+            checked = loaded.target(op, program, module, values, dtype)
+        rng = np.random.default_rng([seed, n])
+        results, notes = _check_op(program, checked, sizes, dtype, rng)
+        written = {i: size for i, size in sizes.indices.items() if "'" not in i}
+        reports.append(
+            OpReport(
+                op.name,
+                (*checked.results, *results),
+                written,
+                sizes.shapes,
+                tuple(attrs),
+                (*checked.notes, *notes),
+                label,
             )
+        )
     return Report(spec.path, library, dtype, seed, tuple(reports), tuple(warnings), skipped, target)
 
 
