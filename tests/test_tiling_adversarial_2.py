@@ -14,6 +14,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
+from adversarial import chunks_equal_the_untiled_module
 from harness import Case, generate, make_tensors, reference
 
 TINY = 1
@@ -89,14 +90,6 @@ REAL = {
 }
 
 
-def _same(got, want, how):
-    for g, w in zip(got, want, strict=True):
-        if w is None:
-            assert g is None, how
-        else:
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=how)
-
-
 @pytest.mark.parametrize(
     ("name", "target"),
     [
@@ -114,24 +107,7 @@ def test_real_ops_in_chunks_equal_the_untiled_module(name, target, tmp_path):
     """forward, vjp, the registered gradient and a tape (TF) or autograd (PyTorch), and a
     training step, at a budget of 1 byte, equal the untiled module in float64; the
     untiled forward equals the independent reference evaluator."""
-    from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
-
-    case, fw = REAL[name], FRAMEWORKS[target]
-    module = generate(case, tmp_path, prefix="Real2", target=target)
-    module.MAX_TEMP_BYTES = 2**40
-    want = run_everywhere(fw, module, case), train_step(fw, module, case)
-    named = dict(zip(module.INPUTS, make_tensors(case, module.INPUTS), strict=True))
-    for got, expected in zip(want[0][0]["forward"], reference(case, named), strict=True):
-        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-10, atol=1e-12)
-    module.MAX_TEMP_BYTES = TINY
-    assert module._tile_plan(*inputs(case, module, fw), **case.attrs)[1] == 1
-    (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
-    for how, got in outputs.items():
-        _same(got, want[0][0][how], how)
-    for how, got in grads.items():
-        _same(got, want[0][1][how], how)
-    _same(step["grads"], want[1]["grads"], "training step")
-    np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
+    chunks_equal_the_untiled_module(REAL[name], target, tmp_path, "Real2")
 
 
 # ----------------------------------------------------- NATTEN 3-D: a gather of nine axes
