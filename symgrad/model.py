@@ -523,7 +523,9 @@ class _Builder:
             raise self.fail(
                 f"tensor {name!r} is used both as an index tensor (inside brackets, or "
                 "compared with an index) and as a value; an index tensor holds integers "
-                "and has no gradient",
+                "and has no gradient; to read at its values as float positions (by "
+                f"interpolation, with a gradient), write `1.0 * {name}[...]` where it is "
+                f'a bare position, or list it in the spec: `float_positions = ["{name}"]`',
                 col,
             )
 
@@ -828,7 +830,8 @@ def log_space(expr: sp.Expr) -> sp.Expr:
 
     A `sum(exp(u), k)` is `exp(L)` with L its logsumexp, so `log(1 + S)` is
     `softplus(L)` and `exp(u) / (1 + S)` is `exp(u - softplus(L))`: finite wherever the
-    result is, where exp(L) itself would overflow.
+    result is, where exp(L) itself would overflow. A log of a sigmoid, or of one minus a
+    sigmoid, is a softplus too.
     """
 
     def shifted(base: sp.Expr) -> sp.Expr | None:
@@ -845,7 +848,19 @@ def log_space(expr: sp.Expr) -> sp.Expr:
             return None
         return fn.softplus(power.args[0] + sp.log(c / a)) + sp.log(a)
 
+    def log_sigmoid(arg: sp.Expr) -> sp.Expr | None:
+        """log(sigmoid(u)) = -softplus(-u), log(1 - sigmoid(u)) = -softplus(u): never
+        log(0) where the sigmoid rounds to 0 or 1 (a logit of -100 in float32)."""
+        if isinstance(arg, fn.sigmoid):
+            return -fn.softplus(-arg.args[0])
+        rest = arg - 1
+        if isinstance(-rest, fn.sigmoid):
+            return -fn.softplus((-rest).args[0])
+        return None
+
     def rewrite(node: sp.Expr) -> sp.Expr:
+        if isinstance(node, sp.log) and log_sigmoid(node.args[0]) is not None:
+            return log_sigmoid(node.args[0])
         if isinstance(node, sp.log):
             stable = shifted(node.args[0])
             return node if stable is None else stable
@@ -1014,7 +1029,10 @@ def build(op: OpSpec) -> Program:
     equations = []
     for text in op.formulas:
         try:
-            floats = frozenset(op.float_positions)
+            # A tensor an earlier equation computes holds floats: inside brackets it is a
+            # float position (a sampled read), never an integer index tensor.
+            computed = frozenset(e.output for e in equations)
+            floats = frozenset(op.float_positions) | computed
             equations.append(parse_equation(text, attrs, int_attrs, floats))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None
