@@ -216,6 +216,7 @@ class _Builder:
         self.sizes = dict(op.sizes)
         self.index_inputs: dict[str, int] = {}  # read inside brackets -> column
         self.value_inputs: dict[str, int] = {}  # read as values -> column
+        self.bare_positions: set[str] = set()  # tensors read inside an index expression
         # Reads at computed positions: (position, source, axis), for inferring ranges.
         self.reads: list[tuple[sp.Expr, str, int]] = []
         # Every read at a computed position, index tensors in it too (for error hints).
@@ -502,6 +503,8 @@ class _Builder:
     # -- computed positions -----------------------------------------------------------
 
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
+        for p in node.positions:  # `1.0 * t[..]` there would make it a float position
+            self.bare_positions.update(a.tensor for a in _accesses_in(p))
         if sampling.is_sampled(node):
             return sampling.read(self, node, scope)
         if not node.plain or splits.reads_past(self, node):
@@ -520,12 +523,17 @@ class _Builder:
         refused: an index tensor holds integers and gets no gradient."""
         uses.setdefault(name, col)
         if name in self.index_inputs and name in self.value_inputs:
+            hint = (
+                "; to read at its values as float positions (by interpolation, with a "
+                f"gradient), write `1.0 * {name}[...]` where it is read as an index, or "
+                f'list it in the spec: `float_positions = ["{name}"]`'
+                if name in self.bare_positions
+                else ""
+            )
             raise self.fail(
                 f"tensor {name!r} is used both as an index tensor (inside brackets, or "
                 "compared with an index) and as a value; an index tensor holds integers "
-                "and has no gradient; to read at its values as float positions (by "
-                f"interpolation, with a gradient), write `1.0 * {name}[...]` where it is "
-                f'a bare position, or list it in the spec: `float_positions = ["{name}"]`',
+                f"and has no gradient{hint}",
                 col,
             )
 
@@ -809,6 +817,19 @@ class _Builder:
         groups = tuple(tuple(scope[i] for i in group) for group in equation.groups)
         self.equation = None
         return Output(level, groups, equation.text)
+
+
+def _accesses_in(node: Node) -> list[Access]:
+    """The tensor reads in an index expression (not those inside their brackets)."""
+    if isinstance(node, Access):
+        return [node]
+    if isinstance(node, BinOp):
+        return _accesses_in(node.left) + _accesses_in(node.right)
+    if isinstance(node, Neg):
+        return _accesses_in(node.operand)
+    if isinstance(node, Call):
+        return [a for arg in node.args for a in _accesses_in(arg)]
+    return []
 
 
 def _number(value: Fraction) -> sp.Expr:

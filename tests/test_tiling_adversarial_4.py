@@ -20,7 +20,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from adversarial import chunks_equal_the_untiled_module
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, check, generate, op_spec
 
 from symgrad.errors import SymgradError
@@ -167,13 +167,30 @@ def test_border_align_refusal_says_how_to_read_at_float_positions():
     error = _refusal(formula.format("boxes[n,k,1]"), **table)
     assert "\n" not in error.message
     assert "tensor 'boxes' is used both as an index tensor" in error.message
-    assert "write `1.0 * boxes[...]` where it is a bare position" in error.message
+    assert "write `1.0 * boxes[...]` where it is read as an index" in error.message
     assert 'or list it in the spec: `float_positions = ["boxes"]`' in error.message
     hinted = op_spec(Case(formula.format("1.0 * boxes[n,k,1]"), {}, **table), "BorderAlign")
     listed = op_spec(Case(formula.format("boxes[n,k,1]"), {}, **table), "BorderAlign")
     listed = dataclasses.replace(listed, float_positions=("boxes",))
     for spec in (hinted, listed):
         assert build(spec).inputs == ("input", "boxes")
+
+
+def test_ngram_repeat_block_is_refused_without_a_float_position_hint():
+    """fairseq's ngram_repeat_block (n = 3): -inf at token v where the last two tokens
+    occurred before, followed by v. Comparing two reads of the index tensor
+    (`tokens[b,k] == tokens[b,T-2]`) is a value use: refused in one line, without the
+    interpolation hint (which fits only a tensor read as an index inside brackets)."""
+    formula = (
+        "y[b,v] = where(max(where(tokens[b,k] == tokens[b,T-2] and tokens[b,k+1] =="
+        " tokens[b,T-1] and tokens[b,k+2] == v, 1, 0), k) > 0, -inf, lprobs[b,v])"
+    )
+    error = _refusal(formula, lets={"T": "tokens.shape[1]"}, ranges={"k": "T - 2"})
+    assert "\n" not in error.message
+    assert error.message.endswith(
+        "tensor 'tokens' is used both as an index tensor (inside brackets, or compared "
+        "with an index) and as a value; an index tensor holds integers and has no gradient"
+    )
 
 
 def test_a_coupled_recurrence_with_a_composite_output_axis_says_what_to_write(tmp_path):
@@ -524,7 +541,6 @@ def test_pytorch_roi_align_rotated_step_stays_within_the_bound(tmp_path):
     samples: the untiled step holds the sampled corners (4.1x the bound of 4x the inputs
     and outputs plus a 256 KiB budget); in chunks 0.56x. At 64 rois and 16 channels:
     11.3x untiled, 0.72x in chunks."""
-    from peaks import torch_peak
 
     case = REAL["roi_align_rotated"]
     module = generate(case, tmp_path, prefix="RoiPeak", target="pytorch")
@@ -546,16 +562,6 @@ def test_pytorch_roi_align_rotated_step_stays_within_the_bound(tmp_path):
     ]
     attrs = {"scale": 0.5, "PH": 7, "PW": 7, "S": 2}
 
-    def step():
-        out = module.forward(*xs, **attrs)
-        torch.autograd.grad(torch.sin(out).sum(), [x for x in xs if x.requires_grad])
-
-    budget = 2**18
-    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = torch_peak(step)
-    module.MAX_TEMP_BYTES = budget
-    assert module._tile_plan(*xs, **attrs) is not None
-    tiled = torch_peak(step)
+    untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**18)
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)
