@@ -43,3 +43,22 @@ def chunks_equal_the_untiled_module(case: Case, target: str, folder, prefix: str
         same(got, want[0][1][how], how)
     same(step["grads"], want[1]["grads"], "training step")
     np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
+
+
+def torch_step_peaks(module, xs, attrs, budget):
+    """(untiled, tiled, bound): the peak bytes of a PyTorch training step (forward, the sum
+    of sin of the output, the gradient of every input that requires one) untiled and at
+    `budget`, and the bound 4x the bytes of the inputs and outputs plus the budget."""
+    import torch
+    from peaks import torch_peak
+
+    def step():
+        out = module.forward(*xs, **attrs)
+        torch.autograd.grad(torch.sin(out).sum(), [x for x in xs if x.requires_grad])
+
+    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = torch_peak(step)
+    module.MAX_TEMP_BYTES = budget
+    assert module._tile_plan(*xs, **attrs) is not None
+    return untiled, torch_peak(step), bound

@@ -14,7 +14,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from adversarial import chunks_equal_the_untiled_module
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, generate, make_tensors, reference
 
 TINY = 1
@@ -166,7 +166,6 @@ def test_pytorch_training_step_of_real_ops_stays_within_the_bound(name, tmp_path
     outputs plus the budget, where the untiled step holds several times that bound.
     Measured: segment softmax 4.3x of io tiled against 4001x untiled (N = 3000), NATTEN
     3-D 2.4x against 53x, dynamicconv TBC 3.5x against 49x."""
-    from peaks import torch_peak
 
     case = NATTEN_3D if name == "natten_3d" else REAL[name]
     shapes, attrs = PEAK_SIZES[name]
@@ -181,17 +180,7 @@ def test_pytorch_training_step_of_real_ops_stays_within_the_bound(name, tmp_path
         for n in module.INPUTS
     ]
 
-    def step():
-        out = module.forward(*xs, **attrs)
-        torch.autograd.grad(torch.sin(out).sum(), [x for x in xs if x.requires_grad])
-
-    budget = 2**18
-    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = torch_peak(step)
-    module.MAX_TEMP_BYTES = budget
-    assert module._tile_plan(*xs, **attrs) is not None
-    tiled = torch_peak(step)
+    untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**18)
     print(f"{name}: untiled {untiled} bytes, tiled {tiled}, bound {bound}")
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)

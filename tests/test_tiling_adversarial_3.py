@@ -17,7 +17,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from adversarial import chunks_equal_the_untiled_module
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, generate, make_tensors, reference
 
 TINY = 1
@@ -217,7 +217,6 @@ def test_pytorch_step_of_dilated_2d_neighborhood_attention_stays_within_the_boun
     outputs plus the budget, where the untiled step (the [.., 25, d] key window) holds over
     three times that bound. At 1 x 4 x 32 x 32 x 32, K = 7 and 256 KiB: PyTorch 10.6x
     the bound untiled, 0.56x in chunks; TensorFlow 12.3x and 0.62x."""
-    from peaks import torch_peak
 
     case = REAL["natten_qk_2d_dilated"]
     attrs = {"K": 5, "D": 2}
@@ -228,16 +227,6 @@ def test_pytorch_step_of_dilated_2d_neighborhood_attention_stays_within_the_boun
         for _ in module.INPUTS
     ]
 
-    def step():
-        out = module.forward(*xs, **attrs)
-        torch.autograd.grad(torch.sin(out).sum(), xs)
-
-    budget = 2**16
-    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = torch_peak(step)
-    module.MAX_TEMP_BYTES = budget
-    assert module._tile_plan(*xs, **attrs) is not None
-    tiled = torch_peak(step)
+    untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**16)
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)
