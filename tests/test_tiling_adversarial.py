@@ -292,6 +292,8 @@ REAL = {
         "y[t,b,c] = sum(w[c // R, k] * x[t + k - P, b, c], k)",
         {"x": (11, 2, 6), "w": (3, 5)},
         attrs={"R": 2, "P": 2},
+        ranges={"t": "x.shape[0]"},  # fairseq's output has the input's length
+        sizes={"t": 11},
     ),
     # NATTEN's 1-D attention-times-values: attn [B, heads, L, kernel], value [B, heads, L, D]
     "natten_av_1d": Case(
