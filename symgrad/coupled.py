@@ -112,11 +112,20 @@ class _Coupled:
             )
         index = found.pop()
         for e in self.equations:
-            if any(len(g) > 1 for g in e.groups) or len(set(e.output_indices)) != len(
-                e.output_indices
-            ):
+            composite = next((g for g in e.groups if len(g) > 1), None)
+            if composite is not None:
                 raise self.fail(
-                    "in a coupled recurrence every tensor has one plain index per axis",
+                    f"in a coupled recurrence every tensor has one plain index per axis: "
+                    f"{e.output!r} has the composite axis ({', '.join(composite)}); write "
+                    f"one axis per index ({e.output}[{', '.join(e.output_indices)}]) and "
+                    "merge the axes outside the op (a reshape)",
+                    e.output_col,
+                    e,
+                )
+            if len(set(e.output_indices)) != len(e.output_indices):
+                raise self.fail(
+                    f"in a coupled recurrence every tensor has one plain index per axis: "
+                    f"{e.output!r} repeats an index",
                     e.output_col,
                     e,
                 )

@@ -216,6 +216,7 @@ class _Builder:
         self.sizes = dict(op.sizes)
         self.index_inputs: dict[str, int] = {}  # read inside brackets -> column
         self.value_inputs: dict[str, int] = {}  # read as values -> column
+        self.bare_positions: set[str] = set()  # tensors read inside an index expression
         # Reads at computed positions: (position, source, axis), for inferring ranges.
         self.reads: list[tuple[sp.Expr, str, int]] = []
         # Every read at a computed position, index tensors in it too (for error hints).
@@ -502,6 +503,8 @@ class _Builder:
     # -- computed positions -----------------------------------------------------------
 
     def access(self, node: Access, scope: dict[str, Index]) -> sp.Expr:
+        for p in node.positions:  # `1.0 * t[..]` there would make it a float position
+            self.bare_positions.update(a.tensor for a in _accesses_in(p))
         if sampling.is_sampled(node):
             return sampling.read(self, node, scope)
         if not node.plain or splits.reads_past(self, node):
@@ -520,10 +523,17 @@ class _Builder:
         refused: an index tensor holds integers and gets no gradient."""
         uses.setdefault(name, col)
         if name in self.index_inputs and name in self.value_inputs:
+            hint = (
+                "; to read at its values as float positions (by interpolation, with a "
+                f"gradient), write `1.0 * {name}[...]` where it is read as an index, or "
+                f'list it in the spec: `float_positions = ["{name}"]`'
+                if name in self.bare_positions
+                else ""
+            )
             raise self.fail(
                 f"tensor {name!r} is used both as an index tensor (inside brackets, or "
                 "compared with an index) and as a value; an index tensor holds integers "
-                "and has no gradient",
+                f"and has no gradient{hint}",
                 col,
             )
 
@@ -809,6 +819,19 @@ class _Builder:
         return Output(level, groups, equation.text)
 
 
+def _accesses_in(node: Node) -> list[Access]:
+    """The tensor reads in an index expression (not those inside their brackets)."""
+    if isinstance(node, Access):
+        return [node]
+    if isinstance(node, BinOp):
+        return _accesses_in(node.left) + _accesses_in(node.right)
+    if isinstance(node, Neg):
+        return _accesses_in(node.operand)
+    if isinstance(node, Call):
+        return [a for arg in node.args for a in _accesses_in(arg)]
+    return []
+
+
 def _number(value: Fraction) -> sp.Expr:
     return sp.Rational(value.numerator, value.denominator)
 
@@ -828,7 +851,8 @@ def log_space(expr: sp.Expr) -> sp.Expr:
 
     A `sum(exp(u), k)` is `exp(L)` with L its logsumexp, so `log(1 + S)` is
     `softplus(L)` and `exp(u) / (1 + S)` is `exp(u - softplus(L))`: finite wherever the
-    result is, where exp(L) itself would overflow.
+    result is, where exp(L) itself would overflow. A log of a sigmoid, or of one minus a
+    sigmoid, is a softplus too.
     """
 
     def shifted(base: sp.Expr) -> sp.Expr | None:
@@ -845,7 +869,19 @@ def log_space(expr: sp.Expr) -> sp.Expr:
             return None
         return fn.softplus(power.args[0] + sp.log(c / a)) + sp.log(a)
 
+    def log_sigmoid(arg: sp.Expr) -> sp.Expr | None:
+        """log(sigmoid(u)) = -softplus(-u), log(1 - sigmoid(u)) = -softplus(u): never
+        log(0) where the sigmoid rounds to 0 or 1 (a logit of -100 in float32)."""
+        if isinstance(arg, fn.sigmoid):
+            return -fn.softplus(-arg.args[0])
+        rest = arg - 1
+        if isinstance(-rest, fn.sigmoid):
+            return -fn.softplus((-rest).args[0])
+        return None
+
     def rewrite(node: sp.Expr) -> sp.Expr:
+        if isinstance(node, sp.log) and log_sigmoid(node.args[0]) is not None:
+            return log_sigmoid(node.args[0])
         if isinstance(node, sp.log):
             stable = shifted(node.args[0])
             return node if stable is None else stable
@@ -1014,7 +1050,10 @@ def build(op: OpSpec) -> Program:
     equations = []
     for text in op.formulas:
         try:
-            floats = frozenset(op.float_positions)
+            # A tensor an earlier equation computes holds floats: inside brackets it is a
+            # float position (a sampled read), never an integer index tensor.
+            computed = frozenset(e.output for e in equations)
+            floats = frozenset(op.float_positions) | computed
             equations.append(parse_equation(text, attrs, int_attrs, floats))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None

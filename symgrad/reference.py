@@ -459,12 +459,19 @@ def evaluate_op(
     (all of them when None) are returned, in equation order."""
     named = dict(inputs)
     results = []
+    computed: set[str] = set()  # as in model.build: inside brackets a float position
     for formula in formulas:
         value = evaluate(
-            formula, named, attrs, sizes=sizes, int_attrs=int_attrs, floats=frozenset(floats)
+            formula,
+            named,
+            attrs,
+            sizes=sizes,
+            int_attrs=int_attrs,
+            floats=frozenset(floats) | computed,
         )
         name = formula.split("[", 1)[0].strip()
         named[name] = value
+        computed.add(name)
         if outputs is None or name in outputs:
             results.append(value)
     return results

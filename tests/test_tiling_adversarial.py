@@ -14,6 +14,7 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
+from adversarial import chunks_equal_the_untiled_module
 from harness import Case, generate
 
 jax.config.update("jax_enable_x64", True)
@@ -291,6 +292,8 @@ REAL = {
         "y[t,b,c] = sum(w[c // R, k] * x[t + k - P, b, c], k)",
         {"x": (11, 2, 6), "w": (3, 5)},
         attrs={"R": 2, "P": 2},
+        ranges={"t": "x.shape[0]"},  # fairseq's output has the input's length
+        sizes={"t": 11},
     ),
     # NATTEN's 1-D attention-times-values: attn [B, heads, L, kernel], value [B, heads, L, D]
     "natten_av_1d": Case(
@@ -301,14 +304,6 @@ REAL = {
         let_values={"L": 10},
     ),
 }
-
-
-def _same(got, want, how):
-    for g, w in zip(got, want, strict=True):
-        if w is None:
-            assert g is None, how
-        else:
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=how)
 
 
 @pytest.mark.parametrize(
@@ -322,23 +317,8 @@ def _same(got, want, how):
 def test_real_ops_in_chunks_equal_the_untiled_module_on_every_path(name, target, tmp_path):
     """forward, vjp, the registered gradient and a tape (TF), autograd (PyTorch), jax.vjp
     and jit (JAX), and a training step through each framework's own autodiff: in chunks of
-    one position, equal to the untiled module in float64."""
-    from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
-
-    case, fw = REAL[name], FRAMEWORKS[target]
-    module = generate(case, tmp_path, prefix="Real", target=target)
-    module.MAX_TEMP_BYTES = 2**40
-    want = run_everywhere(fw, module, case), train_step(fw, module, case)
-    module.MAX_TEMP_BYTES = TINY
-    n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)[:2]
-    assert c < n  # several chunks (TF's nested plan may take several whole positions)
-    (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
-    for how, got in outputs.items():
-        _same(got, want[0][0][how], how)
-    for how, got in grads.items():
-        _same(got, want[0][1][how], how)
-    _same(step["grads"], want[1]["grads"], "training step")
-    np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
+    one position, equal to the untiled module in float64 (tests/adversarial.py)."""
+    chunks_equal_the_untiled_module(REAL[name], target, tmp_path, "Real")
 
 
 def test_pytorch_flownet_sized_correlation_step_is_bounded(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, generate, make_tensors, reference
 
 TINY = 1
@@ -89,14 +90,6 @@ REAL = {
 }
 
 
-def _same(got, want, how):
-    for g, w in zip(got, want, strict=True):
-        if w is None:
-            assert g is None, how
-        else:
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=how)
-
-
 @pytest.mark.parametrize(
     ("name", "target"),
     [
@@ -114,24 +107,7 @@ def test_real_ops_in_chunks_equal_the_untiled_module(name, target, tmp_path):
     """forward, vjp, the registered gradient and a tape (TF) or autograd (PyTorch), and a
     training step, at a budget of 1 byte, equal the untiled module in float64; the
     untiled forward equals the independent reference evaluator."""
-    from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
-
-    case, fw = REAL[name], FRAMEWORKS[target]
-    module = generate(case, tmp_path, prefix="Real2", target=target)
-    module.MAX_TEMP_BYTES = 2**40
-    want = run_everywhere(fw, module, case), train_step(fw, module, case)
-    named = dict(zip(module.INPUTS, make_tensors(case, module.INPUTS), strict=True))
-    for got, expected in zip(want[0][0]["forward"], reference(case, named), strict=True):
-        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-10, atol=1e-12)
-    module.MAX_TEMP_BYTES = TINY
-    assert module._tile_plan(*inputs(case, module, fw), **case.attrs)[1] == 1
-    (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
-    for how, got in outputs.items():
-        _same(got, want[0][0][how], how)
-    for how, got in grads.items():
-        _same(got, want[0][1][how], how)
-    _same(step["grads"], want[1]["grads"], "training step")
-    np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
+    chunks_equal_the_untiled_module(REAL[name], target, tmp_path, "Real2")
 
 
 # ----------------------------------------------------- NATTEN 3-D: a gather of nine axes
@@ -190,7 +166,6 @@ def test_pytorch_training_step_of_real_ops_stays_within_the_bound(name, tmp_path
     outputs plus the budget, where the untiled step holds several times that bound.
     Measured: segment softmax 4.3x of io tiled against 4001x untiled (N = 3000), NATTEN
     3-D 2.4x against 53x, dynamicconv TBC 3.5x against 49x."""
-    from peaks import torch_peak
 
     case = NATTEN_3D if name == "natten_3d" else REAL[name]
     shapes, attrs = PEAK_SIZES[name]
@@ -205,17 +180,7 @@ def test_pytorch_training_step_of_real_ops_stays_within_the_bound(name, tmp_path
         for n in module.INPUTS
     ]
 
-    def step():
-        out = module.forward(*xs, **attrs)
-        torch.autograd.grad(torch.sin(out).sum(), [x for x in xs if x.requires_grad])
-
-    budget = 2**18
-    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = torch_peak(step)
-    module.MAX_TEMP_BYTES = budget
-    assert module._tile_plan(*xs, **attrs) is not None
-    tiled = torch_peak(step)
+    untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**18)
     print(f"{name}: untiled {untiled} bytes, tiled {tiled}, bound {bound}")
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)

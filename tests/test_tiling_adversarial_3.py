@@ -17,6 +17,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, generate, make_tensors, reference
 
 TINY = 1
@@ -158,14 +159,6 @@ REAL = {
 }
 
 
-def _same(got, want, how):
-    for g, w in zip(got, want, strict=True):
-        if w is None:
-            assert g is None, how
-        else:
-            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=how)
-
-
 @pytest.mark.parametrize(
     ("name", "target"),
     [
@@ -186,25 +179,7 @@ def test_real_ops_in_chunks_equal_the_untiled_module(name, target, tmp_path):
     """forward, vjp, the registered gradient and a tape (TF) or autograd (PyTorch), and a
     training step, at a budget of 1 byte, equal the untiled module in float64; the
     untiled forward equals the independent reference evaluator."""
-    from frameworks import FRAMEWORKS, inputs, run_everywhere, train_step
-
-    case, fw = REAL[name], FRAMEWORKS[target]
-    module = generate(case, tmp_path, prefix="Real3", target=target)
-    module.MAX_TEMP_BYTES = 2**40
-    want = run_everywhere(fw, module, case), train_step(fw, module, case)
-    named = dict(zip(module.INPUTS, make_tensors(case, module.INPUTS), strict=True))
-    for got, expected in zip(want[0][0]["forward"], reference(case, named), strict=True):
-        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-10, atol=1e-12)
-    module.MAX_TEMP_BYTES = TINY
-    n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)[:2]
-    assert c < n  # several chunks (TF's nested plan may take several whole positions)
-    (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
-    for how, got in outputs.items():
-        _same(got, want[0][0][how], how)
-    for how, got in grads.items():
-        _same(got, want[0][1][how], how)
-    _same(step["grads"], want[1]["grads"], "training step")
-    np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
+    chunks_equal_the_untiled_module(REAL[name], target, tmp_path, "Real3")
 
 
 @pytest.mark.parametrize("name", ["group_points", "voxel_max"])
@@ -242,7 +217,6 @@ def test_pytorch_step_of_dilated_2d_neighborhood_attention_stays_within_the_boun
     outputs plus the budget, where the untiled step (the [.., 25, d] key window) holds over
     three times that bound. At 1 x 4 x 32 x 32 x 32, K = 7 and 256 KiB: PyTorch 10.6x
     the bound untiled, 0.56x in chunks; TensorFlow 12.3x and 0.62x."""
-    from peaks import torch_peak
 
     case = REAL["natten_qk_2d_dilated"]
     attrs = {"K": 5, "D": 2}
@@ -253,17 +227,7 @@ def test_pytorch_step_of_dilated_2d_neighborhood_attention_stays_within_the_boun
         for _ in module.INPUTS
     ]
 
-    def step():
-        out = module.forward(*xs, **attrs)
-        torch.autograd.grad(torch.sin(out).sum(), xs)
-
-    budget = 2**16
-    bound = 4 * (sum(x.nbytes for x in xs) + module.forward(*xs, **attrs).nbytes) + budget
-    module.MAX_TEMP_BYTES = 2**40
-    untiled = torch_peak(step)
-    module.MAX_TEMP_BYTES = budget
-    assert module._tile_plan(*xs, **attrs) is not None
-    tiled = torch_peak(step)
+    untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**16)
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)
 

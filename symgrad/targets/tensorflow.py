@@ -3,6 +3,7 @@ mostly spelling; `ir.Cond` is `tf.cond`, a new axis is `tf.expand_dims`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from .. import ir
@@ -111,6 +112,15 @@ def _sums_two(subscripts: str) -> bool:
     return bool(set(inputs.replace(",", "")) - set(output))
 
 
+def _inexact_number(code: str) -> bool:
+    """Whether printed code is a number literal that is no integer (and not ±inf)."""
+    try:
+        value = float(code)
+    except ValueError:
+        return False
+    return math.isfinite(value) and not value.is_integer()
+
+
 class TensorFlowPrinter(Printer):
     def axis_size(self, e: ir.AxisSize) -> str:
         # In a module, `_dim(X, k)` reads a static size as a Python int (no op to run
@@ -134,6 +144,10 @@ class TensorFlowPrinter(Printer):
             return f"_whole({self.arguments(e)})"
         if e.function == "to_int64":
             return f"tf.cast({self.arguments(e)}, tf.int64)"
+        if e.function == "cast" and _inexact_number(self.code(e.args[0])):
+            # tf.cast(2 / 3, tf.float64) goes through float32 (1.5e-8 off): a literal
+            # that is no integer becomes a constant of the dtype directly
+            return f"tf.constant({self.arguments(e)})"
         if e.function == "exact_div":  # a module checks it (`_exact_div`); explain not
             if self.in_module:
                 return f"_exact_div({self.arguments(e)})"
