@@ -16,7 +16,7 @@ rest are spelled from what the IR says statically:
   replaces each by its `otherwise` branch, equal to `then` whenever the predicate holds,
   and drops the predicate's steps (`ir.without_conds`); data-dependent Python control
   flow would break `torch.compile(fullgraph=True)`. A `kept` one (its `otherwise` costly
-  and rare) is `torch.cond`.
+  and rare) is the module's `_cond`: `torch.cond` when compiled, a Python `if` eagerly.
 
 A function body (`code(block, module, kind)`) is printed here, not in the template:
 which steps and prelude lines (`dtype`, sizes, attrs, `_device`) are read is known only
@@ -178,11 +178,11 @@ class PyTorchPrinter(Printer):
     branches = False  # data-dependent Python control flow breaks torch.compile(fullgraph)
 
     def cond(self, e: ir.Cond) -> str:
-        """A `kept` Cond (the others are gone, `ir.without_conds`): `torch.cond`, one
-        branch run, which `torch.compile(fullgraph=True)` traces (the branches close over
-        the tensors they read)."""
+        """A `kept` Cond (the others are gone, `ir.without_conds`): the module's `_cond`,
+        one branch run: `torch.cond` under torch.compile (fullgraph=True traces it; the
+        branches close over the tensors they read), a Python `if` eagerly."""
         parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
-        return "torch.cond({}, lambda: {}, lambda: {}, ())".format(*parts)
+        return "_cond({}, lambda: {}, lambda: {})".format(*parts)
 
     # Steps of the body being printed that hold a Python number (a literal position, as in
     # `W[b, 1]`): torch ops get them as tensors, like sizes.
