@@ -163,3 +163,25 @@ def test_jax_jit_vmap_and_grad_over_non_finite_values(tmp_path):
         _same(np.asarray(g), e, f"jit grad_{name}")
     single = jax.vmap(lambda *xs: module.forward(*(x[None] for x in xs))[0])(*arrays)
     _same(np.asarray(single), expected[0], "vmap forward")
+
+
+def test_the_exact_branch_is_kept_by_targets_without_tf_cond():
+    """The branches on finite values are `kept` Conds: `ir.without_conds` (PyTorch, JAX)
+    leaves them, and their predicate's step, where it replaces the others by their
+    `otherwise`; the modules spell them `_cond` (torch.cond when compiled) and
+    `jax.lax.cond`."""
+    from harness import op_spec
+
+    from symgrad import ir
+    from symgrad.pipeline import compile_op, module_text
+
+    module = compile_op(op_spec(CAUSAL, "Causal"))
+    stripped = ir.without_conds(module)
+    for block, count in ((module.forward, 1), (module.backward, 2)):
+        conds = [s.value for s in block.steps if isinstance(s.value, ir.Cond)]
+        assert len(conds) == count and all(c.kept for c in conds)
+    assert stripped.forward == module.forward and stripped.backward == module.backward
+    spec = op_spec(CAUSAL, "Causal")
+    assert module_text(spec, "test.toml", "pytorch").count(" = _cond(") == 3
+    assert module_text(spec, "test.toml", "jax").count("jax.lax.cond(") == 3
+    assert module_text(spec, "test.toml", "tensorflow").count("tf.cond(") == 3
