@@ -77,6 +77,7 @@ OPS = {
     "gelu": "x * Φ(x), exact (erf) form",
     "gelu_tanh": "GELU, tanh approximation",
     "is_finite": "x is neither inf nor nan",
+    "is_nan": "x is nan",
     "log": "natural log",
     "relu": "max(x, 0); its gradient at 0 is 0",
     "logical_and": "a and b",
@@ -198,11 +199,18 @@ class List:
 
 @dataclass(frozen=True)
 class Cond:
-    """`tf.cond(predicate, lambda: then, lambda: otherwise)`: only the branch taken runs."""
+    """`tf.cond(predicate, lambda: then, lambda: otherwise)`: only the branch taken runs.
+
+    `then` equals `otherwise` whenever the predicate holds. Usually `then` is only a fast
+    path, and a target without branches runs `otherwise` always (`without_conds`). When
+    `kept`, `otherwise` is the rare and costly branch (the exact path over non-finite
+    values, `masked_values`): every target runs one branch, PyTorch by `torch.cond`, JAX
+    by `jax.lax.cond`."""
 
     predicate: Expr
     then: Expr
     otherwise: Expr
+    kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -453,19 +461,30 @@ def rewrite(e: Expr, swap: Callable[[Expr], Expr | None]) -> Expr:
     if isinstance(e, List):
         return List(tuple(rewrite(a, swap) for a in e.items))
     if isinstance(e, Cond):
-        return Cond(rewrite(e.predicate, swap), rewrite(e.then, swap), rewrite(e.otherwise, swap))
+        return Cond(
+            rewrite(e.predicate, swap),
+            rewrite(e.then, swap),
+            rewrite(e.otherwise, swap),
+            e.kept,
+        )
     if isinstance(e, Whole):
         return Whole(e.name, rewrite(e.whole, swap), rewrite(e.part, swap))
     return e
 
 
 def without_conds(module: Module) -> Module:
-    """The module for a target without branches: every `Cond` as its `otherwise` branch
+    """The module for a target without `tf.cond`: every `Cond` as its `otherwise` branch
     (equal to `then` whenever the predicate holds; `then` is only a fast path), and the
-    steps only a predicate read dropped."""
+    steps only a predicate read dropped. A `kept` one stays (its `otherwise` is the
+    costly one: the target spells it as its own branch)."""
 
     def otherwise(e: Expr) -> Expr | None:
-        return rewrite(e.otherwise, otherwise) if isinstance(e, Cond) else None
+        if not isinstance(e, Cond):
+            return None
+        if e.kept:
+            parts = (rewrite(x, otherwise) for x in (e.predicate, e.then, e.otherwise))
+            return Cond(*parts, kept=True)
+        return rewrite(e.otherwise, otherwise)
 
     def strip(block: Block, wanted: tuple[str, ...]) -> Block:
         steps = tuple(Assign(s.target, rewrite(s.value, otherwise), s.comment) for s in block.steps)

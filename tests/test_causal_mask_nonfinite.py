@@ -1,12 +1,13 @@
-"""A causal mask over values that are inf or nan: pinned, not yet exact.
+"""A causal mask over values that are inf or nan: exact, whole and in chunks.
 
 `where(j <= i, exp(s[b,i,j]) * v[b,j,e], 0)` summed over j is computed as the contraction
 `softmax(where(j <= i, s, -inf)) @ v` (stable at logits in the hundreds, and no [b,i,j,e]
-product). A masked position then multiplies 0 by v[b,j,e]: where that value is inf or nan
-the output (and the gradient of s) is nan at every query i, where the reference (the
-masked branch contributes 0) is finite for the queries i < j. A padding mask, over the
-values' own indices, masks the values instead (`test_padded_attention_ignores_inf_and_
-nan_values_under_the_mask`); a causal mask cannot without the [b,i,j,e] product.
+product). A masked position multiplies 0 by v[b,j,e]: where that value is inf or nan, the
+output (and the gradients) were nan at every query, where the formula's masked branch
+gives 0. Now one reduction checks the values are all finite; when not, the exact sum runs
+(`symgrad/masked_values.py`), and the backward sets the masked positions' gradient to 0.
+The reference is TF autodiff (float64) of the "double where" form, the values masked too,
+written out at the [b,i,j,e] size.
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from harness import Case, generate, reference
+from harness import Case, FakeOp, generate
+
+jax.config.update("jax_enable_x64", True)  # float64, as the reference
 
 ARRAY = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}
+SHAPES = {"q": (2, 8, 4), "k": (2, 9, 4), "v": (2, 9, 3)}
 CAUSAL = Case(
     "y[b,i,e] = sum(where(j <= i, exp(sum(q[b,i,d] * k[b,j,d], d)) * v[b,j,e], 0), j)"
     " / sum(where(j <= i, exp(sum(q[b,i,d] * k[b,j,d], d)), 0), j)",
-    {"q": (2, 8, 4), "k": (2, 9, 4), "v": (2, 9, 3)},
+    SHAPES,
 )
 FIRST_BAD = 5  # the first key whose value is not finite: queries i < 5 never read it
 
@@ -33,44 +38,150 @@ def _numpy(t):
     return None if t is None else np.asarray(t.numpy() if hasattr(t, "numpy") else t)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a causal mask varies over the queries, which the values lack: masking the "
-    "values makes them as large as the [b,i,j,e] product; the exact path when some value "
-    "is not finite (an all-finite check, then the masked product in chunks) is not built",
-)
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_causal_attention_ignores_inf_and_nan_values_under_the_mask(target, tmp_path):
-    """Logits in the hundreds; v[0,5,1] = inf and v[1,7,2] = nan: queries before the key
-    give exactly the outputs and gradients (a cotangent zero from query 5 on) they give
-    with zeros there, whole and in chunks; the later queries are inf or nan as the
-    reference."""
-    module = generate(CAUSAL, tmp_path, prefix="CausalNonFinite", target=target)
-    rng = np.random.default_rng(5)
-    q, k = (rng.standard_normal(s) * 6 for s in ((2, 8, 4), (2, 9, 4)))
-    assert np.abs(np.einsum("bid,bjd->bij", q, k)).max() > 100
-    v = rng.standard_normal((2, 9, 3))
+def _double_where(q, k, v):
+    """The formula with the values masked too, in TF: masked terms are exactly 0."""
+    keep = tf.range(SHAPES["k"][1])[None, :] <= tf.range(SHAPES["q"][1])[:, None]  # [i,j]
+    e = tf.exp(tf.einsum("bid,bjd->bij", q, k))
+    wide = tf.broadcast_to(keep[None, :, :, None], (2, 8, 9, 3))
+    values = tf.where(wide, tf.broadcast_to(v[:, None], wide.shape), tf.zeros_like(wide, v.dtype))
+    terms = tf.where(wide, e[..., None] * values, tf.zeros_like(values))
+    total = tf.reduce_sum(tf.where(keep[None], e, tf.zeros_like(e)), axis=2)
+    return tf.reduce_sum(terms, axis=2) / total[..., None]
+
+
+def _reference(q, k, v, cotangent):
+    q, k, v = (tf.constant(a) for a in (q, k, v))
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        y = _double_where(q, k, v)
+    grads = tape.gradient(y, [q, k, v], output_gradients=tf.constant(cotangent))
+    return [y.numpy(), *(g.numpy() for g in grads)]
+
+
+def _inputs(seed=5):
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal(SHAPES[n]) * 6 for n in "qk")
+    assert np.abs(np.einsum("bid,bjd->bij", q, k)).max() > 100  # logits in the hundreds
+    v = rng.standard_normal(SHAPES["v"])
     bad, clean = v.copy(), v.copy()
     bad[0, FIRST_BAD, 1], bad[1, 7, 2] = np.inf, np.nan
-    clean[0, FIRST_BAD, 1] = clean[1, 7, 2] = 0.0
-    (expected,) = reference(CAUSAL, {n: tf.constant(a) for n, a in zip("qkv", (q, k, bad))})
-    expected = expected.numpy()
-    cotangent = rng.standard_normal((2, 8, 3))
-    cotangent[:, FIRST_BAD:] = 0.0
+    bad[0, 8, 0] = -np.inf
+    clean[0, FIRST_BAD, 1] = clean[1, 7, 2] = clean[0, 8, 0] = 0.0
+    return q, k, bad, clean, rng.standard_normal((2, 8, 3))
+
+
+def _same(got, want, what):
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"nan at {what}")
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=what)
+
+
+def _run(module, target, q, k, v, cotangent):
+    arrays = [ARRAY[target](a) for a in (q, k, v)]
+    results = [module.forward(*arrays), *module.vjp(*arrays, ARRAY[target](cotangent))]
+    if target == "tensorflow":  # the registered gradient, from the op's outputs
+        fake = FakeOp(arrays, [results[0]], {}, module)
+        results += module.gradient(fake, tf.constant(cotangent))
+    return [_numpy(t) for t in results]
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_causal_attention_ignores_inf_and_nan_values_under_the_mask(target, tmp_path):
+    """Logits in the hundreds; v[0,5,1] = inf, v[0,8,0] = -inf and v[1,7,2] = nan: the
+    outputs and the gradients of q, k and v are the double-where reference's (the same nan
+    positions, the same values and infs), whole and in chunks; the queries before the
+    first bad key give exactly the outputs and grad_q rows they give with zeros there."""
+    module = generate(CAUSAL, tmp_path, prefix="CausalNonFinite", target=target)
+    q, k, bad, clean, cotangent = _inputs()
+    expected = _reference(q, k, bad, cotangent)
+    assert np.isnan(expected[0]).any() and np.isinf(expected[0]).any()
+    assert np.isfinite(expected[0][:, :FIRST_BAD]).all()
     for budget in (2**40, 1):
         module.MAX_TEMP_BYTES = budget
-        got, want = (
-            [
-                _numpy(t)
-                for t in (
-                    module.forward(*(ARRAY[target](a) for a in (q, k, values))),
-                    *module.vjp(*(ARRAY[target](a) for a in (q, k, values, cotangent))),
-                )
-            ]
-            for values in (bad, clean)
-        )
+        got, want = (_run(module, target, q, k, values, cotangent) for values in (bad, clean))
+        for position, name in zip(range(len(got)), ("y", *"qkv", *"qkv"), strict=False):
+            if position < 4:
+                _same(got[position], expected[position], f"{name} (vjp), budget {budget}")
+            else:  # the registered gradient
+                _same(got[position], expected[position - 3], f"gradient {name}, {budget}")
         np.testing.assert_array_equal(got[0][:, :FIRST_BAD], want[0][:, :FIRST_BAD])
-        np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(expected))
-        np.testing.assert_allclose(got[0], expected, rtol=1e-9, atol=1e-12)
-        for g, w in zip(got[1:3], want[1:3], strict=True):  # gradients of q and k
-            np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(got[1][:, :FIRST_BAD], want[1][:, :FIRST_BAD])
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_causal_attention_float32_at_large_logits_stays_on_the_finite_path(target, tmp_path):
+    """Finite values, float32, logits in the hundreds (exp overflows float32 past 88):
+    the outputs and gradients are finite and match the float64 reference."""
+    module = generate(CAUSAL, tmp_path, prefix="CausalFinite32", target=target)
+    q, k, _, clean, cotangent = _inputs(seed=6)
+    expected = _reference(q, k, clean, cotangent)
+    single = [a.astype(np.float32) for a in (q, k, clean, cotangent)]
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        got = _run(module, target, *single)
+        for g, e in zip(got, [*expected, *expected[1:]], strict=False):
+            assert np.isfinite(g).all()
+            scale = np.abs(e).max()
+            np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_pytorch_compile_fullgraph_training_step_over_non_finite_values(tmp_path):
+    """torch.compile(fullgraph=True) takes the branch (torch.cond) and the masked
+    backward: the loss and gradients match the eager vjp, nan positions included."""
+    module = generate(CAUSAL, tmp_path, prefix="CausalCompiled", target="pytorch")
+    q, k, bad, _, cotangent = _inputs()
+    leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, bad)]
+    g_y = torch.tensor(cotangent)
+
+    def loss(*xs):
+        return (module.forward(*xs)[:, :FIRST_BAD] * g_y[:, :FIRST_BAD]).sum()
+
+    value = torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves)
+    value.backward()
+    zeroed = cotangent.copy()
+    zeroed[:, FIRST_BAD:] = 0.0
+    expected = _reference(q, k, bad, zeroed)
+    y = expected[0][:, :FIRST_BAD]
+    np.testing.assert_allclose(value.item(), (y * cotangent[:, :FIRST_BAD]).sum(), rtol=1e-9)
+    for leaf, e, name in zip(leaves, expected[1:], "qkv", strict=True):
+        _same(leaf.grad.numpy(), e, f"compiled grad_{name}")
+
+
+def test_jax_jit_vmap_and_grad_over_non_finite_values(tmp_path):
+    """jax.jit of the forward (the branch is jax.lax.cond), jax.grad of it under jit (the
+    generated backward) and jax.vmap over the batch: the reference's values."""
+    module = generate(CAUSAL, tmp_path, prefix="CausalJax", target="jax")
+    q, k, bad, _, cotangent = _inputs()
+    expected = _reference(q, k, bad, cotangent)
+    arrays = [jnp.asarray(a) for a in (q, k, bad)]
+    _same(np.asarray(jax.jit(module.forward)(*arrays)), expected[0], "jit forward")
+
+    def loss(*xs):
+        return jnp.sum(module.forward(*xs) * cotangent)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*arrays)
+    for g, e, name in zip(grads, expected[1:], "qkv", strict=True):
+        _same(np.asarray(g), e, f"jit grad_{name}")
+    single = jax.vmap(lambda *xs: module.forward(*(x[None] for x in xs))[0])(*arrays)
+    _same(np.asarray(single), expected[0], "vmap forward")
+
+
+def test_the_exact_branch_is_kept_by_targets_without_tf_cond():
+    """The branches on finite values are `kept` Conds: `ir.without_conds` (PyTorch, JAX)
+    leaves them, and their predicate's step, where it replaces the others by their
+    `otherwise`; the modules spell them `_cond` (torch.cond when compiled) and
+    `jax.lax.cond`."""
+    from harness import op_spec
+
+    from symgrad import ir
+    from symgrad.pipeline import compile_op, module_text
+
+    module = compile_op(op_spec(CAUSAL, "Causal"))
+    stripped = ir.without_conds(module)
+    for block, count in ((module.forward, 1), (module.backward, 2)):
+        conds = [s.value for s in block.steps if isinstance(s.value, ir.Cond)]
+        assert len(conds) == count and all(c.kept for c in conds)
+    assert stripped.forward == module.forward and stripped.backward == module.backward
+    spec = op_spec(CAUSAL, "Causal")
+    assert module_text(spec, "test.toml", "pytorch").count(" = _cond(") == 3
+    assert module_text(spec, "test.toml", "jax").count("jax.lax.cond(") == 3
+    assert module_text(spec, "test.toml", "tensorflow").count("tf.cond(") == 3

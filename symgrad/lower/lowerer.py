@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .. import ir, lets, patterns, sampling
+from .. import ir, lets, masked_values, patterns, sampling
 from ..derive import Backward, Contribution, Scatter, fresh_indices, grad_name
 from ..model import Index, Level, Program
 from ..notation import gradient_lines
@@ -328,6 +328,10 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     )
     forward_block = ir.Block(forward_block.steps, tuple(outputs))
     forward_block = inline_once(forward_block, lowerer.row_reads - read)
+    # Masked weights contracted with values that may be inf or nan: exact at call time.
+    forward_block, backward_block = masked_values.exact(
+        forward_block, backward_block, program.inputs
+    )
     saved = tuple(
         step.target
         for step in forward_block.steps

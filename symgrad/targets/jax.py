@@ -5,7 +5,8 @@ Shapes are static in JAX, so sizes are Python ints (`x.shape[k]`) and integer ar
 on them stays Python (`max`, not `jnp.maximum`): a traced size could not shape a pad or a
 slice under `jax.jit`. No `ir.Cond` reaches this printer (`branches = False`): `render`
 replaces each by its `otherwise` branch, which equals the fast `then` branch whenever the
-predicate holds (`ir.without_conds`). A few ops whose TensorFlow meaning JAX has
+predicate holds (`ir.without_conds`); a `kept` one (its `otherwise` costly and rare) is
+`jax.lax.cond`. A few ops whose TensorFlow meaning JAX has
 no single function for print calls to small helpers the template defines
 (`_segment_sum`, `_exclusive_cumsum`, `_conv_backprop_filter`, `_conv_backprop_input`,
 `_slice`).
@@ -29,6 +30,7 @@ NAMES = {
     "exp": "jnp.exp",
     "eye": "jnp.eye",
     "is_finite": "jnp.isfinite",
+    "is_nan": "jnp.isnan",
     "log": "jnp.log",
     "log_softmax": "jax.nn.log_softmax",
     "logical_and": "jnp.logical_and",
@@ -137,6 +139,12 @@ class JaxPrinter(Printer):
 
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
+
+    def cond(self, e: ir.Cond) -> str:
+        """A `kept` Cond (the others are gone, `ir.without_conds`): `jax.lax.cond`, which
+        jit and grad keep as one branch (under vmap both run, as a select)."""
+        parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
+        return "jax.lax.cond({}, lambda: {}, lambda: {})".format(*parts)
 
     def float_size(self, e: ir.FloatSize) -> str:
         return f"jnp.asarray({e.size}, dtype)"

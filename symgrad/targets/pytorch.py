@@ -12,10 +12,11 @@ rest are spelled from what the IR says statically:
 - `gather`, `segment_sum` and `cumsum` with `exclusive`/`reverse` are small module
   helpers (`_gather`, `_segment_sum`, `_cumsum`); `sparse_rows` is a dense scatter-add
   (`index_add`), since torch autograd wants dense gradients.
-- No `ir.Cond` reaches this printer (`branches = False`): `render` replaces each by its
-  `otherwise` branch, equal to `then` whenever the predicate holds, and drops the
-  predicate's steps (`ir.without_conds`); data-dependent Python control flow would break
-  `torch.compile(fullgraph=True)`.
+- No `ir.Cond` but a `kept` one reaches this printer (`branches = False`): `render`
+  replaces each by its `otherwise` branch, equal to `then` whenever the predicate holds,
+  and drops the predicate's steps (`ir.without_conds`); data-dependent Python control
+  flow would break `torch.compile(fullgraph=True)`. A `kept` one (its `otherwise` costly
+  and rare) is the module's `_cond`: `torch.cond` when compiled, a Python `if` eagerly.
 
 A function body (`code(block, module, kind)`) is printed here, not in the template:
 which steps and prelude lines (`dtype`, sizes, attrs, `_device`) are read is known only
@@ -38,6 +39,7 @@ ELEMENTWISE = {
     "erf": "torch.erf",
     "exp": "torch.exp",
     "is_finite": "torch.isfinite",
+    "is_nan": "torch.isnan",
     "log": "torch.log",
     "logical_and": "torch.logical_and",
     "logical_not": "torch.logical_not",
@@ -174,6 +176,14 @@ def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
 
 class PyTorchPrinter(Printer):
     branches = False  # data-dependent Python control flow breaks torch.compile(fullgraph)
+
+    def cond(self, e: ir.Cond) -> str:
+        """A `kept` Cond (the others are gone, `ir.without_conds`): the module's `_cond`,
+        one branch run: `torch.cond` under torch.compile (fullgraph=True traces it; the
+        branches close over the tensors they read), a Python `if` eagerly."""
+        parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
+        return "_cond({}, lambda: {}, lambda: {})".format(*parts)
+
     # Steps of the body being printed that hold a Python number (a literal position, as in
     # `W[b, 1]`): torch ops get them as tensors, like sizes.
     python_names: frozenset[str] = frozenset()

@@ -29,6 +29,7 @@ NAMES = {
     "eye": "tf.eye",
     "gather": "tf.gather",
     "is_finite": "tf.math.is_finite",
+    "is_nan": "tf.math.is_nan",
     "log": "tf.math.log",
     "log_softmax": "tf.nn.log_softmax",
     "concat": "tf.concat",

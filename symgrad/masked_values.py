@@ -1,0 +1,236 @@
+"""Masked weights against values that may be inf or nan: exact at call time.
+
+`sum(where(j <= i, exp(s[b,i,j]) * v[b,j,e], 0), j)` (over its denominator: causal
+attention) is lowered as the contraction `einsum(P, v)` with `P = softmax(where(j <= i,
+s, -inf))` (`model._masked_exp_times_reads`): stable at logits in the hundreds, and no
+[b,i,j,e] product. A masked position then multiplies P = 0 by v[b,j,e]; where that value
+is inf or nan, 0 * inf is nan at every query, where the formula's masked branch gives 0.
+A padding mask (over the values' own indices) masks the values themselves; a causal
+mask cannot without the [b,i,j,e] product.
+
+So, after lowering, each such contraction becomes a branch (`ir.Cond`, `kept`: TF's
+`tf.cond`, `torch.cond`, `jax.lax.cond`) on one reduction, whether every value is finite:
+
+- all finite (the usual case): the contraction as before;
+- else the exact sum without the [b,i,j,e] product: the contraction of the finite
+  values (non-finite ones as 0), plus, per output, what the non-finite terms that the
+  mask keeps give in IEEE arithmetic, from contractions of the mask against indicators
+  of +inf, -inf and nan values (counts: any nan, or an inf at a weight that is exactly 0,
+  gives nan; +inf and -inf together give nan; else the inf that is there). Masked terms
+  give 0. This is design "indicators", chosen over a second lowering with the values
+  masked (a [b,i,j,e] product, which would have to be tiled apart): the counts are
+  contractions of the same shape as the op's own, so the chunks that bound the op
+  bound them too.
+
+In the gradient, where the backward contracts the values into a tensor of the weights'
+shape (`einsum(grad_y, v)`), and the gradient of the masked logits (a sum of products of
+a factor that is 0 under the mask), are set to 0 under the mask (`where`, one
+elementwise pass), as the formula's masked branch has no gradient; the unmasked
+positions keep IEEE arithmetic. That runs only when a value or an incoming gradient is
+not finite (a branch too: a `where` with a broadcast mask costs PyTorch a third of the
+backward on CPU).
+"""
+
+from __future__ import annotations
+
+from . import ir
+
+_NEG_INF = ir.Lit('float("-inf")')
+_MASK = "where", "select"
+
+
+def exact(forward: ir.Block, backward: ir.Block, inputs: tuple[str, ...]) -> tuple:
+    """The forward and backward blocks with every masked-weight contraction of an input
+    made exact for non-finite values (unchanged when there is none)."""
+    return _forward(forward, inputs), _backward(backward, inputs)
+
+
+def _steps(block: ir.Block) -> dict[str, ir.Expr]:
+    return {s.target: s.value for s in block.steps}
+
+
+def _weights_mask(name: str, steps: dict[str, ir.Expr]) -> ir.Expr | None:
+    """The condition that keeps a position, when step `name` is `softmax(where(c, s,
+    -inf))` (or the mirror `where(c, -inf, s)`: kept where c does not hold); else None."""
+    value = steps.get(name)
+    if not (isinstance(value, ir.Call) and value.function == "softmax"):
+        return None
+    (operand,) = value.args
+    if isinstance(operand, ir.Var):
+        operand = steps.get(operand.name)
+    if not (isinstance(operand, ir.Call) and operand.function in _MASK):
+        return None
+    cond, then, otherwise = operand.args
+    if _is_neg_inf(otherwise):
+        return cond
+    if _is_neg_inf(then):
+        return ir.Call("logical_not", (cond,))
+    return None
+
+
+def _is_neg_inf(e: ir.Expr) -> bool:
+    return e == _NEG_INF or (
+        isinstance(e, ir.Call) and e.function == "cast" and e.args[0] == _NEG_INF
+    )
+
+
+def _cast(e: ir.Expr) -> ir.Expr:
+    return ir.Call("cast", (e, ir.Var("dtype")))
+
+
+def _constant(text: str) -> ir.Expr:
+    return _cast(ir.Lit(f'float("{text}")'))
+
+
+def _forward(block: ir.Block, inputs: tuple[str, ...]) -> ir.Block:
+    steps = _steps(block)
+    out = []
+    for step in block.steps:
+        value = step.value
+        if isinstance(value, ir.Einsum) and len(value.operands) == 2:
+            exact_value = _exact_contraction(value, steps, inputs)
+            if exact_value is not None:
+                value = exact_value
+        out.append(ir.Assign(step.target, value, step.comment))
+    return ir.Block(tuple(out), block.returns)
+
+
+def _exact_contraction(e: ir.Einsum, steps, inputs) -> ir.Expr | None:
+    """`einsum(P, v)` for masked softmax weights P and an input v, as a branch on whether
+    v is all finite (see the module's docstring)."""
+    for w in (0, 1):
+        weights, values = e.operands[w], e.operands[1 - w]
+        if not (isinstance(weights, ir.Var) and isinstance(values, ir.Var)):
+            continue
+        keep = _weights_mask(weights.name, steps) if values.name in inputs else None
+        if keep is None:
+            continue
+        # The kept positions, as the weights' shape: each term there is exp(s) * v[..]
+        # with exp(s) > 0 (a weight that rounds to 0 still counts: the formula's inf).
+        kept = _cast(ir.Call("broadcast_to", (keep, ir.Call("shape", (weights,)))))
+        finite = ir.Call("is_finite", (values,))
+        slow = _contract(e, w, weights, ir.Call("where", (finite, values, ir.Lit("0"))))
+        for indicator, text in (
+            (ir.Binary(">=", values, _constant("inf")), "inf"),
+            (ir.Binary("<=", values, _constant("-inf")), "-inf"),
+            (ir.Call("is_nan", (values,)), "nan"),
+        ):
+            count = _contract(e, w, kept, _cast(indicator))
+            hit = ir.Binary(">=", count, ir.Lit("1"))
+            slow = ir.Binary("+", slow, ir.Call("where", (hit, _constant(text), ir.Lit("0"))))
+        return ir.Cond(ir.Call("reduce_all", (finite,)), e, slow, kept=True)
+    return None
+
+
+def _contract(e: ir.Einsum, w: int, weights: ir.Expr, values: ir.Expr) -> ir.Expr:
+    """`e`'s contraction with its weights (operand `w`) and values replaced."""
+    operands = (weights, values) if w == 0 else (values, weights)
+    return ir.Einsum(e.subscripts, operands)
+
+
+def _backward(block: ir.Block, inputs: tuple[str, ...]) -> ir.Block:
+    """Under the mask, 0: each contraction of an input that is only multiplied by
+    vanishing factors, and each vanishing step that a contraction reads."""
+    steps = _steps(block)
+    masks: dict[str, ir.Expr] = {}  # vanishing steps: the condition that keeps a position
+
+    def vanishing(e: ir.Expr) -> ir.Expr | None:
+        if isinstance(e, ir.Var):
+            return masks.get(e.name) or _weights_mask(e.name, steps)
+        if isinstance(e, ir.Binary) and e.op == "*":
+            return vanishing(e.left) or vanishing(e.right)
+        if isinstance(e, ir.Binary) and e.op in "+-":
+            left, right = vanishing(e.left), vanishing(e.right)
+            return left if left is not None and left == right else None
+        return None
+
+    for step in block.steps:
+        found = vanishing(step.value)
+        if found is not None:
+            masks[step.target] = found
+    uses: dict[str, list[ir.Expr]] = {}
+    for step in block.steps:
+        _collect_uses(step.value, uses)
+    wrapped: dict[str, ir.Expr] = {}  # step -> the mask it is set to 0 outside of
+    read: list[ir.Expr] = []  # what the contractions of inputs read
+    for step in block.steps:
+        value = step.value
+        if isinstance(value, ir.Einsum) and any(
+            isinstance(o, ir.Var) and o.name in inputs for o in value.operands
+        ):
+            mask = _only_vanishing_products(step.target, uses, vanishing)
+            if mask is not None:
+                wrapped[step.target] = mask
+                read += [o for o in value.operands if o not in read]
+    if not wrapped:
+        return block
+    for step in block.steps:
+        if step.target in masks and any(
+            isinstance(u, ir.Einsum) for u in uses.get(step.target, [])
+        ):
+            wrapped[step.target] = masks[step.target]
+    # Only a non-finite value or incoming gradient makes a masked position non-finite:
+    # TF checks first (`tf.cond`); PyTorch and JAX mask always (`ir.without_conds`: one
+    # elementwise pass, cheaper than their branches).
+    finite = _fresh("_finite", steps)
+    checks = [ir.Call("reduce_all", (ir.Call("is_finite", (o,)),)) for o in read]
+    predicate = checks[0]
+    for check in checks[1:]:
+        predicate = ir.Call("logical_and", (predicate, check))
+    out = []
+    for step in block.steps:
+        value = step.value
+        if step.target in wrapped:
+            if finite not in {s.target for s in out}:
+                out.append(ir.Assign(finite, predicate, "every value contracted is finite"))
+            # Each branch computes the value (a branch of torch.cond must not return a
+            # tensor from outside it); only one runs.
+            masked = ir.Call("where", (wrapped[step.target], value, ir.Lit("0")))
+            value = ir.Cond(ir.Var(finite), value, masked, kept=True)
+        out.append(ir.Assign(step.target, value, step.comment))
+    return ir.Block(tuple(out), block.returns)
+
+
+def _fresh(name: str, steps: dict) -> str:
+    number = 1
+    while f"{name}{number}" in steps:
+        number += 1
+    return f"{name}{number}"
+
+
+def _collect_uses(e: ir.Expr, uses: dict[str, list[ir.Expr]]) -> None:
+    """Per name, the expressions that read it directly."""
+    children: tuple = ()
+    if isinstance(e, ir.Binary):
+        children = (e.left, e.right)
+    elif isinstance(e, ir.Einsum):
+        children = e.operands
+    elif isinstance(e, ir.Call):
+        children = (*e.args, *(v for _, v in e.keywords))
+    elif isinstance(e, ir.View | ir.Negate):
+        children = (e.operand,)
+    elif isinstance(e, ir.List):
+        children = e.items
+    elif isinstance(e, ir.Cond):
+        children = (e.predicate, e.then, e.otherwise)
+    elif isinstance(e, ir.Whole):
+        children = (e.whole, e.part)
+    for child in children:
+        if isinstance(child, ir.Var):
+            uses.setdefault(child.name, []).append(e)
+        _collect_uses(child, uses)
+
+
+def _only_vanishing_products(name: str, uses, vanishing) -> ir.Expr | None:
+    """The mask when every read of `name` is a product with a factor that is 0 under it
+    (the same mask for all), else None."""
+    found = None
+    for use in uses.get(name, []):
+        if not (isinstance(use, ir.Binary) and use.op == "*"):
+            return None
+        other = use.right if use.left == ir.Var(name) else use.left
+        mask = vanishing(other)
+        if mask is None or (found is not None and mask != found):
+            return None
+        found = mask
+    return found
