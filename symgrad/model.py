@@ -1392,15 +1392,19 @@ def _masked_exp_times_reads(cond, then: sp.Expr, otherwise: sp.Expr) -> sp.Expr 
         return None
     u = exps[0].args[0]
     masked = fn.select(cond, u, fn.NEG_INF) if sign == 1 else fn.select(cond, fn.NEG_INF, u)
-    return sp.exp(masked) * _masked_reads(cond, sp.Mul(*rest), sign)
+    return sp.exp(masked) * _masked_reads(cond, sp.Mul(*rest), sign, u)
 
 
-def _masked_reads(cond, reads: sp.Expr, sign: int) -> sp.Expr:
+def _masked_reads(cond, reads: sp.Expr, sign: int, u: sp.Expr) -> sp.Expr:
     """The reads of `_masked_exp_times_reads`, masked too when the mask varies only over
-    their indices (a padding mask `m[b,j]` on `v[b,j,e]`: no larger tensor): exp(-inf)
-    times an inf or nan read is nan, where the `where` gave 0. A mask over other indices
-    too (causal, `j <= i`) would make the reads as large as the product, and the sum no
-    longer a contraction; there a non-finite read under the mask still gives nan."""
-    if not _indices_of(cond) <= _indices_of(reads):
+    their indices (a padding mask `m[b,j]` on `v[b,j,e]`: no larger tensor), or when the
+    masked reads are no larger than the exponential (RWKV's `exp((t - 1 - i) * w[c] +
+    k[b,i,c]) * v[b,i,c]` under `i < t`: the product is [b,t,i,c] anyway): exp(-inf)
+    times an inf or nan read is nan, where the `where` gave 0. A mask over indices that
+    neither has (causal attention's `j <= i` on `v[b,j,e]` with logits [b,i,j]) would make
+    the reads as large as the product, and the sum no longer a contraction: that case is
+    `masked_values`' branch on finite values."""
+    mask, read = _indices_of(cond), _indices_of(reads)
+    if not (mask <= read or mask | read <= _indices_of(u)):
         return reads
     return fn.select(cond, reads, 0) if sign == 1 else fn.select(cond, 0, reads)

@@ -185,3 +185,63 @@ def test_the_exact_branch_is_kept_by_targets_without_tf_cond():
     assert module_text(spec, "test.toml", "pytorch").count(" = _cond(") == 3
     assert module_text(spec, "test.toml", "jax").count("jax.lax.cond(") == 3
     assert module_text(spec, "test.toml", "tensorflow").count("tf.cond(") == 3
+
+
+RWKV = (
+    "a[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]) * {v}, 0), i)",
+    "d[b,t,c] = sum(where(i < t, exp((t - 1 - i) * w[c] + k[b,i,c]), 0), i)",
+    "y[b,t,c] = (a[b,t,c] + exp(u[c] + k[b,t,c]) * v[b,t,c]) / (d[b,t,c] + exp(u[c] + k[b,t,c]))",
+)
+RWKV_SHAPES = {"w": (3,), "u": (3,), "k": (2, 9, 3), "v": (2, 9, 3)}
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_rwkv_wkv_ignores_inf_and_nan_values_of_later_steps(target, tmp_path):
+    """RWKV-4's WKV (this repo's `RwkvWkv`): `where(i < t, exp(..) * v[b,i,c], 0)` is
+    `exp(where(i < t, .., -inf)) * v`; the exponential is [b,t,i,c] already, so the values
+    are masked too (no larger tensor). Before, an inf or nan value at step 5 made every
+    earlier step's output nan. Now outputs and gradients equal the reference evaluator
+    and TF autodiff of the double-where form (values masked inside the where), nan where
+    they are nan, whole and in chunks; the steps before 5 equal those with zeros there."""
+    from harness import make_tensors, reference
+
+    formula = tuple(f.format(v="v[b,i,c]") for f in RWKV)
+    double = tuple(f.format(v="where(i < t, v[b,i,c], 0)") for f in RWKV)
+    case = Case(formula, RWKV_SHAPES, inputs=("w", "u", "k", "v"), outputs=("y",))
+    module = generate(case, tmp_path, prefix="RwkvNonFinite", target=target)
+    w, u, k, v = (t.numpy() for t in make_tensors(case, module.INPUTS))
+    w = -np.abs(w) - 0.1  # the kernel's -exp(time_decay): a decay
+    bad, clean = v.copy(), v.copy()
+    bad[0, FIRST_BAD, 1], bad[1, 7, 2] = np.inf, np.nan
+    clean[0, FIRST_BAD, 1] = clean[1, 7, 2] = 0.0
+    cotangent = np.random.default_rng(2).standard_normal((2, 9, 3))
+    named = {"w": w, "u": u, "k": k}
+    tensors = {n: tf.constant(a) for n, a in {**named, "v": bad}.items()}
+    with tf.GradientTape() as tape:
+        tape.watch(list(tensors.values()))
+        (want_y,) = reference(Case(double, RWKV_SHAPES, outputs=("y",), sizes={"t": 9}), tensors)
+    want = [want_y.numpy()] + [
+        g.numpy() for g in tape.gradient(want_y, list(tensors.values()), output_gradients=cotangent)
+    ]
+    assert np.isnan(want_y.numpy()[0, FIRST_BAD:, 1]).all() or np.isinf(want_y[0, FIRST_BAD, 1])
+    assert np.isfinite(want_y.numpy()[:, :FIRST_BAD]).all()
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        got, zeros = (
+            [
+                _numpy(t)
+                for t in (
+                    module.forward(*(ARRAY[target](a) for a in (w, u, k, values))),
+                    *module.vjp(*(ARRAY[target](a) for a in (w, u, k, values, cotangent))),
+                )
+            ]
+            for values in (bad, clean)
+        )
+        np.testing.assert_array_equal(got[0][:, :FIRST_BAD], zeros[0][:, :FIRST_BAD])
+        _same(got[0], want[0], f"y at budget {budget}")
+        # Where later steps' infinities meet (inf - inf), nan or inf depends on the order
+        # of the additions: the gradients are finite exactly where the reference's are.
+        for g, e, what in zip(got[1:], want[1:], ("w", "u", "k", "v"), strict=True):
+            finite = np.isfinite(e)
+            np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=what)
+            np.testing.assert_allclose(g[finite], e[finite], rtol=1e-9, atol=1e-9, err_msg=what)
