@@ -293,32 +293,6 @@ def _wide(seed: int = 1):
     return seg, x, 700, grad
 
 
-# The eager TensorFlow step of the wide case, in a fresh process (CPU statistics need
-# TF_CPU_ALLOCATOR_USE_BFC): the inputs and the incoming gradient made beforehand.
-TF_WIDE_PEAK = """
-import json, sys, tempfile
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-import tensorflow as tf
-import test_segment_extrema as T
-from harness import generate
-from peaks import peak
-
-seg, x, V, grad = (tf.constant(a) if hasattr(a, "shape") else a for a in T._wide())
-module = generate(T._spec_case({kind!r}), Path(tempfile.mkdtemp()), prefix="SegmentWideEager")
-module.MAX_TEMP_BYTES = 256 * 1024
-
-
-def step():
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = module.forward(seg, x, V=V)
-    return tape.gradient(y, x, output_gradients=grad)
-
-
-print(json.dumps(peak(step)))
-"""
-
 # What a step holds, at most, in multiples of its inputs and outputs (measured: TensorFlow
 # eagerly 3.21x for max, 3.31x for min, PyTorch 2.30x, JAX 1.97x at this size; 4.13x,
 # 4.18x, 3.27x and 1.97x before the row tables were written into their one use).
@@ -327,7 +301,9 @@ WIDE_LIMITS = {"tensorflow": 3.6, "pytorch": 2.6, "jax": 2.3}
 
 @pytest.mark.parametrize("kind", ["max", "min"])
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_wide_segment_extrema_hold_at_most_4x_their_inputs_and_outputs(target, kind, tmp_path):
+def test_wide_segment_extrema_hold_at_most_4x_their_inputs_and_outputs(
+    target, kind, tmp_path, request
+):
     """With many features per row the budget no longer hides spare [N, F] tensors: the
     backward reads the incoming gradient and the tie count at the rows as one table
     (`g / count`, one gather) and folds the winners' mask into the `where`, and the row
@@ -339,11 +315,8 @@ def test_wide_segment_extrema_hold_at_most_4x_their_inputs_and_outputs(target, k
     seg, x, V, grad = _wide()
     io = seg.nbytes + x.nbytes + grad.nbytes
     bound = WIDE_LIMITS[target] * io + 256 * 1024
-    if target == "tensorflow":
-        from pathlib import Path
-
-        script = TF_WIDE_PEAK.format(tests=str(Path(__file__).parent), kind=kind)
-        held = run_tensorflow(script)
+    if target == "tensorflow":  # the eager step, measured in `tensorflow_peaks`' process
+        held = request.getfixturevalue("tensorflow_peaks")[f"wide eager {kind}"]
     module = generate(_spec_case(kind), tmp_path, prefix="SegmentWide", target=target)
     module.MAX_TEMP_BYTES = 256 * 1024
     if target == "pytorch":
@@ -380,9 +353,26 @@ sys.path.insert(0, {tests!r})
 import tensorflow as tf
 import test_segment_extrema as T
 from harness import generate
+from peaks import peak as measure
+
+found = {{}}
+# First, in a heap no larger step has used (as in a fresh process): the eager step of the
+# wide case for test_wide_segment_extrema_hold_at_most_4x_their_inputs_and_outputs, the
+# inputs and the incoming gradient made beforehand.
+seg, x, V, grad = (tf.constant(a) if hasattr(a, "shape") else a for a in T._wide())
+for kind in ("max", "min"):
+    module = generate(T._spec_case(kind), Path(tempfile.mkdtemp()), prefix="SegmentWideEager")
+    module.MAX_TEMP_BYTES = 256 * 1024
+
+    def eager_step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = module.forward(seg, x, V=V)
+        return tape.gradient(y, x, output_gradients=grad)
+
+    found[f"wide eager {{kind}}"] = measure(eager_step)
 
 seg, x, V, grad = T._big()
-found = {{}}
 for kind in sorted(T.FORMULAS):
     module = generate(T._spec_case(kind), Path(tempfile.mkdtemp()), prefix="SegmentBig")
     T._tf_step(module, seg, x, V, grad)
@@ -413,18 +403,25 @@ before = tf.config.experimental.get_memory_info("CPU:0")["current"]
 step(seg, x, grad)
 peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 found["wide under tf.function"] = (peak, module.MAX_TEMP_BYTES)
+
 print(json.dumps(found))
 """
 
 
-def test_tensorflow_segment_extrema_of_200k_rows_stay_within_the_bound():
+@pytest.fixture(scope="module")
+def tensorflow_peaks():
+    """`TF_PEAK`'s peaks, measured once in a fresh process (CPU statistics need
+    `TF_CPU_ALLOCATOR_USE_BFC`) for the tests of this file that read TensorFlow's."""
+    from pathlib import Path
+
+    return run_tensorflow(TF_PEAK.format(tests=str(Path(__file__).parent)))
+
+
+def test_tensorflow_segment_extrema_of_200k_rows_stay_within_the_bound(tensorflow_peaks):
     """TensorFlow's peak for a training step of the 200k-row segment max, min and
     logsumexp (the BFC allocator's statistics, in a fresh process as CPU statistics need
     `TF_CPU_ALLOCATOR_USE_BFC`), within 4x the inputs and outputs plus the budget."""
-    from pathlib import Path
-
-    script = TF_PEAK.format(tests=str(Path(__file__).parent))
-    found = run_tensorflow(script)
+    found = {k: v for k, v in tensorflow_peaks.items() if not k.startswith("wide eager ")}
     seg, x, _, grad = _big()
     io = seg.nbytes + x.nbytes + grad.nbytes
     wide = found.pop("wide under tf.function")
