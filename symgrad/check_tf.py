@@ -7,8 +7,12 @@ runs the generated gradient registered for the op type).
 
 from __future__ import annotations
 
+import contextlib
 import keyword
 import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +28,40 @@ def tensorflow():
     # report; the failures reach the report as exceptions.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
-        import tensorflow as tf
+        with _start_up_notices_dropped():
+            import tensorflow as tf
     except ImportError:
         raise SymgradError("symgrad check needs TensorFlow: pip install 'symgrad[tf]'") from None
     return tf
+
+
+# TensorFlow's notices at import (oneDNN on, the CPU's instructions), printed by its C++
+# logger before TF_CPP_MIN_LOG_LEVEL applies on CPUs where oneDNN runs.
+_NOTICE = re.compile(
+    r"absl::InitializeLog|port\.cc:\d+\] oneDNN custom operations|cpu_feature_guard"
+    r"|^To enable the following instructions:"
+)
+
+
+@contextlib.contextmanager
+def _start_up_notices_dropped():
+    """Run the block with the process's stderr (file descriptor 2, which TF's C++ logger
+    writes to) caught, then pass on every line but TF's start-up notices."""
+    if "tensorflow" in sys.modules:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not _NOTICE.search(line)))
 
 
 def import_module(path: Path, op: OpSpec):
