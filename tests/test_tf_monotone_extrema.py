@@ -79,3 +79,21 @@ def test_the_gradient_in_a_tf_function_equals_the_eager_gradient(setup):
     for budget in (2**40, 1):
         module.MAX_TEMP_BYTES = budget
         _same(tf.function(module.vjp)(x, z, *grads), want)
+
+
+def test_the_ties_of_a_max_compare_the_tensor_the_max_reduces(setup):
+    """The tie mask of each max and min reads the very tensor the max reduced (`_f1 ==
+    _max2`), not a second copy of its formula: two copies are the same value only where
+    TF's graph optimizer merges them, and a chunk whose ops run in order (control inputs
+    keep them apart) had one copy of -log(1 + s) fused into one kernel and rounded 1 ulp
+    from the other, so no entry tied and the gradient was 0/0 (NaN at 24 elements where
+    the whole op's is NaN at 9)."""
+    import inspect
+    import re
+
+    module = setup[0]
+    source = inspect.getsource(module._compute)
+    reduced = re.findall(r"(_(?:max|min)\d+) = tf\.reduce_(?:max|min)\(_whole\((\w+)\)", source)
+    assert len(reduced) == 4
+    for extremum, operand in reduced:
+        assert f"tf.cast({operand} == tf.expand_dims({extremum}, 2), dtype)" in source

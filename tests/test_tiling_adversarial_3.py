@@ -255,3 +255,67 @@ def test_jax_step_of_mmd_with_a_bandwidth_per_batch_stays_within_the_bound(budge
     tiled = jax_step_bytes(module, xs)
     assert untiled > 30 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)
+
+
+GROUP_POINTS_STEP = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)  # one schedule: comparable peaks
+sys.path.insert(0, {folder!r})
+sys.path.insert(0, {tests!r})
+from peaks import peak
+import {stem} as module
+
+rng = np.random.default_rng(8)
+features = tf.constant(rng.standard_normal((2, 32, 256)).astype(np.float32))
+idx = tf.constant(rng.integers(0, 256, (2, 128, 32)).astype(np.int32))
+
+
+def step(op):
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(features)
+            loss = tf.reduce_sum(tf.sin(op(features, idx)))
+        return tf.convert_to_tensor(tape.gradient(loss, features)).numpy()
+
+    return run
+
+
+out = module.forward(features, idx)
+print(json.dumps({{
+    "io": features.numpy().nbytes + idx.numpy().nbytes + out.numpy().nbytes,
+    "out": out.numpy().nbytes,
+    "module": peak(step(module.forward)),
+    "gather": peak(step(lambda x, i: tf.gather(x, i, axis=2, batch_dims=1))),
+}}))
+"""
+
+
+def test_tensorflow_step_of_group_points_holds_what_tfs_own_gather_step_holds(tmp_path):
+    """group_points (features 2 x 32 x 256, 2 x 128 x 32 points; its output 16x its
+    features) has no tile plan: its output is its largest tensor. What a TensorFlow
+    training step holds beyond it is TensorFlow's own: the loss's chain (out kept for
+    sin's gradient, cos(out), their product: 3.0 outputs for sum(sin(x)) alone), and the
+    gradient laid out with the gathered axes first for its scatter. With one inter-op
+    thread (one schedule), the step holds 4.91 outputs, 1.06x its bound (4 x inputs and
+    outputs + 256 KiB), where TF's own gather (tf.gather along axis 2, batch_dims=1)
+    holds 5.91; with TF's default threads 4.91-4.97 and 4.91-5.97 run to run. At 8 x 64 x
+    1024 and 8 x 512 x 32 points, default budget: 4.03 outputs, 0.84x; TF's gather 4.0,
+    0.83x."""
+    from pathlib import Path
+
+    from peaks import run_tensorflow
+
+    stem = generate(REAL["group_points"], tmp_path, prefix="GroupPeak").__name__
+    tests = str(Path(__file__).resolve().parent)
+    found = run_tensorflow(GROUP_POINTS_STEP.format(folder=str(tmp_path), tests=tests, stem=stem))
+    budget = 2**18
+    bound = 4 * found["io"] + budget
+    print(
+        f"group_points: {found['module'] / bound:.3f}x the bound, "
+        f"{found['module'] / found['out']:.2f} outputs; tf.gather's step "
+        f"{found['gather'] / found['out']:.2f} outputs"
+    )
+    assert found["module"] > 3.5 * found["out"], "the size does not test the step"
+    assert found["module"] <= 1.02 * found["gather"]

@@ -78,6 +78,9 @@ class _Body:
     stem: str = "_t"  # temporaries: _f1.. in the forward, _t1.. in the backward
     # A cheaper way to compute a value from the inputs alone, for `gradient(op)`.
     recompute: dict[str, ir.Expr] = field(default_factory=dict)
+    # A value lowered to read an earlier step -> the same value as the formula writes it
+    # (what another body, the backward, lowers it to and borrows by).
+    written_as: dict[ir.Expr, ir.Expr] = field(default_factory=dict)
 
     def fresh(self) -> str:
         self.counter += 1
@@ -92,6 +95,8 @@ class _Body:
         target = name or self.fresh()
         self.steps.append(ir.Assign(target, value, comment))
         self.memo.setdefault(value, target)
+        if self.written_as:
+            self.memo.setdefault(ir.rewrite(value, self.written_as.get), target)
         return target
 
 

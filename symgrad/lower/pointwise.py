@@ -181,7 +181,17 @@ class Pointwise:
                 return ir.Call(BINARY[func], args)
             if func in MASKS:
                 body.uses_dtype = True
-                return ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
+                mask = ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
+                if func is fn.step_eq and args[0] in body.memo:
+                    # A max's ties compare the very tensor the max reduced: a second copy
+                    # of it (`log(1 + s)`) is the same value only if TF's graph optimizer
+                    # merges the two copies; unmerged, it can fuse one of them (Log and Neg
+                    # into one kernel) and round it 1 ulp apart, and then no entry ties
+                    # (a 0/0 gradient; tests/test_tf_monotone_extrema.py).
+                    read = ir.Binary("==", ir.Var(body.memo[args[0]]), args[1])
+                    body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
+                    return ir.Call("cast", (read, ir.Var("dtype")))
+                return mask
         raise AssertionError(f"cannot lower {e!r}")
 
     def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
