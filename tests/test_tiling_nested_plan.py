@@ -1,0 +1,132 @@
+"""The nested plan (`_plan2`) is one rule in the three targets.
+
+Where one position of the outer index exceeds MAX_TEMP_BYTES but is within the step's
+allowance (3 x (inputs + outputs) + the budget), a chunk takes as many whole outer
+positions as the allowance holds, in TensorFlow, PyTorch and JAX alike: one position a
+chunk ran MsDeformAttn's 300 queries at 256 KiB in 300 chunks, each costing about what a
+small chunk does. The plans agree for the same sizes and the same count of temporaries
+(`_HELD`: 8 in TensorFlow and PyTorch, 4 in JAX, whose XLA fuses more, so JAX's chunks
+are larger for the same sizes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp
+from harness import load_module
+
+REPO = Path(__file__).resolve().parent.parent
+FOLDERS = {"tensorflow": "generated", "pytorch": "generated_torch", "jax": "generated_jax"}
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+    """MsDeformAttn's committed module of each target."""
+    folder = tmp_path_factory.mktemp("nested_plan")
+    return {
+        target: load_module(
+            (REPO / sub / "ms_deform_attn.py").read_text(encoding="utf-8"),
+            folder,
+            f"nested_plan_{target}",
+        )
+        for target, sub in FOLDERS.items()
+    }
+
+
+def _ms_deform_attn_arrays(queries: int):
+    """symgrad.toml's MsDeformAttn: value 2 x 3024 x 4 x 16 over levels 48x48, 24x24,
+    12x12, `queries` queries, 5 points (as tests/test_tiling_tf_speed.py)."""
+    rng = np.random.default_rng(5)
+    levels = [(48, 48), (24, 24), (12, 12)]
+    return [
+        rng.standard_normal((2, sum(h * w for h, w in levels), 4, 16)).astype(np.float32),
+        np.array(levels, np.float32),
+        np.array([0, 2304, 2880], np.int64),
+        rng.uniform(-0.05, 1.05, (2, queries, 4, 3, 5, 2)).astype(np.float32),
+        rng.uniform(0, 1, (2, queries, 4, 3, 5)).astype(np.float32),
+    ]
+
+
+TENSORS = {"tensorflow": tf.constant, "pytorch": torch.from_numpy, "jax": jnp.asarray}
+
+
+def test_pytorch_and_jax_take_as_many_whole_positions_as_the_allowance_holds(modules, monkeypatch):
+    """MsDeformAttn at 128 KiB, 300 queries: one query exceeds the budget, within the
+    allowance. PyTorch's plan is TensorFlow's (17 queries a chunk: 18 chunks, the inner
+    index whole); JAX's takes more (it counts 4 temporaries, not 8), static under jit."""
+    arrays = _ms_deform_attn_arrays(300)
+    plans = {}
+    for target, module in modules.items():
+        monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**17)
+        plans[target] = tuple(int(v) for v in module._tile_plan(*map(TENSORS[target], arrays)))
+    assert plans["pytorch"] == plans["tensorflow"] == (300, 17, 4, 4)
+    n, c, n2, c2 = plans["jax"]
+    assert (n, n2, c2) == (300, 4, 4) and 17 < c < n
+    found = []
+
+    def traced(*args):  # the plan of the jitted step: Python ints, known when tracing
+        found.append(modules["jax"]._tile_plan(*args))
+        return args[0]
+
+    jax.jit(traced)(*map(jnp.asarray, arrays))
+    assert found == [plans["jax"]] and all(type(v) is int for v in found[0])
+
+
+# (n, n2, volumes, itemsize, inputs, outputs): each branch of the plan, and the edges
+# between them (an outer position within the budget, within the allowance, beyond it).
+SIZES = [
+    (n, n2, ((n, n2, 5), (n, 3)), 4, inputs, ((n2, 2),))
+    for n, n2, inputs in itertools.product((1, 2, 7, 300), (1, 3, 64), (0, 10, 1000, 10**6))
+]
+BUDGETS = (1, 64, 300, 4096, 2**16, 2**20)
+
+
+def _rule(n, n2, volumes, itemsize, inputs, outputs, budget, held):
+    """The plan as the docstring of `_plan2` states it, written out once here."""
+    held = held * itemsize * sum(int(np.prod(v)) for v in volumes)
+    if held <= budget or n * n2 <= 1:
+        return None
+    if held <= budget * n:  # one outer position fits the budget: as one level would take
+        return n, max(1, budget * n // held), n2, n2
+    room = budget + 3 * (inputs + itemsize * sum(int(np.prod(v)) for v in outputs))
+    if held <= room * n:  # whole outer positions, as many as the step's allowance holds
+        return n, min(n, room * n // held), n2, n2
+    return n, 1, n2, max(1, budget * n * n2 // held)  # split along the inner index
+
+
+@pytest.mark.parametrize("held", [4, 8])
+def test_the_three_targets_plan_alike(modules, monkeypatch, held):
+    """Every target's `_plan2` gives the plan its docstring states for the same sizes,
+    budget and count of temporaries (TensorFlow's in Python ints where the sizes are
+    known, in tensors under a tf.function that does not know them); between them the
+    plans take several whole positions a chunk, one, and split the inner index."""
+    kinds = set()
+    spec = [tf.TensorSpec([], tf.int32)] * 3
+    for budget in BUDGETS:
+        for module in modules.values():
+            monkeypatch.setattr(module, "MAX_TEMP_BYTES", budget)
+            monkeypatch.setattr(module, "_HELD", held)
+        plan2 = modules["tensorflow"]._plan2
+        unknown = tf.function(
+            lambda n, n2, inputs, plan2=plan2: plan2(
+                n, n2, ((n, n2, 5), (n, 3)), 4, inputs, ((n2, 2),)
+            ),
+            input_signature=spec,
+        )
+        for sizes in SIZES:
+            want = _rule(*sizes, budget, held)
+            plans = {target: module._plan2(*sizes) for target, module in modules.items()}
+            assert plans == dict.fromkeys(modules, want), (budget, sizes, plans)
+            if want is not None:
+                found = unknown(*(tf.constant(v, tf.int32) for v in (*sizes[:2], sizes[4])))
+                assert tuple(int(v) for v in found) == want, (budget, sizes, found)
+                kinds.add("split" if want[3] < want[2] else "several" if want[1] > 1 else "one")
+    assert kinds == {"split", "several", "one"}, kinds
