@@ -124,7 +124,8 @@ def test_real_ops_in_chunks_equal_the_untiled_module(name, target, tmp_path):
     for got, expected in zip(want[0][0]["forward"], reference(case, named), strict=True):
         np.testing.assert_allclose(got, expected.numpy(), rtol=1e-10, atol=1e-12)
     module.MAX_TEMP_BYTES = TINY
-    assert module._tile_plan(*inputs(case, module, fw), **case.attrs)[1] == 1
+    n, c = module._tile_plan(*inputs(case, module, fw), **case.attrs)[:2]
+    assert c < n  # several chunks (the nested plan may take several whole positions)
     (outputs, grads), step = run_everywhere(fw, module, case), train_step(fw, module, case)
     for how, got in outputs.items():
         _same(got, want[0][0][how], how)
