@@ -1,13 +1,13 @@
-"""The nested plan (`_plan2`): one rule in the three targets, but for JAX's whole positions.
+"""The nested plan (`_plan2`): one rule in the three targets, but for whole positions.
 
 Where one position of the outer index exceeds MAX_TEMP_BYTES but is within the step's
-allowance (3 x (inputs + outputs) + the budget), TensorFlow's and PyTorch's chunks take
-as many whole outer positions as the allowance holds: one position a chunk ran
-MsDeformAttn's 300 queries at 256 KiB in 300 chunks, each costing about what a small
-chunk does. JAX's take one: its jitted step holds about 2.8 x (inputs + outputs) besides
-a chunk's temporaries, so the allowance's positions exceed the bound. Otherwise the plans
-agree for the same sizes and the same count of temporaries (`_HELD`: 8 in TensorFlow and
-PyTorch, 4 in JAX, whose XLA fuses more).
+allowance (3 x (inputs + outputs) + the budget), TensorFlow's chunks take as many whole
+outer positions as the allowance holds (one position a chunk ran MsDeformAttn's 300
+queries at 256 KiB in 300 chunks). PyTorch's and JAX's take one: their steps hold more
+than the inputs and outputs besides a chunk's temporaries, and the allowance's count of
+positions exceeded the bound (PyTorch 1.02x in tests/test_memory_sampled_scatters.py,
+JAX 1.54x below). Otherwise the plans agree for the same sizes and the same count of
+temporaries (`_HELD`: 8 in TensorFlow and PyTorch, 4 in JAX, whose XLA fuses more).
 """
 
 from __future__ import annotations
@@ -60,17 +60,19 @@ def _ms_deform_attn_arrays(queries: int):
 TENSORS = {"tensorflow": tf.constant, "pytorch": torch.from_numpy, "jax": jnp.asarray}
 
 
-def test_pytorch_takes_as_many_whole_positions_as_the_allowance_holds(modules, monkeypatch):
+def test_pytorch_runs_one_whole_position_a_chunk_where_tensorflow_takes_several(
+    modules, monkeypatch
+):
     """MsDeformAttn at 128 KiB, 300 queries: one query exceeds the budget, within the
-    allowance. PyTorch's plan is TensorFlow's: 17 queries a chunk (18 chunks, the inner
-    index whole), where it took one (300 chunks)."""
+    allowance. TensorFlow's plan takes 17 queries a chunk; PyTorch's one (its step over
+    the allowance's count held 1.02x the bound at the size of the memory tests)."""
     arrays = _ms_deform_attn_arrays(300)
     plans = {}
     for target in ("tensorflow", "pytorch"):
         monkeypatch.setattr(modules[target], "MAX_TEMP_BYTES", 2**17)
         found = modules[target]._tile_plan(*map(TENSORS[target], arrays))
         plans[target] = tuple(int(v) for v in found)
-    assert plans["pytorch"] == plans["tensorflow"] == (300, 17, 4, 4)
+    assert plans == {"tensorflow": (300, 17, 4, 4), "pytorch": (300, 1, 4, 4)}
 
 
 def test_jax_runs_one_whole_position_a_chunk_within_the_bound(modules, monkeypatch):
@@ -113,8 +115,8 @@ BUDGETS = (1, 64, 300, 4096, 2**16, 2**20)
 
 
 def _rule(n, n2, volumes, itemsize, inputs, outputs, budget, held, several=True):
-    """The plan as the docstring of `_plan2` states it, written out once here (JAX's:
-    not `several` whole positions a chunk)."""
+    """The plan as the docstring of `_plan2` states it, written out once here (PyTorch's
+    and JAX's: not `several` whole positions a chunk)."""
     held = held * itemsize * sum(int(np.prod(v)) for v in volumes)
     if held <= budget or n * n2 <= 1:
         return None
@@ -129,8 +131,8 @@ def _rule(n, n2, volumes, itemsize, inputs, outputs, budget, held, several=True)
 @pytest.mark.parametrize("held", [4, 8])
 def test_the_three_targets_plan_alike(modules, monkeypatch, held):
     """Every target's `_plan2` gives the plan its docstring states for the same sizes,
-    budget and count of temporaries (JAX's one whole position a chunk where the others
-    take several) (TensorFlow's in Python ints where the sizes are
+    budget and count of temporaries (PyTorch's and JAX's one whole position a chunk where
+    TensorFlow's takes several) (TensorFlow's in Python ints where the sizes are
     known, in tensors under a tf.function that does not know them); between them the
     plans take several whole positions a chunk, one, and split the inner index."""
     kinds = set()
@@ -149,8 +151,8 @@ def test_the_three_targets_plan_alike(modules, monkeypatch, held):
         for sizes in SIZES:
             want = _rule(*sizes, budget, held)
             plans = {target: module._plan2(*sizes) for target, module in modules.items()}
-            jax_rule = _rule(*sizes, budget, held, several=False)
-            assert plans == {**dict.fromkeys(modules, want), "jax": jax_rule}, (budget, sizes)
+            one = _rule(*sizes, budget, held, several=False)
+            assert plans == {"tensorflow": want, "pytorch": one, "jax": one}, (budget, sizes)
             if want is not None:
                 found = unknown(*(tf.constant(v, tf.int32) for v in (*sizes[:2], sizes[4])))
                 assert tuple(int(v) for v in found) == want, (budget, sizes, found)
