@@ -120,6 +120,30 @@ def test_whole_positions_in_several_outer_chunks_are_exact(op, target, folder, m
     assert (c, c2) == (1, n2) and n > 1  # several outer chunks, the inner index whole
 
 
+def two_positions_a_chunk(plan2):
+    """The two-level plan with two whole positions of the outer index a chunk (as the plan
+    takes where the step's allowance holds them), so 3 positions end in a chunk of one."""
+
+    def plan(*args):
+        found = plan2(*args)
+        return found and (found[0], 2, found[2], found[2])
+
+    return plan
+
+
+@pytest.mark.parametrize("target", sorted(STEPS))
+@pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1d"])
+def test_several_whole_positions_a_chunk_and_a_shorter_last_are_exact(
+    op, target, folder, monkeypatch
+):
+    """Several whole positions of the outer index a chunk, the last chunk shorter (JAX's
+    scan runs the full chunks, its static rest after): exact in every target."""
+    if target == "jax":
+        jax.config.update("jax_enable_x64", True)  # as the other float64 JAX tests
+    n, c, n2, c2 = _chunked_equals_whole(op, target, folder, monkeypatch, two_positions_a_chunk)
+    assert (n, c, c2) == (3, 2, n2) and n2 > 1
+
+
 def test_pytorch_step_is_bounded_where_one_position_is_not(folder, monkeypatch):
     module = _module("NattenQk1d", "pytorch", folder)
     xs = [torch.tensor(a, requires_grad=True) for a in _peak_arrays()]
