@@ -300,8 +300,12 @@ def test_jax_vmap_of_forward_and_grad_in_stages(modules):
 # b = 2, c = 3, n = 1200, m = 1000: a [2, 1200, 1000] matrix (9.2 MiB in float32) per
 # temporary, which today's modules (tiled along b) hold whole for each b
 MEMORY = {"x": (2, 3, 1200), "z": (2, 3, 1000)}
-BUDGET = 2**18  # TensorFlow and JAX
+BUDGET = 2**18  # JAX
 TORCH_BUDGET = 2**20  # fewer chunks: the profiler's events make each one slow
+# On CPUs where TensorFlow runs oneDNN, its kernels hold about 0.5 MB of their own in a
+# step whatever the budget (this step at 256 KiB: 740 KB with oneDNN, 264 KB without; at
+# 1 MiB: 631 KB and 484 KB): a budget of 1 MiB keeps that fixed part from passing for ours.
+TF_BUDGET = 2**20
 
 
 def test_pytorch_tiled_in_stages_step_memory_is_bounded(modules):
@@ -348,8 +352,8 @@ def test_jax_tiled_in_stages_gradient_memory_is_bounded(modules):
 def test_tensorflow_tiled_in_stages_step_memory_is_bounded(tmp_path):
     """TensorFlow's allocator statistics (BFC), in a fresh process: a training step."""
     cases = {"hausdorff": (STAGES["hausdorff"].formulas, MEMORY)}
-    m = tf_formula_peaks(cases, BUDGET, tmp_path)["hausdorff"]
-    bound = 4 * m["io"] + BUDGET
+    m = tf_formula_peaks(cases, TF_BUDGET, tmp_path)["hausdorff"]
+    bound = 4 * m["io"] + TF_BUDGET
     print(f"hausdorff: TensorFlow step peak {m['untiled']} -> {m['tiled']} bytes, bound {bound}")
     assert m["untiled"] > 10 * bound, m
     assert m["tiled"] <= bound, m
