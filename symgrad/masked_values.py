@@ -118,8 +118,16 @@ def _exact_contraction(e: ir.Einsum, steps, inputs) -> ir.Expr | None:
             count = _contract(e, w, kept, _cast(indicator))
             hit = ir.Binary(">=", count, ir.Lit("1"))
             slow = ir.Binary("+", slow, ir.Call("where", (hit, _constant(text), ir.Lit("0"))))
-        return ir.Cond(ir.Call("reduce_all", (finite,)), e, slow, kept=True)
+        return ir.Cond(_all_finite(values), e, slow, kept=True)
     return None
+
+
+def _all_finite(values: ir.Expr) -> ir.Expr:
+    """Whether every value is finite, as whether their sum is: an inf or nan makes the
+    sum inf or nan. One pass with no tensor of bools (a chunk checks the whole values
+    again: `all(isfinite(v))` was 0.9 ms a chunk for a 4 x 1024 x 64 v in PyTorch, the
+    sum 0.03 ms); finite values whose sum overflows take the exact branch, exact too."""
+    return ir.Call("is_finite", (ir.Call("reduce_sum", (values,)),))
 
 
 def _contract(e: ir.Einsum, w: int, weights: ir.Expr, values: ir.Expr) -> ir.Expr:
@@ -173,7 +181,7 @@ def _backward(block: ir.Block, inputs: tuple[str, ...]) -> ir.Block:
     # TF checks first (`tf.cond`); PyTorch and JAX mask always (`ir.without_conds`: one
     # elementwise pass, cheaper than their branches).
     finite = _fresh("_finite", steps)
-    checks = [ir.Call("reduce_all", (ir.Call("is_finite", (o,)),)) for o in read]
+    checks = [_all_finite(o) for o in read]
     predicate = checks[0]
     for check in checks[1:]:
         predicate = ir.Call("logical_and", (predicate, check))

@@ -108,6 +108,30 @@ def test_causal_attention_ignores_inf_and_nan_values_under_the_mask(target, tmp_
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_finite_values_whose_sum_overflows_take_the_exact_branch_and_equal_the_reference(
+    target, tmp_path
+):
+    """The check is whether the values' sum is finite (one pass, no tensor of bools): two
+    values of 1e308 make it inf though every value is finite, so the exact branch runs; it
+    gives the double-where reference's outputs and gradients, whole and in chunks."""
+    module = generate(CAUSAL, tmp_path, prefix="CausalBigValues", target=target)
+    q, k, _, clean, cotangent = _inputs()
+    # logits near 0 and a small cotangent: no product of 1e308 overflows, either way
+    q, cotangent = q / 600, cotangent / 100
+    big = clean.copy()
+    big[0, 2, 0] = big[1, 3, 1] = 1e308
+    with np.errstate(over="ignore"):
+        assert np.isfinite(big).all() and not np.isfinite(big.sum())
+    expected = _reference(q, k, big, cotangent)
+    assert np.isfinite(expected[0]).all()
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        got = _run(module, target, q, k, big, cotangent)
+        for position, name in zip(range(4), ("y", *"qkv"), strict=True):
+            _same(got[position], expected[position], f"{name}, budget {budget}")
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_causal_attention_float32_at_large_logits_stays_on_the_finite_path(target, tmp_path):
     """Finite values, float32, logits in the hundreds (exp overflows float32 past 88):
     the outputs and gradients are finite and match the float64 reference."""
