@@ -136,15 +136,12 @@ def contraction_path(subscripts: str) -> list[tuple[int, ...]]:
 
 class JaxPrinter(Printer):
     branches = False  # `jax.lax.cond` would run under `vmap` as a select of both branches
+    # A `kept` Cond (the others are gone, `ir.without_conds`): jit and grad keep it as one
+    # branch (under vmap both run, as a select).
+    cond_function = "jax.lax.cond"
 
     def axis_size(self, e: ir.AxisSize) -> str:
         return f"{e.tensor}.shape[{e.axis}]"
-
-    def cond(self, e: ir.Cond) -> str:
-        """A `kept` Cond (the others are gone, `ir.without_conds`): `jax.lax.cond`, which
-        jit and grad keep as one branch (under vmap both run, as a select)."""
-        parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
-        return "jax.lax.cond({}, lambda: {}, lambda: {})".format(*parts)
 
     def float_size(self, e: ir.FloatSize) -> str:
         return f"jnp.asarray({e.size}, dtype)"

@@ -124,5 +124,13 @@ class Printer:
     def view(self, e: ir.View) -> str:
         raise NotImplementedError
 
+    # The function that runs one branch of an `ir.Cond`, `f(predicate, lambda: then,
+    # lambda: otherwise)`: TF's `tf.cond`; in a target without branches, the one for the
+    # `kept` Conds that `ir.without_conds` leaves.
+    cond_function = ""
+
     def cond(self, e: ir.Cond) -> str:
-        raise NotImplementedError
+        if not self.cond_function:
+            raise NotImplementedError
+        parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
+        return "{}({}, lambda: {}, lambda: {})".format(self.cond_function, *parts)

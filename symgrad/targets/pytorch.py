@@ -177,12 +177,10 @@ def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
 class PyTorchPrinter(Printer):
     branches = False  # data-dependent Python control flow breaks torch.compile(fullgraph)
 
-    def cond(self, e: ir.Cond) -> str:
-        """A `kept` Cond (the others are gone, `ir.without_conds`): the module's `_cond`,
-        one branch run: `torch.cond` under torch.compile (fullgraph=True traces it; the
-        branches close over the tensors they read), a Python `if` eagerly."""
-        parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
-        return "_cond({}, lambda: {}, lambda: {})".format(*parts)
+    # A `kept` Cond (the others are gone, `ir.without_conds`) is the module's `_cond`, one
+    # branch run: `torch.cond` under torch.compile (fullgraph=True traces it; the branches
+    # close over the tensors they read), a Python `if` eagerly.
+    cond_function = "_cond"
 
     # Steps of the body being printed that hold a Python number (a literal position, as in
     # `W[b, 1]`): torch ops get them as tensors, like sizes.

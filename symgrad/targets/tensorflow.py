@@ -123,6 +123,8 @@ def _inexact_number(code: str) -> bool:
 
 
 class TensorFlowPrinter(Printer):
+    cond_function = "tf.cond"
+
     def axis_size(self, e: ir.AxisSize) -> str:
         # In a module, `_dim(X, k)` reads a static size as a Python int (no op to run
         # eagerly); elsewhere (`symgrad explain`) the self-contained `tf.shape(X)[k]`.
@@ -179,14 +181,6 @@ class TensorFlowPrinter(Printer):
         if e.function == "gelu":
             return f"0.5 * {x} * tf.math.erfc(-0.7071067811865476 * {x})"
         return f"0.5 * {x} * (1 + tf.tanh(0.7978845608028654 * ({x} + 0.044715 * {x} ** 3)))"
-
-    def cond(self, e: ir.Cond) -> str:
-        predicate, then, otherwise = (
-            self.code(e.predicate),
-            self.code(e.then),
-            self.code(e.otherwise),
-        )
-        return f"tf.cond({predicate}, lambda: {then}, lambda: {otherwise})"
 
     def view(self, e: ir.View) -> str:
         inner = self.code(e.operand)
