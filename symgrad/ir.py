@@ -410,6 +410,25 @@ class Module:
 # ----------------------------------------------------------------------------- analysis
 
 
+def children(e: Expr) -> tuple[Expr, ...]:
+    """The expressions `e` is made of, one level down (none for a leaf)."""
+    if isinstance(e, View | Negate):
+        return (e.operand,)
+    if isinstance(e, Binary):
+        return (e.left, e.right)
+    if isinstance(e, Einsum):
+        return e.operands
+    if isinstance(e, List):
+        return e.items
+    if isinstance(e, Call):
+        return (*e.args, *(v for _, v in e.keywords))
+    if isinstance(e, Cond):
+        return (e.predicate, e.then, e.otherwise)
+    if isinstance(e, Whole):
+        return (e.whole, e.part)
+    return ()
+
+
 def names_in(e: Expr) -> set[str]:
     """The names an expression reads."""
     if isinstance(e, Var):
@@ -420,22 +439,8 @@ def names_in(e: Expr) -> set[str]:
         return {e.size, "dtype"}
     if isinstance(e, Shape):
         return {name for dim in e.dims for name in dim}
-    if isinstance(e, View | Negate):
-        return names_in(e.operand)
-    if isinstance(e, Binary):
-        return names_in(e.left) | names_in(e.right)
-    if isinstance(e, Einsum):
-        return set().union(*(names_in(a) for a in e.operands))
-    if isinstance(e, List):
-        return set().union(set(), *(names_in(a) for a in e.items))
-    if isinstance(e, Call):
-        parts = [*e.args, *(v for _, v in e.keywords)]
-        return set().union(*(names_in(a) for a in parts))
-    if isinstance(e, Cond):
-        return names_in(e.predicate) | names_in(e.then) | names_in(e.otherwise)
-    if isinstance(e, Whole):
-        return {e.name} | names_in(e.whole) | names_in(e.part)
-    return set()
+    names = set().union(*(names_in(c) for c in children(e)))
+    return names | {e.name} if isinstance(e, Whole) else names
 
 
 def rewrite(e: Expr, swap: Callable[[Expr], Expr | None]) -> Expr:
