@@ -12,6 +12,11 @@ from harness import Case, generate, make_tensors, reference
 TINY = 1  # every temporary is over the budget: as many chunks as the plan allows
 
 
+def as_numpy(t):
+    """A tensor of any target as a NumPy array (a torch tensor detached); None stays None."""
+    return None if t is None else np.asarray(t.detach() if hasattr(t, "detach") else t)
+
+
 def same(got, want, how):
     """Equal within float64 rounding, None where the other is None."""
     for g, w in zip(got, want, strict=True):

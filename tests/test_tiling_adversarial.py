@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from adversarial import chunks_equal_the_untiled_module
+from adversarial import as_numpy, chunks_equal_the_untiled_module
 from harness import Case, generate
 
 jax.config.update("jax_enable_x64", True)
@@ -29,10 +29,6 @@ CHAMFER_BOTH = Case(
     {"x": (2, 7, 3), "z": (2, 5, 3)},
 )
 ARRAY = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}
-
-
-def _numpy(t):
-    return None if t is None else t.detach().numpy() if torch.is_tensor(t) else np.asarray(t)
 
 
 # ------------------------------------------------------------------------- empty axes
@@ -83,17 +79,17 @@ def test_a_min_over_no_points(target, tmp_path):
     x, z = np.ones((2, 7, 3)), np.ones((2, 0, 3))
     for budget in (2**40, TINY):
         module.MAX_TEMP_BYTES = budget
-        y = _numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
+        y = as_numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
         assert y.shape == (2, 7) and np.all(y == np.inf)
         grads = module.vjp(ARRAY[target](x), ARRAY[target](z), ARRAY[target](np.ones((2, 7))))
-        assert [_numpy(g).shape for g in grads] == [(2, 7, 3), (2, 0, 3)]
-        assert np.array_equal(_numpy(grads[0]), np.zeros((2, 7, 3)))
+        assert [as_numpy(g).shape for g in grads] == [(2, 7, 3), (2, 0, 3)]
+        assert np.array_equal(as_numpy(grads[0]), np.zeros((2, 7, 3)))
     farthest = Case(f"y[b,n] = max({DISTANCE}, m)", {"x": (2, 7, 3), "z": (2, 5, 3)})
     module = generate(farthest, tmp_path, prefix="EmptyMax", target=target)
-    y = _numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
+    y = as_numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
     assert y.shape == (2, 7) and np.all(y == -np.inf)
     grads = module.vjp(ARRAY[target](x), ARRAY[target](z), ARRAY[target](np.ones((2, 7))))
-    assert np.array_equal(_numpy(grads[0]), np.zeros((2, 7, 3)))
+    assert np.array_equal(as_numpy(grads[0]), np.zeros((2, 7, 3)))
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
@@ -106,11 +102,11 @@ def test_a_mean_over_no_points(target, tmp_path):
     x, z = np.ones((2, 0, 3)), np.ones((2, 5, 3))
     for budget in (2**40, TINY):
         module.MAX_TEMP_BYTES = budget
-        y = _numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
+        y = as_numpy(module.forward(ARRAY[target](x), ARRAY[target](z)))
         assert y.shape == (2,) and np.all(np.isnan(y))
         grads = module.vjp(ARRAY[target](x), ARRAY[target](z), ARRAY[target](np.ones(2)))
-        assert [_numpy(g).shape for g in grads] == [(2, 0, 3), (2, 5, 3)]
-        assert np.array_equal(_numpy(grads[1]), np.zeros((2, 5, 3)))
+        assert [as_numpy(g).shape for g in grads] == [(2, 0, 3), (2, 5, 3)]
+        assert np.array_equal(as_numpy(grads[1]), np.zeros((2, 5, 3)))
 
 
 # ------------------------------------------------------- float32 far from the origin
@@ -131,7 +127,7 @@ def _float32_against_float64(case, arrays, target, tmp_path, budget=TINY):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         cotangents = [rng.standard_normal(tuple(o.shape)) for o in outputs]
         grads = module.vjp(*args, *(ARRAY[target](c.astype(dtype)) for c in cotangents))
-        return module._tile_plan(*args), [_numpy(t) for t in (*outputs, *grads)]
+        return module._tile_plan(*args), [as_numpy(t) for t in (*outputs, *grads)]
 
     _, want = run(np.float64, 2**40)
 
@@ -197,7 +193,7 @@ def test_padded_attention_ignores_inf_and_nan_values_under_the_mask(target, tmp_
         assert (module._tile_plan(*tensors) is None) == (budget > TINY)
         got, want = (
             [
-                _numpy(t)
+                as_numpy(t)
                 for t in (
                     module.forward(*(ARRAY[target](a) for a in (q, k, values, m))),
                     *module.vjp(*(ARRAY[target](a) for a in (q, k, values, m, cotangent))),
@@ -257,9 +253,9 @@ def test_window_max_ties_across_chunk_boundaries_split_as_untiled(target, tmp_pa
     # chunks of one position (a second level may split it further: `tile_nest`)
     assert module._tile_plan(x)[:2] == (9, 1)
     (got,) = module.vjp(x, cotangent)
-    np.testing.assert_array_equal(_numpy(got), _numpy(want))
+    np.testing.assert_array_equal(as_numpy(got), as_numpy(want))
     np.testing.assert_allclose(
-        _numpy(got).sum(axis=1), _numpy(cotangent).sum(axis=1), rtol=1e-12, atol=1e-12
+        as_numpy(got).sum(axis=1), as_numpy(cotangent).sum(axis=1), rtol=1e-12, atol=1e-12
     )
 
 

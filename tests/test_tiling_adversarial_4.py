@@ -20,7 +20,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
+from adversarial import as_numpy, chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, check, generate, op_spec
 
 from symgrad.errors import SymgradError
@@ -136,16 +136,12 @@ def _tensor(target, a):
     return jax.numpy.asarray(a)
 
 
-def _numpy(t):
-    return None if t is None else t.detach().numpy() if torch.is_tensor(t) else np.asarray(t)
-
-
 def _run(module, target, named, cotangent, attrs):
     """forward and vjp of `module` on NumPy inputs given by name, as NumPy."""
     args = [_tensor(target, named[n]) for n in module.INPUTS]
-    y = _numpy(module.forward(*args, **attrs))
+    y = as_numpy(module.forward(*args, **attrs))
     grads = module.vjp(*args, _tensor(target, cotangent.astype(y.dtype)), **attrs)
-    return y, dict(zip(module.INPUTS, map(_numpy, grads), strict=True))
+    return y, dict(zip(module.INPUTS, map(as_numpy, grads), strict=True))
 
 
 # ------------------------------------------------------------------ refusals that help
