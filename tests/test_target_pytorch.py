@@ -689,3 +689,17 @@ def test_a_means_guard_against_an_empty_axis_prints_infinity_alone(tmp_path):
     module = generate(case, tmp_path, prefix="MeanGuard", target="pytorch")
     y = module.forward(torch.ones(3, 0, dtype=torch.float64))
     assert y.shape == (3,) and torch.isnan(y).all()
+
+
+def test_softplus_is_exact_above_torchs_default_threshold(folder):
+    """torch's softplus returns x itself above 20, so `softplus(x) - x` (log(1 + e^-x), 1e-9
+    at 20.5) was 0 and its gradient (-sigmoid(-x)) 0: the module asks for threshold 40."""
+    case = Case("y[b,i] = softplus(x[b,i]) - x[b,i]", {"x": (2, 3)})
+    module = generate_for(case, "pytorch", folder)
+    x = torch.linspace(20.5, 39.5, 6, dtype=torch.float64).reshape(2, 3).requires_grad_()
+    y = module.forward(x)
+    want = np.log1p(np.exp(-x.detach().numpy()))
+    # A difference of numbers near 40: exact to their rounding (7e-15), where 20.5 was 1e-9 off.
+    np.testing.assert_allclose(y.detach().numpy(), want, rtol=0, atol=2e-14)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    np.testing.assert_allclose(g.numpy(), -1 / (1 + np.exp(x.detach().numpy())), rtol=0, atol=1e-15)

@@ -61,6 +61,10 @@ ELEMENTWISE = {
     "tanh": "torch.tanh",
     "zeros_like": "torch.zeros_like",
 }
+# Options after the operands. softplus: torch returns x itself above its threshold of 20,
+# 2e-9 short of log(1 + e^x) (1e-10 relative at 20, more in a difference like softplus(x) - x);
+# e^40 is still finite in float32 and log1p(e^-40) is below float64's rounding of 40.
+ELEMENTWISE_OPTIONS = {"softplus": ", threshold=40.0"}
 REDUCTIONS = {
     "log_softmax": "torch.log_softmax",
     "reduce_all": "torch.all",
@@ -382,7 +386,7 @@ class PyTorchPrinter(Printer):
             operands = ", ".join(
                 self.tensor(a, dtype=not name.startswith("logical")) for a in e.args
             )
-            return f"{ELEMENTWISE[name]}({operands})"
+            return f"{ELEMENTWISE[name]}({operands}{ELEMENTWISE_OPTIONS.get(name, '')})"
         if name in REDUCTIONS:
             return self.reduction(name, args)
         method = getattr(self, f"call_{name}", None)
