@@ -9,7 +9,8 @@ A padding mask (over the values' own indices) masks the values themselves; a cau
 mask cannot without the [b,i,j,e] product.
 
 So, after lowering, each such contraction becomes a branch (`ir.Cond`, `kept`: TF's
-`tf.cond`, `torch.cond`, `jax.lax.cond`) on one reduction, whether every value is finite:
+`tf.cond`, `torch.cond`, `jax.lax.cond`) on one reduction, whether every value is finite
+(a TF module in chunks makes it once for all chunks, `finite_once`):
 
 - all finite (the usual case): the contraction as before;
 - else the exact sum without the [b,i,j,e] product: the contraction of the finite

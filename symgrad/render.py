@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import ir, tile_once
+from . import finite_once, ir, tile_once
 from .targets import TARGETS, Target
 from .targets.printer import Printer
 
@@ -81,6 +81,12 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
     chosen = TARGETS[target]
     if not chosen.printer.branches:
         module = ir.without_conds(module)
+    checks = None
+    if chosen.printer.checks_once:  # a chunk loop checks the values once (`finite_once`)
+        module, checks = finite_once.hoist(module)
+    nest = tile_nest_context(module)
+    if checks is not None:
+        nest["tile_defaults"] = [*nest["tile_defaults"], (finite_once.NAME, ": bool | None = None")]
     shared = tuple((c.index, c.axes) for c in module.dim_checks)
     # `vjp` runs the forward pass only when the backward reads an output or intermediate.
     read = ir.names_read(module.backward)
@@ -100,7 +106,8 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             tile_output_axes=_axes_and_ranks(
                 module.tiling.output_axes if module.tiling else (), module.output_axes
             ),
-            **tile_nest_context(module),
+            finite_checks=checks,
+            **nest,
         )
     )
 

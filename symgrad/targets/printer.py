@@ -49,6 +49,9 @@ class Printer:
     # without gets its modules through `ir.without_conds` before printing, so its printer
     # never sees a `Cond`.
     branches = True
+    # Whether a module tiled in chunks checks its values for `masked_values`' kept Conds
+    # once for every chunk (`finite_once`), rather than each chunk again.
+    checks_once = False
 
     def __init__(self, in_module: bool = True) -> None:
         self.in_module = in_module

@@ -124,6 +124,15 @@ def _inexact_number(code: str) -> bool:
 
 class TensorFlowPrinter(Printer):
     cond_function = "tf.cond"
+    checks_once = True
+
+    def cond(self, e: ir.Cond) -> str:
+        # A kept Cond's predicate may be the Python bool a chunk loop hands its chunks
+        # (`finite_once`): the module's `_cond` builds that branch alone.
+        if not e.kept:
+            return super().cond(e)
+        parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
+        return "_cond({}, lambda: {}, lambda: {})".format(*parts)
 
     def axis_size(self, e: ir.AxisSize) -> str:
         # In a module, `_dim(X, k)` reads a static size as a Python int (no op to run
