@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 
 from .. import ir
-from . import torch_overwrite
+from . import torch_overwrite, torch_release
 from .printer import ATOM, PRECEDENCE, Printer, precedence
 
 # Elementwise ops on tensors, and reductions (axis= -> dim=, keepdims= -> keepdim=).
@@ -265,7 +265,8 @@ class PyTorchPrinter(Printer):
         if "_device" in live:
             lines.append(f"_device = {reference}.device")
         if kind == "backward":
-            lines += _only_if_needed(kept, block.returns)
+            numbers = self.python_names if self.in_module else None
+            lines += _only_if_needed(kept, block.returns, numbers)
         else:
             for step, text in kept:
                 lines += _statement(step, text)
@@ -654,15 +655,29 @@ def _statement(step: ir.Assign, text: str) -> list[str]:
     return [*([f"# {step.comment}"] if step.comment else []), f"{step.target} = {text}"]
 
 
-def _only_if_needed(kept: list[tuple[ir.Assign, str]], returns: tuple) -> list[str]:
+def _only_if_needed(
+    kept: list[tuple[ir.Assign, str]], returns: tuple, numbers: frozenset[str] | None = None
+) -> list[str]:
     """The backward's steps and its return, each step under `if _needs[k]:` when only the
     gradients of some inputs k read it (torch's ctx.needs_input_grad): no work is done for
     a gradient nobody asked for. Steps every gradient reads come first, then one block per
-    set of inputs, larger sets first (a step only reads steps of a superset of its own)."""
+    set of inputs, larger sets first (a step only reads steps of a superset of its own).
+    With `numbers` (the body's Python numbers), each step is followed by `del` of the
+    temporaries no later step reads (`torch_release`)."""
     groups, users, every = _groups(kept, returns)
+    order = [(step.target, _names_list(text)) for _, items in groups for step, text in items]
+    keep = {name for name in returns if name}
+    drops = iter(
+        torch_release.dropped(order, keep, numbers) if numbers is not None else [[] for _ in order]
+    )
     lines: list[str] = []
     for needed, items in groups:
-        body = [line for step, text in items for line in _statement(step, text)]
+        body = []
+        for step, text in items:
+            body += _statement(step, text)
+            names = next(drops)
+            if names:
+                body.append(f"del {', '.join(names)}")
         if needed >= every:
             lines += body
             continue
