@@ -1,0 +1,145 @@
+"""A sequential scan's gradient keeps levels of checkpoints chosen from MAX_TEMP_BYTES at
+call time (`_chunk_lengths` in templates/scan_plan.py.j2): one level of about sqrt(n)
+chunks when its windows of states fit, more when they do not. Every plan computes the
+same values: forward and gradient under a budget that forces several levels equal the
+module's under the default budget and the NumPy loops of tests/test_recurrences.py, in
+float64, at lengths that no level divides."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from frameworks import FRAMEWORKS, _enable_x64
+from harness import load_module, op_spec
+from test_recurrences import CASES, inputs_for
+from test_tiling_adversarial_4 import RWKV5
+
+from symgrad import scan_render
+
+# (case, time axis of each input with one, length): at budget 0, 23 and 19 take two
+# levels of 9 and 3, 26 two of 9 and 3 (the last chunk short), 29 four of 16, 8, 4, 2
+SEQUENCES = {
+    "rnn": ({"x": 1}, 23),
+    "lfilter": ({"x": 1}, 19),
+    "reverse_lagged": ({"r": 1, "g": 1}, 29),
+    "init_inline": ({"a": 1, "x": 1}, 26),
+    "lagged_input": ({"a": 1, "x": 1}, 17),
+    "two_lags": ({"x": 1}, 1),
+}
+
+
+def _module(spec, target, folder, stem):
+    if target == "jax":
+        _enable_x64()
+    text = scan_render.module_text(spec, "test", target, associative=False)
+    return load_module(text, folder, stem)
+
+
+def _run(module, fw, values, cotangents):
+    args = [fw.tensor(values[n]) for n in module.INPUTS]
+    got = module.forward(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    found = module.vjp(*args, *[fw.tensor(c) for c in cotangents])
+    return [fw.numpy(g) for g in got], [fw.numpy(f) for f in found]
+
+
+def test_chunk_lengths_follow_the_budget(tmp_path):
+    """One level of ceil(sqrt(n)) when 2 sqrt(n) windows fit the budget; below, the fewest
+    levels (each length a multiple of the next, covering n) whose windows fit; below any
+    plan, the one holding the fewest windows."""
+    module = _module(CASES["rnn"][0], "pytorch", tmp_path, "levels_plan")
+    window = 1000
+    for n in (1, 2, 17, 64, 1000, 4096):
+        module.MAX_TEMP_BYTES = 2**40
+        assert module._chunk_lengths(n, window) == (math.isqrt(n - 1) + 1,)
+        for budget in (0, 12 * window, 40 * window, 100 * window):
+            module.MAX_TEMP_BYTES = budget
+            lengths = module._chunk_lengths(n, window)
+            c = lengths[-1]
+            assert all(a == c * b for a, b in itertools.pairwise(lengths))
+            assert c ** (len(lengths) + 1) >= n
+            held = (len(lengths) + 1) * c
+            plans = []
+            for levels in range(1, n.bit_length() + 2):
+                k = next(k for k in range(1, n + 2) if k ** (levels + 1) >= n)
+                plans.append(((levels + 1) * k, levels))
+            fitting = [levels for h, levels in plans if h * window <= budget]
+            if fitting:
+                assert len(lengths) == min(fitting) and held * window <= budget
+            else:
+                assert held == min(h for h, _ in plans)
+    module.MAX_TEMP_BYTES = 12 * window
+    assert module._chunk_lengths(64, window) == (16, 4)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("case", sorted(SEQUENCES))
+def test_levels_of_checkpoints_compute_the_same_values(case, target, tmp_path):
+    spec, shapes, ref = CASES[case]
+    axes, n = SEQUENCES[case]
+    shapes = {
+        name: tuple(n if k == axes.get(name) else d for k, d in enumerate(shape))
+        for name, shape in shapes.items()
+    }
+    module = _module(spec, target, tmp_path, f"levels_{case}_{target}")
+    fw = FRAMEWORKS[target]
+    values = inputs_for(shapes, seed=7)
+    want = ref(*[values[name] for name in module.INPUTS])
+    rng = np.random.default_rng(8)
+    cotangents = [rng.standard_normal(w.shape) for w in want]
+    plain = _run(module, fw, values, cotangents)
+    for g, w in zip(plain[0], want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    module.MAX_TEMP_BYTES = 0
+    if n > 1:
+        window = module._window_bytes(*[fw.tensor(values[m]) for m in module.INPUTS])
+        assert len(module._chunk_lengths(n, window)) > 1
+    outputs, grads = _run(module, fw, values, cotangents)
+    for g, w in zip(outputs, plain[0], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13)
+    for name, g, w in zip(module.INPUTS, grads, plain[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_rwkv5_under_levels_of_checkpoints(target, tmp_path):
+    """RWKV-5's matrix state (a coupled recurrence, its state internal) through four levels: the same forward and gradient as under the default budget."""
+    shapes = dict(RWKV5.shapes, r=(2, 29, 2, 3), k=(2, 29, 2, 3), v=(2, 29, 2, 3))
+    module = _module(op_spec(RWKV5, "Rwkv5Levels"), target, tmp_path, f"levels_rwkv5_{target}")
+    fw = FRAMEWORKS[target]
+    values = inputs_for(shapes, seed=9)
+    values["w"] = np.random.default_rng(10).uniform(0.3, 0.95, shapes["w"])
+    cotangents = [np.random.default_rng(11).standard_normal((2, 29, 2, 3))]
+    plain = _run(module, fw, values, cotangents)
+    module.MAX_TEMP_BYTES = 0
+    window = module._window_bytes(*[fw.tensor(values[m]) for m in module.INPUTS])
+    assert len(module._chunk_lengths(29, window)) == 4
+    outputs, grads = _run(module, fw, values, cotangents)
+    np.testing.assert_allclose(outputs[0], plain[0][0], rtol=1e-12, atol=1e-13)
+    for name, g, w in zip(module.INPUTS, grads, plain[1], strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+def test_jax_levels_under_jit_vmap_and_grad(tmp_path):
+    """At budget 0 (two levels of checkpoints for 23 positions) the JAX module works under
+    jit, vmap and grad: a batch equals its members one by one, and the jitted gradient of
+    a loss equals the vjp under the default budget."""
+    import jax
+    import jax.numpy as jnp
+
+    spec, _, ref = CASES["rnn"]
+    module = _module(spec, "jax", tmp_path, "levels_rnn_jit")
+    values = inputs_for({"W": (3, 3), "x": (2, 23, 3)}, seed=12)
+    w, x = (jnp.asarray(values[n]) for n in module.INPUTS)
+    cotangent = jnp.asarray(np.random.default_rng(13).standard_normal(x.shape))
+    plain = module.vjp(w, x, cotangent)
+    module.MAX_TEMP_BYTES = 0
+    assert len(module._chunk_lengths(23, module._window_bytes(w, x))) == 2
+    batched = jax.jit(jax.vmap(module.forward, in_axes=(None, 0)))(w, jnp.stack([x, 0.5 * x]))
+    np.testing.assert_allclose(batched[1], ref(values["W"], 0.5 * values["x"])[0], rtol=1e-10)
+    grads = jax.jit(jax.grad(lambda w, x: (module.forward(w, x) * cotangent).sum(), (0, 1)))(w, x)
+    for g, want in zip(grads, plain, strict=True):
+        np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-13)
