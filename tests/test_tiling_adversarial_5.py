@@ -575,3 +575,35 @@ def test_a_computed_output_channel_is_refused_in_one_line(tmp_path, capsys):
     assert "[ops.FlowNet2Correlation]: the left side takes plain indices" in reason
     assert "a flattened axis is a composite index such as `y[b, (i, j)]`" in reason
     assert not (tmp_path / "gen").exists()
+
+
+# ------------------------------------------------------------------------------- peak
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the plan counts a position of t as [b, h, s] (its only term), but a chunk "
+    "forms the segsum's [b, r, h, s] and exp(where(s <= t, segsum, -inf)) tiled over "
+    "[b, s, g, n, h, p] (the mask broadcast to the product's every axis): 10.7x the bound "
+    "in chunks at 1 x 32 x 4 heads, 16 KiB (634 KB against 59 KB); 17x at T = 64, 64 KiB",
+)
+def test_pytorch_mamba2_ssd_step_stays_within_the_bound(tmp_path):
+    """Mamba-2's SSD, float32, 1 x 32 steps x 4 heads x 8 channels, 8 states: untiled the
+    step holds [t, s, r, h] cubes (7.0 MB, 118x the bound of 4x the inputs and outputs
+    plus a 16 KiB budget). In chunks of t it should hold within that bound."""
+    from adversarial import torch_step_peaks
+
+    module = generate(REAL["mamba2_ssd"], tmp_path, prefix="SsdPeak", target="pytorch")
+    rng = np.random.default_rng(16)
+    shapes = {"X": (1, 32, 4, 8), "A": (1, 32, 4), "B": (1, 32, 1, 8), "C": (1, 32, 1, 8)}
+    xs = [
+        torch.tensor(
+            -np.exp(rng.uniform(-2, 1, shapes[n])) if n == "A" else rng.standard_normal(shapes[n]),
+            dtype=torch.float32,
+            requires_grad=True,
+        )
+        for n in module.INPUTS
+    ]
+    untiled, tiled, bound = torch_step_peaks(module, xs, {}, 2**14)
+    assert untiled > 3 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, bound)
