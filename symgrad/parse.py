@@ -489,7 +489,9 @@ class _Walker:
                 if not isinstance(element, ast.Name):
                     self.fail(
                         "the left side takes plain indices (`y[b, i]`); index expressions "
-                        "such as `2*i` belong inside an input's brackets on the right",
+                        "such as `2*i` belong inside an input's brackets on the right, and "
+                        "a flattened axis is a composite index such as `y[b, (i, j)]` "
+                        "(i*J + j)",
                         element,
                     )
                 groups.append((self.index_name(element),))

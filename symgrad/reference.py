@@ -88,6 +88,21 @@ def _to(value: Dense, labels) -> tf.Tensor:
     return tf.reshape(tensor, shape) if labels else tensor
 
 
+def _broadcast(tensor: tf.Tensor, shape) -> tf.Tensor:
+    """`tensor` broadcast to `shape` (static sizes). TF broadcasts (in BroadcastTo and
+    every binary op) only up to rank 5 after merging neighbouring axes that broadcast
+    alike, so [2,6,4,3,6,1] against [2,1,4,1,6,2] fails: past rank 5 one axis at a time
+    (each step merges into at most three axes)."""
+    if len(shape) <= 5 or not tensor.shape.is_fully_defined():
+        return tf.broadcast_to(tensor, shape)
+    for axis, size in enumerate(shape):
+        if tensor.shape[axis] != size:
+            tensor = tf.broadcast_to(
+                tensor, [*tensor.shape[:axis], size, *tensor.shape[axis + 1 :]]
+            )
+    return tensor
+
+
 def _sum_over(value: Dense, indices, sizes) -> Dense:
     tensor = value.tensor
     labels = list(value.labels)
@@ -161,11 +176,16 @@ class Evaluator:
 
     def combine(self, left: Dense, right: Dense, op) -> Dense:
         labels = tuple(dict.fromkeys((*left.labels, *right.labels)))
-        return Dense(op(_to(left, labels), _to(right, labels)), labels)
+        a, b = _to(left, labels), _to(right, labels)
+        known = a.shape.is_fully_defined() and b.shape.is_fully_defined()
+        if len(labels) > 5 and known and a.shape != b.shape:
+            shape = tf.broadcast_static_shape(a.shape, b.shape).as_list()
+            a, b = _broadcast(a, shape), _broadcast(b, shape)  # past rank 5: see there
+        return Dense(op(a, b), labels)
 
     def grid(self, value: Dense, labels) -> tf.Tensor:
         """`value` broadcast to the full grid of `labels`."""
-        return tf.broadcast_to(_to(value, labels), [self.size(i) for i in labels])
+        return _broadcast(_to(value, labels), [self.size(i) for i in labels])
 
     # -- index expressions: int64 tensors over the indices they use -----------------
 

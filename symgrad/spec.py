@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 from .errors import SymgradError
-from .parse import check_name
+from .parse import CONSTANTS, check_name
 from .targets import TARGETS
 
 OP_NAME = re.compile(r"[A-Z][A-Za-z0-9_]*\Z")
@@ -265,7 +265,7 @@ def _op_spec(
         raise SymgradError(f"`sizes` must be a table, not {_type_name(sizes_table)}", where=where)
     sizes = []
     for index, size in sizes_table.items():
-        problem = check_name(index, "index")
+        problem = _index_problem(index)
         if problem:
             raise SymgradError(problem, where=where)
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_SIZE:
@@ -313,6 +313,12 @@ def _op_spec(
     )
 
 
+def _index_problem(name: str) -> str | None:
+    """Why `name` cannot be an index of the `ranges` or `sizes` table: as inside a
+    formula's brackets, the constants' names are indices there (`y[b,i,e]`)."""
+    return None if name in CONSTANTS else check_name(name, "index")
+
+
 def _int_expressions(table: dict, key: str, title, example: str, where: str):
     """The `ranges` or `let` table: names to integer expressions (strings or whole
     numbers), as (name, text) pairs in the spec's order."""
@@ -321,7 +327,7 @@ def _int_expressions(table: dict, key: str, title, example: str, where: str):
         raise SymgradError(f"`{key}` must be a table, not {_type_name(entries)}", where=where)
     pairs = []
     for name, value in entries.items():
-        problem = check_name(name, "index" if key == "ranges" else key)
+        problem = _index_problem(name) if key == "ranges" else check_name(name, key)
         if problem:
             raise SymgradError(problem, where=where)
         if isinstance(value, bool) or not isinstance(value, str | int):
