@@ -181,7 +181,8 @@ def _ms_deform_attn_inputs(queries: int):
 def test_whole_positions_within_the_bound_run_as_many_a_chunk_as_it_allows(tmp_path):
     """MsDeformAttn at 256 KiB: one query exceeds the budget but is within the step's
     allowance, so the plan keeps whole positions of m; it now takes as many queries a
-    chunk as the allowance holds (18 of 300: 17 chunks) where it took one (300 chunks,
+    chunk as the allowance holds (5 of 300: 60 chunks; 18, as an allowance of 3 x the
+    inputs and outputs took, held 1.03-1.18x the bound) where it took one (300 chunks,
     each costing about what a small chunk does: the step was 1.6x the untiled one), with
     the same plan under unknown sizes."""
     text = (REPO / "generated" / "ms_deform_attn.py").read_text(encoding="utf-8")
