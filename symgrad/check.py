@@ -229,6 +229,20 @@ def _let_values(program: Program, attrs: dict[str, object], shapes: dict) -> dic
     return {name: values[f"_int_{name}"] for name, _ in program.lets}
 
 
+def with_lets(spec, attrs: dict[str, object], shapes: dict, cache: dict) -> dict[str, object]:
+    """`attrs` and the lets of `spec` (a recurrence's step op) for inputs of these shapes,
+    for the loop references, which evaluate a step's formulas with its lets as int attrs.
+    `cache` keeps one model build per step and shapes."""
+    if not spec.lets:
+        return attrs
+    key = (spec.name, tuple(sorted((n, tuple(s)) for n, s in shapes.items())))
+    if key not in cache:
+        from .model import build
+
+        cache[key] = _let_values(build(spec), attrs, shapes)
+    return {**attrs, **cache[key]}
+
+
 def _evaluate(expr: sp.Expr, values: dict[str, int]) -> int:
     value = sp.sympify(expr).xreplace(
         {s: sp.Integer(values[s.name]) for s in expr.free_symbols if s.name in values}
@@ -522,9 +536,8 @@ def parse_shapes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
             raise SymgradError(f"--shape {text!r}: expected NAME=SIZExSIZE... (e.g. x=2x9x4)")
         hit = False
         for op in ops:
-            program = build(op)
-            ranks = dict(program.ranks)
-            if name not in program.inputs:
+            ranks = _input_ranks(op)
+            if name not in ranks:
                 continue
             hit = True
             if len(shape) != ranks[name]:
@@ -536,6 +549,24 @@ def parse_shapes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
         if not hit:
             raise SymgradError(f"--shape {name}: no op checked has this input")
     return found
+
+
+def _input_ranks(op: OpSpec) -> dict[str, int]:
+    if recurrence.is_recurrence(op):
+        from . import check_recurrence
+
+        return check_recurrence.input_ranks(op)
+    program = build(op)
+    return {name: rank for name, rank in program.ranks if name in program.inputs}
+
+
+def _index_names(op: OpSpec) -> set[str]:
+    if recurrence.is_recurrence(op):
+        from . import check_recurrence
+
+        return check_recurrence.index_names(op)
+    program = build(op)
+    return {i.name for i, _ in program.dims} | {i.name for i, _ in program.extents}
 
 
 def parse_sizes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
@@ -552,10 +583,7 @@ def parse_sizes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
             raise SymgradError(f"--size {text!r}: expected INDEX=N with N >= 1")
         hit = False
         for op in ops:
-            program = build(op)
-            names = {index.name for index, _ in program.dims}
-            names |= {index.name for index, _ in program.extents}
-            if name in names:
+            if name in _index_names(op):
                 hit = True
                 found.setdefault(op.name, {})[name] = size
         if not hit:
@@ -773,7 +801,9 @@ def run(
                 attrs = [_held(loaded, op, name, value, how) for name, value, how in attrs]
             values = {name: value for name, value, _ in attrs}
             if recurrent:
-                sizes = check_recurrence.sizes(op, values)
+                sizes = check_recurrence.sizes(
+                    op, values, shapes_given.get(op.name, {}), sizes_given.get(op.name, {})
+                )
             else:
                 sizes = plan_sizes(
                     program,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .check import Sizes, plan_sizes
+from .check import Sizes, plan_sizes, with_lets
+from .errors import SymgradError
 from .model import build
 from .recurrence import is_recurrence, plan
 from .spec import OpSpec
@@ -63,20 +64,54 @@ def program(op: OpSpec) -> Program:
     return Program(scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source)
 
 
-def sizes(op: OpSpec, attrs: dict) -> Sizes:
-    """The step's sizes (distinct per index), and a distinct length for the scan index."""
+def input_ranks(op: OpSpec) -> dict[str, int]:
+    """A recurrence op's inputs and their ranks (for --shape)."""
+    scan = plan(op).scan
+    return dict(zip(scan.inputs, scan.ranks, strict=True))
+
+
+def index_names(op: OpSpec) -> set[str]:
+    """The indices of a recurrence op: its step's and the scan's (for --size)."""
+    found = plan(op)
+    if is_recurrence(found.body):
+        return {found.scan.index, *index_names(found.body)}
+    program = build(found.body)
+    names = {index.name for index, _ in program.dims} | {i.name for i, _ in program.extents}
+    return {found.scan.index, *names}
+
+
+def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | None = None) -> Sizes:
+    """The step's sizes (distinct per index), and a distinct length for the scan index;
+    `shapes` (input -> shape, --shape) and `given` (index -> size, --size) fix some: the
+    step sees an input without its cut axis, whose size is the scan's length."""
     found = plan(op)
     scan = found.scan
+    cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
+    recent = _recent_reads(scan)
+    step_shapes, lengths = {}, {}
+    for name, shape in (shapes or {}).items():
+        at = cut[name]
+        if name not in recent:  # a window of recent positions has a shape of its own
+            step_shapes[name] = shape if at is None else shape[:at] + shape[at + 1 :]
+        if at is not None:
+            lengths[f"--shape {name} (axis {at})"] = shape[at]
+    given = dict(given or {})
+    if scan.index in given:
+        lengths[f"--size {scan.index}"] = given.pop(scan.index)
+    if len(set(lengths.values())) > 1:
+        raise SymgradError(
+            f"the scan length ({scan.index!r}) differs: "
+            + ", ".join(f"{k} = {v}" for k, v in lengths.items()),
+            where=op.source,
+        )
     if is_recurrence(found.body):  # a two-index recurrence: its step is a scan along the row
-        step = sizes(found.body, attrs)
+        step = sizes(found.body, attrs, step_shapes, given)
         program = None
     else:
         program = build(found.body)
-        step = plan_sizes(program, attrs)
+        step = plan_sizes(program, attrs, shapes=step_shapes, sizes=given)
     # The past states have the state's shape (the step alone does not know it: an RNN's
     # h_lag1[b,e] is summed over e against W[d,e]).
-    cut = dict(zip(scan.inputs, scan.cut_axes, strict=True))
-    recent = _recent_reads(scan)
 
     def size(name: str | None, axis: int) -> int:
         if name is None:  # the axis that stacks coupled states: its size is their number
@@ -98,10 +133,9 @@ def sizes(op: OpSpec, attrs: dict) -> Sizes:
             window = read.depth + sum(c * (size(n, a) - 1) for c, n, a in read.depth_sizes)
             fixed[read.name] = (window, *step.shapes[read.name][1:])
     if fixed and program is not None:
-        step = plan_sizes(
-            program, attrs, shapes={n: s for n, s in fixed.items() if n in program.inputs}
-        )
-    length = max([*step.indices.values(), 4]) + 1
+        fixed = {n: s for n, s in fixed.items() if n in program.inputs}
+        step = plan_sizes(program, attrs, shapes={**step_shapes, **fixed}, sizes=given)
+    length = next(iter(lengths.values()), max([*step.indices.values(), 4]) + 1)
     shapes = {}
     for name, axis in zip(scan.inputs, scan.cut_axes, strict=True):
         shape = list(step.shapes[recent[name].name][1:] if name in recent else step.shapes[name])
@@ -125,6 +159,7 @@ def reference(op: OpSpec, attrs: dict):
     scan = found.scan
     int_attrs = frozenset(n for n, kind in op.attrs if kind == "int")
     steps = [(found.body, scan.body), (found.init, scan.init)]
+    built: dict = {}  # the steps' lets, per shapes
 
     def run(arrays):
         named = dict(zip(scan.inputs, arrays, strict=True))
@@ -156,12 +191,13 @@ def reference(op: OpSpec, attrs: dict):
                 states.append(results[scan.state][-1])
                 continue
             tensors = {n: tf.constant(v) for n, v in given.items()}
+            shapes = {n: v.shape for n, v in given.items()}
             outputs = evaluate_op(
                 spec.formulas,
                 tensors,
-                {n: attrs[n] for n in step.attrs},
+                with_lets(spec, {n: attrs[n] for n in step.attrs}, shapes, built),
                 outputs=set(step.outputs),
-                int_attrs=int_attrs,
+                int_attrs=int_attrs | {n for n, _ in spec.lets},
             )
             for name, value in zip(step.outputs, outputs, strict=True):
                 results[name].append(np.asarray(value))

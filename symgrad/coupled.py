@@ -22,7 +22,7 @@ refused with a caret.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy as sp
 
@@ -37,6 +37,7 @@ from .recurrence import (
     _value_indices,
     _without_vanished_attrs,
     reads_itself,
+    step_sizes,
     text,
 )
 from .spec import OpSpec
@@ -389,7 +390,8 @@ def plan(op: OpSpec) -> CoupledPlan:
         outputs=step_outputs,
         lets=op.lets,
     )
-    spec = _without_vanished_attrs(spec)
+    lets, ranges = step_sizes(op, c.cuts, c.index, set(step_inputs))
+    spec = _without_vanished_attrs(replace(spec, lets=lets, ranges=ranges))
     stack = c.fresh("_".join(c.states) + "_stack" if len(c.states) > 1 else c.states[0] + "_")
     reads = [ir.ScanRead("input", n, c.cuts.get(n)) for n in op_inputs if n in used]
     reads += [ir.ScanRead("lag", f"_lag{lag}", None, lag) for lag in lags]
@@ -404,14 +406,6 @@ def plan(op: OpSpec) -> CoupledPlan:
     first = c.defined[c.states[0]]
     state_axes = tuple(c.plain_source(i, first, first.output_col) for i in c.rest(first))
     length = c.plain_source(c.index, first, first.index_col(c.index))
-    for n, text_ in (*op.lets, *op.ranges):
-        for cut, axis in c.cuts.items():
-            if axis is not None and f"{cut}.shape" in text_.replace(" ", ""):
-                raise SymgradError(
-                    f"{n!r} reads the shape of {cut!r}, which the scan cuts along "
-                    f"{c.index!r}; read another input's shape",
-                    where=op.source,
-                )
     ranks = []
     for n in op_inputs:
         found = [len(a.positions) for e in c.equations for a in _accesses(e.rhs) if a.tensor == n]
@@ -591,11 +585,13 @@ def reference(found: CoupledPlan, op: OpSpec, attrs: dict):
     import numpy as np
     import tensorflow as tf
 
+    from .check import with_lets
     from .reference import evaluate_op
 
     scan = found.scan
     int_attrs = frozenset(n for n, kind in op.attrs if kind == "int")
     spec = found.body
+    built: dict = {}  # the step's lets, per shapes
 
     def run(arrays):
         named = dict(zip(scan.inputs, arrays, strict=True))
@@ -614,12 +610,13 @@ def reference(found: CoupledPlan, op: OpSpec, attrs: dict):
                 past = history[s]
                 given[name] = past[-lag] if lag <= len(past) else np.zeros(shape, arrays[0].dtype)
             tensors = {n: tf.constant(v) for n, v in given.items() if n in spec.inputs}
+            shapes = {n: v.shape for n, v in given.items() if n in spec.inputs}
             outputs = evaluate_op(
                 spec.formulas,
                 tensors,
-                {n: attrs[n] for n in scan.body.attrs},
+                with_lets(spec, {n: attrs[n] for n in scan.body.attrs}, shapes, built),
                 outputs=set(spec.outputs),
-                int_attrs=int_attrs,
+                int_attrs=int_attrs | {n for n, _ in spec.lets},
             )
             computed = [f.split("[", 1)[0].strip() for f in spec.formulas]
             names = [n for n in computed if n in spec.outputs]

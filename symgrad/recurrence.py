@@ -28,6 +28,7 @@ the reversed sequence.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, replace
 
 import sympy as sp
@@ -43,12 +44,14 @@ from .parse import (
     Compare,
     Constant,
     Equation,
+    Group,
     IndexRef,
     Logic,
     Neg,
     Node,
     Num,
     Reduce,
+    Sampled,
     Where,
     index_names,
     parse_equation,
@@ -97,6 +100,8 @@ def _accesses(node) -> list[Access]:
         return [a for arg in node.args for a in _accesses(arg)]
     if isinstance(node, Where):
         return _accesses(node.cond) + _accesses(node.then) + _accesses(node.otherwise)
+    if isinstance(node, Sampled):
+        return _accesses(node.expr)
     return []
 
 
@@ -161,7 +166,7 @@ def _index_text(expr: sp.Expr) -> str:
 def _precedence(node) -> int:
     """How tightly a node binds when written back (Python's order)."""
     if isinstance(node, BinOp):
-        return {"+": 1, "-": 1, "*": 2, "/": 2, "**": 4}[node.op]
+        return {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2, "**": 4}[node.op]
     if isinstance(node, Neg):
         return 3
     if isinstance(node, Num) and node.value < 0 and node.value.denominator == 1:
@@ -178,6 +183,10 @@ def text(node, swap=lambda access: None) -> str:
         return node.name
     if isinstance(node, _Raw):
         return node.source
+    if isinstance(node, Group):  # a composite read `x[b, (h, j)]`
+        return f"({', '.join(i.name for i in node.indices)})"
+    if isinstance(node, Sampled):  # a float position; `1.0 *` keeps it one when read back
+        return f"1.0 * ({text(node.expr, swap)})"
     if isinstance(node, Access):
         found = swap(node)
         if found is not None:
@@ -191,7 +200,9 @@ def text(node, swap=lambda access: None) -> str:
         left, right = text(node.left, swap), text(node.right, swap)
         if _precedence(node.left) < mine or (node.op == "**" and _precedence(node.left) <= mine):
             left = f"({left})"
-        if _precedence(node.right) < mine or (node.op in "-/" and _precedence(node.right) <= mine):
+        if _precedence(node.right) < mine or (
+            node.op in ("-", "/", "//", "%") and _precedence(node.right) <= mine
+        ):
             right = f"({right})"
         if node.op == "**" and _precedence(node.right) < 5:
             right = f"({text(node.right, swap)})"
@@ -615,14 +626,10 @@ def plan(op: OpSpec) -> Plan:
     a.recent = find_recent(a, [(eq, a.index)] + [(e, later_index(e)) for e in later])
     body_spec, body = step(rhs, "Step")
     init_spec, init = step(init_rhs, "Init") if init_rhs is not None else (None, None)
-    for n, text_ in (*op.lets, *op.ranges):
-        for cut, axis in a.cuts.items():
-            if axis is not None and f"{cut}.shape" in text_.replace(" ", ""):
-                raise SymgradError(
-                    f"{n!r} reads the shape of {cut!r}, which the scan cuts along "
-                    f"{a.index!r}; read another input's shape",
-                    where=op.source,
-                )
+    lets, ranges = step_sizes(op, a.cuts, a.index, {r.name for r in body.reads})
+    body_spec = replace(body_spec, lets=lets, ranges=ranges)
+    if init_spec is not None:
+        init_spec = replace(init_spec, lets=lets, ranges=ranges)
 
     # sizes: the state's axes, the number of steps, the window's depth
     state_axes = tuple(a.sized(i, eq.output_col) for i in _rest(eq, a.index))
@@ -676,6 +683,56 @@ def _with_sizing_read(a: _Analysis, eq: Equation, rhs: Node, step_text: str) -> 
         return step_text
     a.lags.add(1)
     return f"{step_text} + 0 * {a.lag_name(1)}[{', '.join(rest)}]"
+
+
+def step_sizes(op: OpSpec, cuts, index: str, step_inputs) -> tuple[tuple, tuple]:
+    """The op's lets and ranges as its step sees them. The step reads an input the scan
+    cuts without the cut axis, so `X.shape[n]` past the cut is the step's `X.shape[n - 1]`
+    (Mamba's group size `u.shape[1] // B.shape[1]`, B cut along its last axis). The cut
+    axis itself is the scan's length, which no step sees: an error, as is the shape of a
+    cut input the step reads in another form (a window of recent positions)."""
+
+    def renumbered(name: str, text_: str) -> str:
+        try:
+            tree = ast.parse(text_.strip(), mode="eval")
+        except SyntaxError:
+            return text_  # the step op's own parse reports it, with its place
+        changed = False
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "shape"
+                and isinstance(node.value.value, ast.Name)
+                and isinstance(node.slice, ast.Constant)
+                and type(node.slice.value) is int
+            ):
+                continue
+            tensor, axis = node.value.value.id, node.slice.value
+            cut = cuts.get(tensor)
+            if cut is None:
+                continue
+            if axis == cut or tensor not in step_inputs:
+                raise SymgradError(
+                    f"{name!r} reads {tensor}.shape[{axis}], "
+                    + (
+                        f"the length of the scan along {index!r}, which a step does not "
+                        "see; read another input's shape"
+                        if axis == cut
+                        else f"and the scan reads {tensor!r} as a window of recent "
+                        "positions; read another input's shape"
+                    ),
+                    where=op.source,
+                )
+            if axis > cut:
+                node.slice = ast.Constant(axis - 1)
+                changed = True
+        return ast.unparse(tree) if changed else text_
+
+    return (
+        tuple((n, renumbered(n, t)) for n, t in op.lets),
+        tuple((n, renumbered(n, t)) for n, t in op.ranges),
+    )
 
 
 def _without_vanished_attrs(spec: OpSpec) -> OpSpec:

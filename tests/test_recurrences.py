@@ -157,7 +157,94 @@ def init_inline_ref(h0, a, x):
     return (h,)
 
 
+def _lerp(row, q):
+    """A linear read of `row` at the float position q; zero past either end."""
+    low = int(np.floor(q))
+    found = 0.0
+    for at, weight in ((low, 1 - (q - low)), (low + 1, q - low)):
+        if 0 <= at < row.shape[-1]:
+            found = found + weight * row[..., at]
+    return found
+
+
+def sampled_read_ref(a, x, p):
+    h = np.zeros_like(a)
+    for t in range(a.shape[1]):
+        for b in range(a.shape[0]):
+            for c in range(a.shape[2]):
+                past = h[b, t - 1, c] if t > 0 else 0.0
+                h[b, t, c] = a[b, t, c] * past + _lerp(x[b, t], p[b, c])
+    return (h,)
+
+
+def floor_read_ref(a, x):
+    return linear_ref(np.repeat(a, 2, axis=2)[:, :, : x.shape[2]], x)
+
+
+def composite_read_ref(a, x):
+    return linear_ref(a.reshape(x.shape), x)
+
+
+def mamba_grouped_ref(u, delta, A, Bm, Cm, Dv, delta_bias):
+    """mamba_ssm's selective_scan_ref for real A and B, C of shape [b, g, n, l] (each group
+    of dim // g channels shares one), with delta_bias and delta_softplus."""
+    dt = np.logaddexp(0, delta + delta_bias[None, :, None])
+    repeat = u.shape[1] // Bm.shape[1]
+    B, C = np.repeat(Bm, repeat, axis=1), np.repeat(Cm, repeat, axis=1)
+    h = np.zeros((u.shape[0], u.shape[1], A.shape[1]))
+    y = np.zeros_like(u)
+    for t in range(u.shape[2]):
+        h = np.exp(dt[:, :, t, None] * A) * h + (dt[:, :, t] * u[:, :, t])[..., None] * B[..., t]
+        y[:, :, t] = np.sum(C[..., t] * h, axis=-1) + Dv * u[:, :, t]
+    return (y,)
+
+
 CASES = {
+    # reads at a float position, at d // 2, at a composite (g, j) (the step is written back
+    # as formula text: these were internal errors)
+    "sampled_read": (
+        op_spec("SampledRead", "h[b,t,c] = a[b,t,c] * h[b,t-1,c] + x[b,t,1.0 * p[b,c]]"),
+        {"a": (2, 5, 3), "x": (2, 5, 7), "p": (2, 3)},
+        sampled_read_ref,
+    ),
+    "floor_read": (
+        op_spec("FloorRead", "h[b,t,d] = a[b,t,d // 2] * h[b,t-1,d] + x[b,t,d]"),
+        {"a": (2, 6, 2), "x": (2, 6, 3)},
+        floor_read_ref,
+    ),
+    "composite_read": (
+        op_spec("CompositeRead", "h[b,t,g,j] = a[b,t,(g,j)] * h[b,t-1,g,j] + x[b,t,g,j]"),
+        {"a": (2, 5, 12), "x": (2, 5, 3, 4)},
+        composite_read_ref,
+    ),
+    # Mamba's selective scan in its own layout: B and C per group of channels, the group
+    # size a let that reads B's group axis (B is cut along its last axis, l)
+    "mamba_grouped": (
+        op_spec(
+            "MambaGrouped",
+            [
+                (
+                    "h[b,d,n,l] = exp(softplus(delta[b,d,l] + delta_bias[d]) * A[d,n])"
+                    " * h[b,d,n,l-1]"
+                    " + softplus(delta[b,d,l] + delta_bias[d]) * Bm[b,d // R,n,l] * u[b,d,l]"
+                ),
+                "y[b,d,l] = sum(Cm[b,d // R,n,l] * h[b,d,n,l], n) + Dv[d] * u[b,d,l]",
+            ],
+            inputs=("u", "delta", "A", "Bm", "Cm", "Dv", "delta_bias"),
+            outputs=("y",),
+            lets=(("R", "u.shape[1] // Bm.shape[1]"),),
+        ),
+        {
+            "u": (2, 6, 5),
+            "delta": (2, 6, 5),
+            "A": (6, 4),
+            "Bm": (2, 2, 4, 5),
+            "Cm": (2, 2, 4, 5),
+            "Dv": (6,),
+            "delta_bias": (6,),
+        },
+        mamba_grouped_ref,
+    ),
     # a condition on the scan index inside the formula: the first position is its own step
     "init_inline": (
         op_spec(
@@ -270,6 +357,8 @@ def inputs_for(shapes, seed=0):
             value = -np.abs(value)
         if name in ("a", "c", "g"):
             value = 0.4 * np.tanh(value)
+        if name == "p":  # float positions on both sides of x's last axis (0 .. 6)
+            value = 3 + 3 * value
         found[name] = value
     return found
 
@@ -307,7 +396,15 @@ def _directional(ref, values, names, grads_out, k, rng, eps=1e-6):
 
 # The ops of symgrad.toml in every target; each other spelling in one target, taking
 # turns (each module costs a generation: the file stays fast).
-EVERYWHERE = ("linear", "lfilter", "selective_scan", "lagged_input", "reverse_lagged")
+EVERYWHERE = (
+    "linear",
+    "lfilter",
+    "selective_scan",
+    "lagged_input",
+    "reverse_lagged",
+    "sampled_read",
+    "mamba_grouped",
+)
 OTHERS = sorted(c for c in CASES if c not in EVERYWHERE)
 PAIRS = [(c, t) for c in EVERYWHERE for t in TARGETS] + [
     (c, TARGETS[k % len(TARGETS)]) for k, c in enumerate(OTHERS)
@@ -700,3 +797,42 @@ def test_tensorflow_registered_gradient_of_a_recurrence(case, folder):
         np.testing.assert_allclose(
             grad.numpy(), expected[module.INPUTS.index(name)].numpy(), rtol=1e-12, atol=1e-14
         )
+
+
+def test_check_takes_shapes_and_sizes_of_a_recurrence(tmp_path, capsys):
+    """`symgrad check --shape/--size` on a recurrence: the step sees each input without
+    its cut axis, whose size is the scan's length (it stopped with "output 'h' cannot be
+    used on the right side"); Mamba's grouped B at 2 groups of 3 channels; lengths that
+    disagree are a one-line error."""
+    from symgrad.cli import main
+
+    spec_path = tmp_path / "symgrad.toml"
+    spec = _spec_op("SelectiveScan")
+    formulas = ",\n".join(f'  "{f}"' for f in spec.formulas)
+    spec_path.write_text(
+        f'[ops.SelectiveScan]\nformula = [\n{formulas}\n]\noutputs = ["y"]\n', encoding="utf-8"
+    )
+    assert main(["generate", str(spec_path)]) == 0
+    capsys.readouterr()
+    argv = ["check", str(spec_path), "--shape", "x=2x3x7", "--size", "n=5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "B 2x5x7" in out and "(b=2, d=3, n=5, t=7)" in out, out
+    assert main([*argv, "--size", "t=6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert "the scan length ('t') differs: --shape x (axis 2) = 7, --size t = 6" in err, err
+
+
+def test_a_let_that_reads_the_scan_length_of_a_cut_input_is_refused():
+    spec = op_spec(
+        "LetOfLength",
+        "h[b,t,d] = a[b,t,d] * h[b,t-1,d] + x[b,t,d] / T",
+        lets=(("T", "x.shape[1]"),),
+    )
+    with pytest.raises(SymgradError) as found:
+        module_text(spec, "test", "tensorflow")
+    assert found.value.message == (
+        "'T' reads x.shape[1], the length of the scan along 't', which a step does not see; "
+        "read another input's shape"
+    )
