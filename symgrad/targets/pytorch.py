@@ -667,6 +667,11 @@ def _only_if_needed(
     groups, users, every = _groups(kept, returns)
     order = [(step.target, _names_list(text)) for _, items in groups for step, text in items]
     keep = {name for name in returns if name}
+    # A name a lambda reads (`_cond(p, lambda: ..., lambda: ...)`) is a closure cell, and
+    # `del` of a cell is DELETE_DEREF, which torch.compile's Dynamo cannot trace: kept.
+    keep |= {
+        n for _, items in groups for _, text in items if "lambda" in text for n in _names_list(text)
+    }
     drops = iter(
         torch_release.dropped(order, keep, numbers) if numbers is not None else [[] for _ in order]
     )
