@@ -183,10 +183,15 @@ def test_tf_chunk_loop_over_finite_values_builds_no_branch_per_chunk(tmp_path):
 
 
 def _calls_if(library, function, seen) -> int:
-    """The If ops a graph function holds, in the functions it calls too."""
+    """The If ops a graph function holds that branch over a contraction (the masked
+    values' branches), in the functions it calls too; not the loop's choice of its result
+    buffer at the first chunk (`_tiled_into`), whose branches hold no product."""
     count = 0
     for node in function.node_def:
-        if node.op in ("If", "StatelessIf"):
+        if node.op in ("If", "StatelessIf") and any(
+            _holds_product(library, library[node.attr[b].func.name], set())
+            for b in ("then_branch", "else_branch")
+        ):
             count += 1
         for value in node.attr.values():
             name = value.func.name
@@ -194,6 +199,19 @@ def _calls_if(library, function, seen) -> int:
                 seen.add(name)
                 count += _calls_if(library, library[name], seen)
     return count
+
+
+def _holds_product(library, function, seen) -> bool:
+    for node in function.node_def:
+        if node.op in ("Einsum", "BatchMatMulV2", "MatMul"):
+            return True
+        for value in node.attr.values():
+            name = value.func.name
+            if name in library and name not in seen:
+                seen.add(name)
+                if _holds_product(library, library[name], seen):
+                    return True
+    return False
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
