@@ -197,12 +197,9 @@ class TensorFlowPrinter(Printer):
             inner = f"tf.transpose({inner}, {list(e.perm)})"
         # New axes by tf.expand_dims, left to right: in eager mode `x[:, tf.newaxis]`
         # costs several times as much (it builds begin/end/stride tensors each call).
-        # Several in a module: `_new_axes`, one slice where a graph is built.
-        positions = [position for position, slot in enumerate(e.slots) if slot is None]
-        if self.in_module and len(positions) > 1:
-            return f"_new_axes({inner}, {tuple(positions)})"
-        for position in positions:
-            inner = f"tf.expand_dims({inner}, {position})"
+        for position, slot in enumerate(e.slots):
+            if slot is None:
+                inner = f"tf.expand_dims({inner}, {position})"
         if e.perm is None and None not in e.slots and precedence(e.operand) < ATOM:
             inner = f"({inner})"  # nothing to do; never made by `lower.align`
         return inner
