@@ -47,12 +47,13 @@ def _module(target, tmp_path):
     return load_module(module_text(op, "symgrad.toml", target), tmp_path, f"msda_{target}")
 
 
-def _tile(module, args):
-    """Set the smallest budget that tiles into several chunks, the last one partial."""
+def _tile(module, args, partial=True):
+    """Set the smallest budget that tiles into several chunks, the last one partial (or
+    not, with `partial` False)."""
     for budget in (int(2 ** (k / 4)) for k in range(24, 120)):  # quarter octaves
         module.MAX_TEMP_BYTES = budget
         plan = module._tile_plan(*args)
-        if plan is not None and 1 < plan[1] < plan[0] and plan[0] % plan[1]:
+        if plan is not None and 1 < plan[1] < plan[0] and (plan[0] % plan[1] or not partial):
             return plan
     raise AssertionError("no budget tiles MsDeformAttn into partial chunks")
 
@@ -97,7 +98,9 @@ def test_tiled_ms_deform_attn_equals_untiled(target, tmp_path):
     module.MAX_TEMP_BYTES = 2**40
     assert module._tile_plan(*(convert(a) for a in arrays)) is None
     want = _run(target, module, arrays, grad)
-    _tile(module, [convert(a) for a in arrays])
+    # JAX's plan takes chunks of whole positions that divide their count (a leftover
+    # chunk, run outside the scan, held buffers of its own: tile_nest_jax.py.j2)
+    _tile(module, [convert(a) for a in arrays], partial=target != "jax")
     got = _run(target, module, arrays, grad)
     names = ["forward", "vjp value", "vjp loc", "vjp attn", "step value", "step loc", "step attn"]
     for name, g, w in zip(names, got, want, strict=True):
