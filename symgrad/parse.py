@@ -1295,6 +1295,21 @@ class ShapeRef:
 MAX_RANGE_LENGTH = 200
 
 
+def shape_read(node: ast.AST) -> tuple[str, int] | None:
+    """(X, n) where `node` is `X.shape[n]` with n an int literal, the one read of a size
+    that ranges and lets allow; else None."""
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "shape"
+        and isinstance(node.value.value, ast.Name)
+        and isinstance(node.slice, ast.Constant)
+        and type(node.slice.value) is int
+    ):
+        return node.value.value.id, node.slice.value
+    return None
+
+
 def parse_range(text: str, int_attrs: frozenset[str]) -> Node:
     """An index range from the spec's `ranges` table: an integer expression over int
     literals, int attrs and input sizes `X.shape[n]`, with + - * // and parentheses.
@@ -1338,19 +1353,13 @@ def parse_range(text: str, int_attrs: frozenset[str]) -> Node:
             if op is None:
                 fail(f"operator {_op_symbol(node.op)} is not allowed in a range", node)
             return BinOp(op, walk(node.left, depth + 1), walk(node.right, depth + 1), col)
-        if (
-            isinstance(node, ast.Subscript)
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "shape"
-            and isinstance(node.value.value, ast.Name)
-            and isinstance(node.slice, ast.Constant)
-            and type(node.slice.value) is int
-        ):
-            tensor = node.value.value.id
+        found = shape_read(node)
+        if found is not None:
+            tensor, axis = found
             problem = check_name(tensor, "tensor")
             if problem:
                 fail(problem, node)
-            return ShapeRef(tensor, node.slice.value, col)
+            return ShapeRef(tensor, axis, col)
         fail(f"{_describe(node)} is not allowed in a range", node)
 
     return walk(tree.body, 0)

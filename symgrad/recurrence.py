@@ -55,6 +55,7 @@ from .parse import (
     Where,
     index_names,
     parse_equation,
+    shape_read,
 )
 from .spec import OpSpec
 from .wavefront import wavefront_axes, wavefront_read
@@ -699,16 +700,10 @@ def step_sizes(op: OpSpec, cuts, index: str, step_inputs) -> tuple[tuple, tuple]
             return text_  # the step op's own parse reports it, with its place
         changed = False
         for node in ast.walk(tree):
-            if not (
-                isinstance(node, ast.Subscript)
-                and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "shape"
-                and isinstance(node.value.value, ast.Name)
-                and isinstance(node.slice, ast.Constant)
-                and type(node.slice.value) is int
-            ):
+            found = shape_read(node)
+            if found is None:
                 continue
-            tensor, axis = node.value.value.id, node.slice.value
+            tensor, axis = found
             cut = cuts.get(tensor)
             if cut is None:
                 continue
