@@ -552,19 +552,19 @@ def parse_shapes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
 
 
 def _input_ranks(op: OpSpec) -> dict[str, int]:
+    """The op's inputs and their ranks (for --shape); a recurrence's from its scan."""
     if recurrence.is_recurrence(op):
-        from . import check_recurrence
-
-        return check_recurrence.input_ranks(op)
+        scan = recurrence.plan(op).scan
+        return dict(zip(scan.inputs, scan.ranks, strict=True))
     program = build(op)
     return {name: rank for name, rank in program.ranks if name in program.inputs}
 
 
 def _index_names(op: OpSpec) -> set[str]:
+    """The op's indices (for --size); a recurrence's are its scan index and its step's."""
     if recurrence.is_recurrence(op):
-        from . import check_recurrence
-
-        return check_recurrence.index_names(op)
+        found = recurrence.plan(op)
+        return {found.scan.index, *_index_names(found.body)}
     program = build(op)
     return {i.name for i, _ in program.dims} | {i.name for i, _ in program.extents}
 

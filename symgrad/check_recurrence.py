@@ -64,22 +64,6 @@ def program(op: OpSpec) -> Program:
     return Program(scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source)
 
 
-def input_ranks(op: OpSpec) -> dict[str, int]:
-    """A recurrence op's inputs and their ranks (for --shape)."""
-    scan = plan(op).scan
-    return dict(zip(scan.inputs, scan.ranks, strict=True))
-
-
-def index_names(op: OpSpec) -> set[str]:
-    """The indices of a recurrence op: its step's and the scan's (for --size)."""
-    found = plan(op)
-    if is_recurrence(found.body):
-        return {found.scan.index, *index_names(found.body)}
-    program = build(found.body)
-    names = {index.name for index, _ in program.dims} | {i.name for i, _ in program.extents}
-    return {found.scan.index, *names}
-
-
 def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | None = None) -> Sizes:
     """The step's sizes (distinct per index), and a distinct length for the scan index;
     `shapes` (input -> shape, --shape) and `given` (index -> size, --size) fix some: the
