@@ -5,7 +5,8 @@ composite reads `v[b,t,(h,i)]` size the state's axis i (C over H), and the outpu
 one. Checked in float64 against a NumPy transcription of the kernel's forward (loops as its
 threads run them), the [B, T, H, N] module (`test_tiling_adversarial_4.RWKV5`) and central
 differences, in every target; in float32 with r, k, v near 1e3; under tf.function with
-unknown dims; on an empty sequence. What stays refused says so in one line."""
+unknown dims; on an empty sequence (and other scans of symgrad.toml on one). What stays
+refused says so in one line."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from frameworks import FRAMEWORKS, _enable_x64
 from harness import load_module
 from test_recurrences import _directional, op_spec
 
+from symgrad import scan_render
 from symgrad.cli import main
 from symgrad.errors import SymgradError
 from symgrad.pipeline import module_text
@@ -355,3 +357,34 @@ def test_a_refusal_exits_2_naming_the_op_and_the_place(tmp_path, capsys):
     assert "[ops.Refused]" in first and "is read here at (i, h)" in first, first
     assert formula.strip() == "y[b,t,(h,i)] = a[h] * y[b,t-1,(i,h)] + x[b,t,(h,i)]"
     assert caret.index("^") == formula.index("y[b,t-1")
+
+
+EMPTY = {
+    # (op of symgrad.toml, input shapes, attrs, output shape): an empty scan axis, and the
+    # inner (row) axis of a two-index recurrence empty
+    "lfilter": ("Lfilter", {"x": (2, 0), "a": (3,), "bb": (4,)}, {}, (2, 0)),
+    "soft_dtw_rows": ("SoftDtw", {"D": (2, 0, 3)}, {"gamma": 0.5}, (2, 0, 3)),
+    "soft_dtw_columns": ("SoftDtw", {"D": (2, 3, 0)}, {"gamma": 0.5}, (2, 3, 0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY))
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_sequential_scan_on_an_empty_sequence(case, target, folder):
+    """Any sequential scan given no positions (it sliced position -1, or stacked an empty
+    list): outputs with the scan's axis empty and zero gradients of the inputs' shapes."""
+    from test_recurrences import _spec_op
+
+    name, shapes, attrs, out = EMPTY[case]
+    fw = FRAMEWORKS[target]
+    if target == "jax":
+        _enable_x64()
+    text = scan_render.module_text(_spec_op(name), "test", target, associative=False)
+    module = load_module(text, folder, f"empty_{case}_{target}")
+    args = [fw.tensor(np.ones(shapes[n])) for n in module.INPUTS]
+    y = fw.numpy(module.forward(*args, **attrs))
+    assert y.shape == out
+    grads = module.vjp(*args, fw.tensor(np.zeros(out)), **attrs)
+    for n, g in zip(module.INPUTS, grads, strict=True):
+        g = fw.numpy(g)
+        assert g.shape == shapes[n] and not g.any(), n
