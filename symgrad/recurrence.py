@@ -523,7 +523,10 @@ def plan(op: OpSpec) -> Plan:
     ordered or is not supported."""
     from . import coupled
 
-    op = composite_states.split_states(op)  # a recurrent tensor's composite axis: split
+    split = composite_states.split_states(op)  # a read tensor's composite axis: split
+    if split is not op:  # the module's docstring shows the formulas as written
+        found = plan(split)
+        return replace(found, scan=replace(found.scan, formulas=op.formulas))
     if coupled.is_coupled(op):  # several recurrent tensors, or reads of one at t - e
         return coupled.plan(op)
     a = _Analysis(op)
