@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .check import Sizes, plan_sizes, with_lets
+from .composite_states import shape_of
 from .errors import SymgradError
 from .model import build
 from .recurrence import is_recurrence, plan
@@ -58,7 +59,7 @@ def program(op: OpSpec) -> Program:
     outputs = []
     for name in scan.outputs:
         out = next(o for o in step.outputs if o.level.name == name)
-        groups = [(_Index(g[0].name.rstrip("'")),) for g in out.groups]
+        groups = [tuple(_Index(i.name.rstrip("'")) for i in g) for g in out.groups]
         groups.insert(axes[name], (_Index(scan.index),))
         outputs.append(_Output(_Level(name), tuple(groups)))
     return Program(scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source)
@@ -105,7 +106,7 @@ def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | Non
             return step.shapes[recent[name].name][1 + axis - (axis > at)]
         return step.shapes[name][axis - (at is not None and axis > at)]
 
-    state = tuple(size(n, a) for n, a in scan.state_axes)
+    state = shape_of(scan.state_axes, scan.state_divisors, size, attrs)
     depth = scan.depth + sum(c * (size(n, a) - 1) for c, n, a in scan.depth_sizes)
     fixed = {name: state[:-1] for _, _, name in getattr(found, "lags", ())}  # coupled
     for read in scan.body.reads + (scan.init.reads if scan.init else ()):
@@ -161,11 +162,11 @@ def reference(op: OpSpec, attrs: dict):
                     value = named[read.name]
                     given[read.name] = value if read.axis is None else np.take(value, t, read.axis)
                 elif read.kind == "lag":
-                    given[read.name] = _back(_past(states, read.lag, arrays, scan), read)
+                    given[read.name] = _back(_past(states, read.lag, arrays, scan, attrs), read)
                 else:
                     depth = _depth(scan, named)
                     given[read.name] = np.stack(
-                        [_past(states, j + 1, arrays, scan) for j in range(depth)]
+                        [_past(states, j + 1, arrays, scan, attrs) for j in range(depth)]
                     )
             if is_recurrence(spec):  # the row of a two-index recurrence: a loop too
                 inner = reference(spec, {n: attrs[n] for n in step.attrs})
@@ -218,11 +219,11 @@ def _recent(named: dict, read, order, count: int) -> np.ndarray:
     )
 
 
-def _past(states: list, lag: int, arrays, scan) -> np.ndarray:
+def _past(states: list, lag: int, arrays, scan, attrs: dict) -> np.ndarray:
     if lag <= len(states):
         return states[-lag]
     named = dict(zip(scan.inputs, arrays, strict=True))
-    shape = tuple(named[n].shape[a] for n, a in scan.state_axes)
+    shape = shape_of(scan.state_axes, scan.state_divisors, lambda n, a: named[n].shape[a], attrs)
     return np.zeros(shape, arrays[0].dtype)
 
 

@@ -26,13 +26,14 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from . import ir
+from . import composite_states, ir
 from .errors import SymgradError
 from .parse import Access, Equation, IndexRef, index_names
 from .recurrence import (
     Plan,
     _accesses,
     _equations,
+    _size_names,
     _symbolic,
     _value_indices,
     _without_vanished_attrs,
@@ -113,16 +114,6 @@ class _Coupled:
             )
         index = found.pop()
         for e in self.equations:
-            composite = next((g for g in e.groups if len(g) > 1), None)
-            if composite is not None:
-                raise self.fail(
-                    f"in a coupled recurrence every tensor has one plain index per axis: "
-                    f"{e.output!r} has the composite axis ({', '.join(composite)}); write "
-                    f"one axis per index ({e.output}[{', '.join(e.output_indices)}]) and "
-                    "merge the axes outside the op (a reshape)",
-                    e.output_col,
-                    e,
-                )
             if len(set(e.output_indices)) != len(e.output_indices):
                 raise self.fail(
                     f"in a coupled recurrence every tensor has one plain index per axis: "
@@ -306,6 +297,9 @@ class _Coupled:
         formulas = []
         for e in self.order:
 
+            def fail(message, col, e=e):
+                return self.fail(message, col, e)
+
             def swap(access: Access, e=e) -> str | None:
                 if access.tensor not in self.defined:
                     if access.lookups:
@@ -330,9 +324,39 @@ class _Coupled:
             if e.output in now:
                 formulas.append(f"{now[e.output]}[{lhs}] = {body}")
                 formulas.append(f"{e.output}[{lhs}] = {now[e.output]}[{lhs}]")
-            else:
-                formulas.append(f"{e.output}[{lhs}] = {body}")
+            else:  # a composite axis stays one (what an equation reads is split)
+                formulas.append(f"{composite_states.lhs(e, self.index, fail)} = {body}")
         return formulas, step_outputs
+
+    def state_size(self, index: str, e: Equation) -> tuple[tuple[str | None, int], tuple]:
+        """The input axis that sizes state axis `index`, and what its size is divided by
+        (an index read only inside a composite axis, or sized by its range)."""
+
+        def plain(name: str) -> tuple[str, int] | None:
+            try:
+                return self.plain_source(name, e, e.output_col)
+            except SymgradError:
+                return None
+
+        found = plain(index)
+        if found is not None:
+            return found, ()
+
+        def fail(message, col=e.output_col):
+            return self.fail(message, col, e)
+
+        found = composite_states.state_size(
+            self.op, self.equations, set(self.defined), index, plain, fail
+        )
+        if found is None:
+            raise self.fail(
+                f"index {index!r} of a recurrence must be read plainly by some input axis "
+                "(it sizes the scan's state), inside a composite read whose other indices "
+                "are, or have a range from input shapes",
+                e.output_col,
+                e,
+            )
+        return found
 
     def plain_source(self, index: str, e: Equation, col: int) -> tuple[str, int]:
         """An op input axis that `index` reads plainly (it sizes the state's axis)."""
@@ -381,7 +405,7 @@ def plan(op: OpSpec) -> CoupledPlan:
         name=f"{op.name}Step",
         formulas=tuple(formulas),
         inputs=tuple(step_inputs),
-        attrs=tuple((n, k) for n, k in op.attrs if n in used),
+        attrs=tuple((n, k) for n, k in op.attrs if n in used | _size_names(op)),
         no_gradient=tuple(n for n in op.no_gradient if n in used),
         source=op.source,
         sizes=tuple((i, s) for i, s in op.sizes if i != c.index),
@@ -400,11 +424,16 @@ def plan(op: OpSpec) -> CoupledPlan:
         prefix="_step",
         reads=tuple(reads),
         outputs=body_outputs,
-        output_axes=(0, *(c.defined[o].output_indices.index(c.index) for o in body_outputs[1:])),
+        output_axes=(
+            0,
+            *(composite_states.axis_of(c.defined[o], c.index) for o in body_outputs[1:]),
+        ),
         attrs=tuple(n for n, _ in spec.attrs),
     )
     first = c.defined[c.states[0]]
-    state_axes = tuple(c.plain_source(i, first, first.output_col) for i in c.rest(first))
+    state_sizes = [c.state_size(i, first) for i in c.rest(first)]
+    state_axes = tuple(axes for axes, _ in state_sizes)
+    divisors = tuple(d for _, d in state_sizes)
     length = c.plain_source(c.index, first, first.index_col(c.index))
     ranks = []
     for n in op_inputs:
@@ -428,6 +457,7 @@ def plan(op: OpSpec) -> CoupledPlan:
         internal=True,
         # the last axis of the carry stacks the states: its size is their number
         state_axes=(*state_axes, (None, len(c.states))),
+        state_divisors=(*divisors, ()) if any(divisors) else (),
         length=length,
         depth=max(lags),
         depth_sizes=(),
@@ -597,7 +627,9 @@ def reference(found: CoupledPlan, op: OpSpec, attrs: dict):
         named = dict(zip(scan.inputs, arrays, strict=True))
         length = named[scan.length[0]].shape[scan.length[1]]
         order = range(length - 1, -1, -1) if scan.reverse else range(length)
-        shape = tuple(named[n].shape[a] for n, a in scan.state_axes[:-1])
+        shape = composite_states.shape_of(
+            scan.state_axes[:-1], scan.state_divisors, lambda n, a: named[n].shape[a], attrs
+        )
         history: dict[str, list] = {s: [] for s in found.states}
         results: dict[str, list] = {o: [] for o in spec.outputs}
         for t in order:

@@ -619,3 +619,6 @@ class Scan:
     max_temp_bytes: int = 16 * 2**20
     gradient_lines: tuple[str, ...] = ()  # the step's gradients in index notation
     step_formulas: tuple[str, ...] = ()
+    # per state axis, the input axes (or (None, n)) its size is divided by: an index read
+    # only inside a composite axis (`v[b,t,(h,i)]`: i is v's axis over h's size)
+    state_divisors: tuple[tuple[tuple[str | None, int], ...], ...] = ()

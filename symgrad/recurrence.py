@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from . import ir
+from . import composite_states, ir
 from .errors import SymgradError
 from .lagged_reads import find_recent, lagged_source, length_source, recent_text
 from .parse import (
@@ -376,6 +376,28 @@ class _Analysis:
             )
         return found
 
+    def state_size(self, index: str, col: int) -> tuple[tuple[str | None, int], tuple]:
+        """The input axis that sizes state axis `index`, and what its size is divided by
+        (an index read only inside a composite axis, or sized by its range)."""
+        found = self.plain_source(index) or lagged_source(self, index)
+        if found is not None:
+            return found, ()
+
+        def fail(message, col=col):
+            return self.fail(message, col)
+
+        found = composite_states.state_size(
+            self.op, self.equations, self.defined | {self.state}, index, self.plain_source, fail
+        )
+        if found is None:
+            raise self.fail(
+                f"index {index!r} of a recurrence must be read plainly by some input axis "
+                "(it sizes the scan's state), inside a composite read whose other indices "
+                "are, or have a range from input shapes",
+                col,
+            )
+        return found
+
     # -- rewriting a formula into its step -----------------------------------------------
 
     def cut(self, eq: Equation, index: str, node: Access) -> None:
@@ -489,8 +511,11 @@ class _Analysis:
         return name
 
 
-def _lhs(eq: Equation, drop: str) -> str:
-    return f"{eq.output}[{', '.join(i for i in eq.output_indices if i != drop)}]"
+def _lhs(a: _Analysis, eq: Equation, drop: str) -> str:
+    def fail(message, col):
+        return a.fail(message, col, eq)
+
+    return composite_states.lhs(eq, drop, fail)
 
 
 def plan(op: OpSpec) -> Plan:
@@ -498,6 +523,10 @@ def plan(op: OpSpec) -> Plan:
     ordered or is not supported."""
     from . import coupled
 
+    split = composite_states.split_states(op)  # a read tensor's composite axis: split
+    if split is not op:  # the module's docstring shows the formulas as written
+        found = plan(split)
+        return replace(found, scan=replace(found.scan, formulas=op.formulas))
     if coupled.is_coupled(op):  # several recurrent tensors, or reads of one at t - e
         return coupled.plan(op)
     a = _Analysis(op)
@@ -563,16 +592,16 @@ def plan(op: OpSpec) -> Plan:
         formulas = []
         if fused:
             formulas += [f"{now}[{', '.join(_rest(eq, a.index))}] = {state_text}"]
-            formulas += [f"{_lhs(eq, a.index)} = {now}[{', '.join(_rest(eq, a.index))}]"]
+            formulas += [f"{_lhs(a, eq, a.index)} = {now}[{', '.join(_rest(eq, a.index))}]"]
         else:
-            formulas += [f"{_lhs(eq, a.index)} = {state_text}"]
+            formulas += [f"{_lhs(a, eq, a.index)} = {state_text}"]
         step_outputs = [a.state]
         axes = [a.axis]
         for e in later:
             u = later_index(e)
-            formulas.append(f"{_lhs(e, u)} = {a.step_text(e, e.rhs, u, now)}")
+            formulas.append(f"{_lhs(a, e, u)} = {a.step_text(e, e.rhs, u, now)}")
             step_outputs.append(e.output)
-            axes.append(e.output_indices.index(u))
+            axes.append(composite_states.axis_of(e, u))
         used = _used_names(formulas)
         reads: list[ir.ScanRead] = []
         op_inputs = _op_inputs(op, a)
@@ -601,7 +630,7 @@ def plan(op: OpSpec) -> Plan:
             if a.shift_name(lag, shift) in used:
                 axis = _rest(eq, a.index).index(a.inner)
                 reads.append(ir.ScanRead("lag", a.shift_name(lag, shift), axis, lag, shift))
-        attrs = tuple((n, k) for n, k in op.attrs if n in used)
+        attrs = tuple((n, k) for n, k in op.attrs if n in used | _size_names(op))
         spec = OpSpec(
             name=f"{op.name}{name}",
             formulas=tuple(formulas),
@@ -633,7 +662,9 @@ def plan(op: OpSpec) -> Plan:
         init_spec = replace(init_spec, lets=lets, ranges=ranges)
 
     # sizes: the state's axes, the number of steps, the window's depth
-    state_axes = tuple(a.sized(i, eq.output_col) for i in _rest(eq, a.index))
+    state_sizes = [a.state_size(i, eq.output_col) for i in _rest(eq, a.index)]
+    state_axes = tuple(axes for axes, _ in state_sizes)
+    state_divisors = tuple(divisors for _, divisors in state_sizes)
     length = a.plain_source(a.index) or length_source(a, a.recent)
     length = length or a.sized(a.index, eq.index_col(a.index))
     depth_const, depth_sizes = max({*a.lags, *(lag for lag, _ in a.shifts)}, default=0), []
@@ -664,6 +695,7 @@ def plan(op: OpSpec) -> Plan:
         state=a.state,
         internal=internal,
         state_axes=state_axes,
+        state_divisors=state_divisors if any(state_divisors) else (),
         length=length,
         depth=depth_const,
         depth_sizes=tuple(depth_sizes),
@@ -870,6 +902,11 @@ def _relation_text(relation) -> str:
 
 def _rest(eq: Equation, index: str) -> list[str]:
     return [i for i in eq.output_indices if i != index]
+
+
+def _size_names(op: OpSpec) -> set[str]:
+    """The names the op's lets and ranges read (an int attr that sizes an index only)."""
+    return _used_names([t for _, t in (*op.lets, *op.ranges)])
 
 
 def _used_names(formulas: list[str]) -> set[str]:

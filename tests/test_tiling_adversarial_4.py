@@ -93,8 +93,8 @@ REAL = {
 }
 
 # RWKV-5's WKV (BlinkDL/RWKV-LM, RWKV-v5/cuda/wkv5_cuda.cu, kernel_forward) with r, k, v
-# as [B, T, H, N] (the kernel's [B, T, C] with C = H*N split; a composite output axis or
-# reads at h*N + j are refused in a recurrence: one axis per index), w and u [H, N]: the
+# as [B, T, H, N] (the kernel's [B, T, C] with C = H*N split; the [B, T, C] spelling with
+# composite reads and output is test_rwkv5_flat.py's), w and u [H, N]: the
 # state S[b,t,h,j,i] = w[h,j] * S[.., t-1, ..] + k[.., j] * v[.., i] is N times the size of
 # an input and internal (the gradient recomputes it; it is never held over the sequence)
 RWKV5 = Case(
@@ -187,23 +187,6 @@ def test_ngram_repeat_block_is_refused_without_a_float_position_hint():
         "tensor 'tokens' is used both as an index tensor (inside brackets, or compared "
         "with an index) and as a value; an index tensor holds integers and has no gradient"
     )
-
-
-def test_a_coupled_recurrence_with_a_composite_output_axis_says_what_to_write(tmp_path):
-    """RWKV-5's output in the kernel's [B, T, C] layout is y[b,t,(h,i)]: refused (a
-    coupled recurrence scans one axis per index) with a caret at the equation and a
-    message that names the composite axis and the spelling that works (it said only
-    "every tensor has one plain index per axis")."""
-    formulas = (
-        "S[b,t,h,j,i] = w[h,j] * S[b,t-1,h,j,i] + k[b,t,h,j] * v[b,t,h,i]",
-        "y[b,t,(h,i)] = sum(r[b,t,h,j] * (u[h,j] * k[b,t,h,j] * v[b,t,h,i] + S[b,t-1,h,j,i]), j)",
-    )
-    with pytest.raises(SymgradError) as caught:
-        generate(Case(formulas, {}, outputs=("y",)), tmp_path, prefix="Rwkv5Composite")
-    error = caught.value
-    assert "'y' has the composite axis (h, i)" in error.message
-    assert "write one axis per index (y[b, t, h, i])" in error.message
-    assert error.formula == formulas[1] and error.column == 0
 
 
 # --------------------------------------------------------- internal float positions
