@@ -114,6 +114,9 @@ OPS = {
     "slice": "slice(x, begin, size) with size -1 to the end",
     "squeeze": "squeeze(x, axis=k)",
     "tile": "tile(x, multiples)",
+    "broadcast_tile": "broadcast_tile(x, multiples): tile(x, multiples) read only by an "
+    "elementwise op whose other operand has the full shape; a framework that broadcasts at "
+    "any rank passes x itself",
     "transpose": "transpose(x, perm)",
     "zeros": "zeros(shape, dtype=)",
     "zeros_like": "zeros_like(x)",

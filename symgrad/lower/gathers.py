@@ -45,17 +45,26 @@ class Gathers:
                 position = ir.Var(body.bind(position))
             if looked_up is not None:  # a lookup outside its index tensor reads zero
                 valid = looked_up if valid is None else ir.Call("logical_and", (valid, looked_up))
+            # Each axis's test and each partial flat position is a step of its own: the
+            # 2^k corners of a sampled read share them (a bilinear read's four corners
+            # test two rows and two columns, not four of each), and so do its gradient's
+            # scatters.
             if not bounded:
                 size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
                 inside = ir.Call(
                     "logical_and",
                     (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
                 )
+                if valid is not None:
+                    valid = ir.Var(body.bind(valid))
+                inside = ir.Var(body.bind(inside))
                 valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
             if flat is None:
                 flat = position
             else:
                 size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
+                if not _is_simple(flat):
+                    flat = ir.Var(body.bind(flat))
                 flat = ir.Binary("+", ir.Binary("*", flat, size), position)
         positions = [gather.positions[n] for n in computed]
         spans = (
@@ -175,7 +184,7 @@ class Gathers:
         over `inner`, is false)."""
         body.uses_dtype = True
         zero = ir.Call("zeros", (ir.Lit("[]"),), (("dtype", ir.Var("dtype")),))
-        mask = self.align(body, valid, inner, indices)
+        mask = self.align(body, valid, inner, indices, beside_full=True)
         if len(indices) > MAX_BROADCAST_RANK:
             return ir.Call("select", (mask, value, ir.Call("zeros_like", (value,))))
         return ir.Call("where", (mask, value, zero))

@@ -132,11 +132,18 @@ class Lowerer(
         return tuple(self.size_of[i] for i in level.indices)
 
     def align(
-        self, body: _Body, operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]
+        self,
+        body: _Body,
+        operand: ir.Expr,
+        labels: tuple[Index, ...],
+        target: tuple[Index, ...],
+        beside_full: bool = False,
     ) -> ir.Expr:
         """`align`, made safe for TensorFlow's broadcasting limit: beyond
         MAX_BROADCAST_RANK target axes a broadcast operand is tiled to the full shape
-        first, so the elementwise op that reads it never broadcasts."""
+        first, so the elementwise op that reads it never broadcasts (`beside_full`: that
+        op's other operand has the full shape, so a framework without the limit may read
+        the operand as it is, `broadcast_tile`)."""
         aligned = align(operand, labels, target)
         if len(target) <= MAX_BROADCAST_RANK or not labels or set(labels) >= set(target):
             return aligned
@@ -146,7 +153,8 @@ class Lowerer(
         perm = None if order == labels else tuple(labels.index(i) for i in order)
         slots = tuple(order.index(i) if i in order else None for i in target)
         multiples = tuple(("1",) if i in order else (self.index_size(body, i),) for i in target)
-        return ir.Call("tile", (ir.View(operand, perm, slots), ir.Shape(multiples)))
+        tile = "broadcast_tile" if beside_full else "tile"
+        return ir.Call(tile, (ir.View(operand, perm, slots), ir.Shape(multiples)))
 
     def level(self, body: _Body, level: Level) -> ir.Expr:
         """The value of an intermediate or an output over its own indices."""

@@ -67,6 +67,7 @@ NAMES = {
     "floor": "jnp.floor",
     "tanh": "jnp.tanh",
     "tile": "jnp.tile",
+    "broadcast_tile": "jnp.tile",
     "transpose": "jnp.transpose",
     "where": "jnp.where",
     "select": "jnp.where",

@@ -84,6 +84,10 @@ COMPARISONS = {
     ">": "torch.gt",
     ">=": "torch.ge",
 }
+# Logic between Python bools (a constant position tested against a size): Python's own
+# operators, one `torch.full` where a tensor is needed, not a tensor per operand and a
+# torch call per operator.
+LOGIC = {"logical_and": "({} and {})", "logical_or": "({} or {})", "logical_not": "(not {})"}
 # Each op's parameter names in TF's order (the IR passes some by position, some by name).
 PARAMETERS = {
     "broadcast_to": ("x", "shape"),
@@ -115,6 +119,7 @@ PARAMETERS = {
     "sparse_rows": ("values", "rows", "shape"),
     "squeeze": ("x", "axis"),
     "tile": ("x", "multiples"),
+    "broadcast_tile": ("x", "multiples"),
     "to_int64": ("x",),
     "transpose": ("x", "perm"),
     "where": ("condition", "x", "y"),
@@ -161,7 +166,7 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return is_python(e.left, names) and is_python(e.right, names)
     if isinstance(e, ir.Negate):
         return is_python(e.operand, names)
-    if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64"):
+    if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64", *LOGIC):
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Call) and e.function == "size_limit":
         return is_python(e.args[0], names)
@@ -172,6 +177,16 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
     if isinstance(e, ir.Call) and e.function == "exact_div":
         return is_python(e.args[0], names) and is_python(e.args[1], names)
     return False
+
+
+def _is_bool(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
+    """Whether a Python value is a bool: a comparison or logic between Python values, or
+    one of `names` (steps bound to such a bool)."""
+    if isinstance(e, ir.Var):
+        return e.name in names
+    if isinstance(e, ir.Binary):
+        return e.op in COMPARISONS
+    return isinstance(e, ir.Call) and e.function in LOGIC
 
 
 def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
@@ -189,6 +204,7 @@ class PyTorchPrinter(Printer):
     # Steps of the body being printed that hold a Python number (a literal position, as in
     # `W[b, 1]`): torch ops get them as tensors, like sizes.
     python_names: frozenset[str] = frozenset()
+    bool_names: frozenset[str] = frozenset()  # those of them that hold a bool
     # While a body's steps are printed: the names the step may write over, and whether
     # fresh sub-expressions may be written over (`torch_overwrite`).
     owned: frozenset[str] = frozenset()
@@ -212,10 +228,14 @@ class PyTorchPrinter(Printer):
             "sizes": tuple(r for r in block.returns if r),
         }[kind]
         numbers: set[str] = set()
+        bools: set[str] = set()
         for step in block.steps:
             if is_python(step.value, frozenset(numbers)):
                 numbers.add(step.target)
+                if _is_bool(step.value, frozenset(bools)):
+                    bools.add(step.target)
         self.python_names = frozenset(numbers)
+        self.bool_names = frozenset(bools)
         live = set(roots)
         kept: list[tuple[ir.Assign, str]] = []
         for step in reversed(block.steps):
@@ -383,6 +403,8 @@ class PyTorchPrinter(Printer):
         args = dict(zip(PARAMETERS.get(e.function, ()), e.args))
         args.update(e.keywords)
         name = e.function
+        if name in LOGIC and all(self.is_python(a) for a in e.args):
+            return LOGIC[name].format(*(self.code(a) for a in e.args))
         if name in ELEMENTWISE:
             operands = ", ".join(
                 self.tensor(a, dtype=not name.startswith("logical")) for a in e.args
@@ -479,6 +501,8 @@ class PyTorchPrinter(Printer):
             dtype = (
                 self.code(x.args[1])
                 if isinstance(x, ir.Call) and x.function == "cast"
+                else "torch.bool"
+                if _is_bool(x, self.bool_names)
                 else "torch.int64"
             )
             return f"torch.full({shape}, {value}, dtype={dtype}, device=_device)"
@@ -507,6 +531,10 @@ class PyTorchPrinter(Printer):
 
     def call_tile(self, args: dict) -> str:
         return f"torch.tile({self.code(args['x'])}, {self.code(args['multiples'])})"
+
+    def call_broadcast_tile(self, args: dict) -> str:
+        # torch broadcasts at any rank: the view itself, no copy of the mask per chunk
+        return self.code(args["x"])
 
     def call_squeeze(self, args: dict) -> str:
         return f"torch.squeeze({self.code(args['x'])}, {self.code(args['axis'])})"

@@ -71,6 +71,7 @@ NAMES = {
     "floor": "tf.floor",
     "tanh": "tf.tanh",
     "tile": "tf.tile",
+    "broadcast_tile": "tf.tile",
     "transpose": "tf.transpose",
     "where": "tf.where",
     "select": "tf.compat.v1.where",  # no broadcast, so any rank (tf.where: up to 8)
