@@ -453,6 +453,29 @@ def test_far_from_the_origin_in_float32_chunks(name, target, tmp_path):
     assert errors[TINY] < limit and errors[2**40] < limit, errors
 
 
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_mamba2_inf_and_nan_at_masked_steps_leave_earlier_outputs_exact(target, tmp_path):
+    """X at the last step +inf and -inf, B there nan: every earlier output masks them
+    (s <= t), so it equals the output with them 0, untiled and in chunks of a 1-byte
+    budget; the last output is not finite. Each read is masked over its own indices and
+    the mask's (`where(s <= t, B * C, 0)`, `where(s <= t, X, 0)`): the exponential's 0
+    times an unmasked inf would be nan at every step."""
+    module = generate(REAL["mamba2_ssd"], tmp_path, prefix="Inf5", target=target)
+    named, _ = _kernel_inputs("mamba2_ssd", np.random.default_rng(8))
+    zeroed = {n: a.copy() for n, a in named.items()}
+    zeroed["X"][:, -1], zeroed["B"][:, -1] = 0, 0
+    named["X"][:, -1, 0], named["X"][:, -1, 1] = np.inf, -np.inf
+    named["B"][:, -1, 0, 1] = np.nan
+    for budget in (2**40, TINY):
+        module.MAX_TEMP_BYTES = budget
+        got, want = (
+            as_numpy(module.forward(*(_tensor(target, a[n]) for n in module.INPUTS)))
+            for a in (named, zeroed)
+        )
+        np.testing.assert_allclose(got[:, :-1], want[:, :-1], rtol=1e-14, atol=1e-14)
+        assert not np.isfinite(got[:, -1]).any()
+
+
 # ------------------------------------------------------------------------------- ties
 
 # Four centres 10 apart on x; around each, points at exactly representable offsets whose
