@@ -1407,4 +1407,20 @@ def _masked_reads(cond, reads: sp.Expr, sign: int, u: sp.Expr) -> sp.Expr:
     mask, read = _indices_of(cond), _indices_of(reads)
     if not (mask <= read or mask | read <= _indices_of(u)):
         return reads
+    if mask | read <= _indices_of(u):
+        return _select(cond, reads, sign)
+    # Several reads that cover the mask only together (Mamba-2's `C[b,t,g,n] *
+    # B[b,s,g,n] * X[b,s,h,p]` under `s <= t`): each masked over its own indices and the
+    # mask's, reads of the same such indices together, so that their product stays a
+    # contraction (`where(s <= t, B * C, 0)` summed over g, n before X comes in); the
+    # whole product masked at once was one tensor over every index ([b,s,g,n,t,h,p]).
+    # Every factor is 0 under the mask, so a masked position is still 0 for inf or nan
+    # reads.
+    groups: dict[frozenset, list[sp.Expr]] = {}
+    for factor in sp.Mul.make_args(reads):
+        groups.setdefault(frozenset(_indices_of(factor) | mask), []).append(factor)
+    return sp.Mul(*(_select(cond, sp.Mul(*group), sign) for group in groups.values()))
+
+
+def _select(cond, reads: sp.Expr, sign: int) -> sp.Expr:
     return fn.select(cond, reads, 0) if sign == 1 else fn.select(cond, 0, reads)
