@@ -134,6 +134,8 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import numpy as np
 import tensorflow as tf
+if {inter_op}:
+    tf.config.threading.set_inter_op_parallelism_threads({inter_op})
 from pathlib import Path
 from harness import Case, generate
 from peaks import tf_step_peaks
@@ -148,15 +150,17 @@ print(json.dumps(found))
 """
 
 
-def tf_formula_peaks(cases: dict, budget: int, folder) -> dict:
+def tf_formula_peaks(cases: dict, budget: int, folder, inter_op: int = 0) -> dict:
     """Per name of `cases` (name -> (formulas, input -> shape)), `tf_step_peaks` of its
     TensorFlow module at `budget`, on float32 inputs of those shapes drawn uniformly from
     [-1, 1) (one generator, seeded 0, in the order of `cases`): every case in one fresh
-    process (`run_tensorflow`), generated into `folder`."""
+    process (`run_tensorflow`), generated into `folder`; with `inter_op`, that many
+    inter-op threads (1: one schedule, comparable peaks), else TensorFlow's default."""
     tests = str(Path(__file__).resolve().parent)
-    return run_tensorflow(
-        FORMULA_STEPS.format(tests=tests, cases=cases, folder=str(folder), budget=budget)
+    script = FORMULA_STEPS.format(
+        tests=tests, cases=cases, folder=str(folder), budget=budget, inter_op=inter_op
     )
+    return run_tensorflow(script)
 
 
 def memory_inputs(names, shapes: dict, make) -> list:
