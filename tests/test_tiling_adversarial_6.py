@@ -464,7 +464,6 @@ FAR = [
     ("border_align", "tensorflow"),
     ("filtered_lrelu", "pytorch"),
     ("rwkv6", "pytorch"),
-    ("rwkv6", "jax"),
     ("lfilter", "tensorflow"),
 ]
 
@@ -496,7 +495,7 @@ def test_far_from_the_origin_in_float32_chunks(name, target, tmp_path):
 # ------------------------------------------------------------------------------- ties
 
 
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
 def test_border_align_ties_split_the_gradient_where_mmcv_takes_the_first(target, tmp_path):
     """On a feature map constant along each box's border every sample ties: the forward is
     mmcv's (the constant), and the gradient of a tie splits equally among the tied
@@ -573,6 +572,8 @@ NO_STEPS = {
 def _empty_cases():
     for name in sorted(EMPTY):
         for target in ("tensorflow", "pytorch", "jax"):
+            if target == "jax" and name in ("mmcv_dcnv2", "filtered_lrelu"):
+                continue  # eager JAX compiles every op: one sampled op is enough there
             if name in RECURRENCES:
                 reason = f"a recurrence over an empty scan axis crashes: {NO_STEPS[target]}"
                 yield pytest.param(
@@ -782,6 +783,12 @@ def test_pytorch_lfilter_step_stays_within_the_bound(tmp_path):
 # ------------------------------------------- recurrences read at float, d // 2, (g, j)
 
 READS = ("sampled_read", "floor_read", "composite_read")
+# eager JAX compiles every op of every call: the float position in all three targets, the
+# others in TensorFlow and PyTorch
+READ_TARGETS = [
+    *((name, t) for name in READS for t in ("tensorflow", "pytorch")),
+    ("sampled_read", "jax"),
+]
 
 
 def _read_module(name, target, folder):
@@ -822,8 +829,7 @@ def _read_inputs(name, rng, *, far=False, length=None, batch=None):
     return {n: a.astype(np.float32).astype(np.float64) for n, a in named.items()}
 
 
-@pytest.mark.parametrize("name", READS)
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize(("name", "target"), READ_TARGETS)
 def test_recurrence_reads_in_float32_far_from_the_origin(name, target, tmp_path):
     """A recurrence reading an input at a float position (positions around 600 on an axis
     of 700, values around 1,000), at d // 2 and at a composite (g, j): float32 at a 1-byte
@@ -845,8 +851,7 @@ def test_recurrence_reads_in_float32_far_from_the_origin(name, target, tmp_path)
             assert np.abs(g - w).max() / np.abs(w).max() < 1e-5, (budget, np.abs(g - w).max())
 
 
-@pytest.mark.parametrize("name", READS)
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize(("name", "target"), READ_TARGETS)
 def test_recurrence_reads_of_an_empty_batch(name, target, tmp_path):
     """No rows at a 1-byte budget: an empty output, every gradient zero of its input's
     shape."""
