@@ -874,3 +874,27 @@ def test_recurrence_reads_under_tf_function_with_unknown_sizes(name, tmp_path):
     module = _read_module(name, "tensorflow", tmp_path)
     named = _read_inputs(name, np.random.default_rng(22))
     _unknown_sizes(None, module, named, {})
+
+
+def test_border_align_written_with_its_border_number_is_refused_in_one_line(tmp_path, capsys):
+    """mmcv's kernel picks the step of border e by its number (e % 2 moves x or y); written
+    so, with e as one output axis, `e % 2` is a value inside a float position: refused
+    with exit 2 and one line naming the op and the place (the spelling that works splits
+    e into the composite axis (g, s), as REAL["border_align"] does)."""
+    from symgrad.cli import main
+
+    x = "boxes[n,k,2*(e // 2)] + (1 - e % 2) * (1 - 2*(e // 2)) * i * (boxes[n,k,2] - boxes[n,k,0]) / P"
+    y = "boxes[n,k,2*(e // 2) + 1] + (e % 2) * (1 - 2*(e // 2)) * i * (boxes[n,k,3] - boxes[n,k,1]) / P"
+    spec = tmp_path / "symgrad.toml"
+    spec.write_text(
+        'out = "gen"\n\n[ops.BorderAlign]\n'
+        f'formula = "y[n,c,k,e] = max(input[n, e*C + c, {y}, {x}], i)"\n'
+        'attrs = { P = "int" }\nlet = { C = "input.shape[1] // 4" }\n'
+        'ranges = { i = "P + 1", e = "4" }\nno_gradient = ["boxes"]\n',
+        encoding="utf-8",
+    )
+    assert main(["generate", str(spec)]) == 2
+    reason = capsys.readouterr().err.splitlines()[0]
+    assert "[ops.BorderAlign]" in reason
+    assert "operator '%' is not supported on values or float positions" in reason
+    assert not (tmp_path / "gen").exists()
