@@ -33,7 +33,12 @@ in `sum(body, ..., n, ...)`, a summed index n without a range of its own is rewr
   sized by f after the rewrite;
 - the tensor read at the computed position (the filter f) reads no plain index at all
   (each of its axes is a computed position), and the plain readers read an output index f
-  does not (a batch or channel that the filter is shared across).
+  does not (a batch or channel that the filter is shared across);
+- the filter read and a plain read of n are factors of the body (a product, or the
+  numerator of a quotient): the body is zero where either reads outside its tensor, the
+  positions the rewrite adds or drops. In `(x[b,c,n] + bias[c]) * f[..]` (StyleGAN3's
+  filtered_lrelu adds its bias before upsampling) the bias term is not zero where n
+  leaves x: rewritten, it was summed over the whole filter at the borders.
 
 The last condition tells the filter from the data: in a convolution written with its
 window on the data, `x[b, s*i + d*k, c] * w[k,c,o]` or without a batch `x[i + k, c] *
@@ -173,6 +178,9 @@ def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
     if len(strided) != 1 or not plain or in_reads != len(inside):
         return None
     read, axis, element = strided[0]
+    factors = _factors(call.args[0])
+    if not any(read is x for x in factors) or not any(r is x for r in plain for x in factors):
+        return None  # a term the out-of-range reads do not zero, as `(x[n] + c) * f[..]`
     f = read.value.id
     if f in defined or any(r.value.id == f for r in plain):
         return None
@@ -204,6 +212,18 @@ def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
                 _replace_element(other, k, ast.parse(substitute, mode="eval").body)
     call.args[position] = ast.Name(fresh, ast.Load())
     return Rewrite(n, fresh, f, axis, original, substitute, new_position, size)
+
+
+def _factors(node: ast.AST) -> list[ast.AST]:
+    """The factors of a product (`a * b / c` gives a and b, a sign is dropped): the body
+    is zero wherever one of them is."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _factors(node.left) + _factors(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return _factors(node.left)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        return _factors(node.operand)
+    return [node]
 
 
 def _reads(node: ast.AST) -> list[ast.Subscript]:

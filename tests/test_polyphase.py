@@ -294,11 +294,36 @@ def test_upfirdn2d_sums_over_the_filter_taps_only():
         # n at two computed positions, or times an index
         ("y[b,i] = sum(x[b,n] * f[2*n - i] * f[n + i], n)", (), (("i", "x.shape[1]"),)),
         ("y[b,i] = sum(x[b,n] * f[i*n], n)", (), (("i", "x.shape[1]"),)),
+        # a term that the reads outside x or f do not zero (StyleGAN3's filtered_lrelu adds
+        # its bias before upsampling): rewritten, the bias was summed over the whole filter
+        # at the borders, and exp(0) = 1 was added for the taps past the filter's end
+        ("y[b,i] = sum((x[b,n] + c[b]) * f[i - 2*n], n)", (), (("i", "2*x.shape[1]"),)),
+        ("y[b,i] = sum(x[b,n] * exp(f[i - 2*n]), n)", (), (("i", "2*x.shape[1]"),)),
+        ("y[b,i] = sum(x[b,n] / f[i - 2*n], n)", (), (("i", "2*x.shape[1]"),)),
     ],
 )
 def test_other_reads_at_strided_positions_are_not_rewritten(formula, attrs, ranges):
     op = _op(formula, attrs=attrs, ranges=ranges)
     assert polyphase.rewrite(op) == (op, ())
+
+
+def test_a_bias_added_before_the_filter_reads_zero_past_the_input(tmp_path):
+    """`y[b,i] = sum((x[b,n] + c[b]) * f[i - n], n)`, the full convolution of x plus a bias
+    (StyleGAN3's filtered_lrelu adds its bias before it upsamples): only the n inside x
+    add anything. Rewritten as a polyphase sum, the bias was added for every tap of the
+    filter at the borders (0.71 off at i = 0 on these inputs), in every target."""
+    rng = np.random.default_rng(21)
+    x, c, f = rng.standard_normal((2, 5)), rng.standard_normal(2), rng.standard_normal(3)
+    want = np.stack([np.convolve(x[b] + c[b], f) for b in range(2)])
+    op = _op(
+        "y[b,i] = sum((x[b,n] + c[b]) * f[i - n], n)",
+        ranges=(("i", "x.shape[1] + f.shape[0] - 1"),),
+    )
+    for target, tensor in (("tensorflow", tf.constant), ("pytorch", torch.tensor)):
+        stem = f"symgrad_bias_first_{target}"
+        module = load_module(module_text(op, "test.toml", target), tmp_path, stem)
+        got = module.forward(tensor(x), tensor(c), tensor(f))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
 
 
 def test_no_other_op_of_the_repo_is_rewritten():
