@@ -558,15 +558,6 @@ EMPTY = {  # name -> its inputs with one axis of size 0
     "rwkv6": {n: (2, 0, 2, 3) for n in "rkvw"},
     "lfilter": {"x": (2, 3, 0)},
 }
-# A scan of no steps: the scan's stacks and loops take at least one position
-NO_STEPS = {
-    "tensorflow": "tf.transpose of the empty stack of states: 'transpose expects a vector "
-    "of size 1. But input(1) is a vector of size 3' (InvalidArgumentError)",
-    "pytorch": "torch.stack of the per-position outputs: 'stack expects a non-empty "
-    "TensorList' (RuntimeError)",
-    "jax": "lax.dynamic_index_in_dim at position 0 of the empty axis: 'slice_sizes must be "
-    "less than or equal to operand shape, got (2, 1, 2, 3) for (2, 0, 2, 3)' (TypeError)",
-}
 
 
 def _empty_cases():
@@ -574,13 +565,7 @@ def _empty_cases():
         for target in ("tensorflow", "pytorch", "jax"):
             if target == "jax" and name in ("mmcv_dcnv2", "filtered_lrelu"):
                 continue  # eager JAX compiles every op: one sampled op is enough there
-            if name in RECURRENCES:
-                reason = f"a recurrence over an empty scan axis crashes: {NO_STEPS[target]}"
-                yield pytest.param(
-                    name, target, marks=pytest.mark.xfail(strict=True, reason=reason)
-                )
-            else:
-                yield name, target
+            yield name, target
 
 
 @pytest.mark.parametrize(("name", "target"), list(_empty_cases()))
