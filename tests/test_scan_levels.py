@@ -143,3 +143,54 @@ def test_jax_levels_under_jit_vmap_and_grad(tmp_path):
     grads = jax.jit(jax.grad(lambda w, x: (module.forward(w, x) * cotangent).sum(), (0, 1)))(w, x)
     for g, want in zip(grads, plain, strict=True):
         np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-13)
+
+
+def test_tensorflow_plans_levels_when_the_graph_runs(tmp_path):
+    """Where the length is known only when the graph runs, TensorFlow plans the levels then
+    (`_runtime_chunk_lengths`): the plan `_chunk_lengths` makes where it has at most
+    `_RUNTIME_LEVELS` levels (the last length repeated), else a covering plan of that many
+    levels holding the fewest windows; and under tf.function with every dim unknown, RWKV-5
+    over 81 positions in three levels (27, 9, 3: twelve windows against the budget) gives
+    the forward and gradient of the default budget."""
+    import tensorflow as tf
+
+    module = _module(op_spec(RWKV5, "Rwkv5Runtime"), "tensorflow", tmp_path, "runtime_rwkv5")
+    most = module._RUNTIME_LEVELS
+    window = 1000
+    for n in (1, 2, 3, 17, 29, 64, 100, 1000, 4096):
+        for budget in (0, 6 * window, 12 * window, 40 * window, 2**40):
+            module.MAX_TEMP_BYTES = budget
+            static = module._chunk_lengths(n, window)
+            found = tuple(int(x) for x in module._runtime_chunk_lengths(tf.constant(n), window))
+            if len(static) <= most:
+                assert found == static + static[-1:] * (most - len(static)), (n, budget)
+            else:
+                c = found[-1]
+                levels = [a // b for a, b in itertools.pairwise(found)].count(c) + 1
+                assert c ** (levels + 1) >= n and found[0] == c**levels, (n, budget, found)
+                held = min(
+                    (k + 1) * next(c for c in range(1, n + 1) if c ** (k + 1) >= n)
+                    for k in range(1, most + 1)
+                )
+                assert (levels + 1) * c == held, (n, budget, found)
+
+    shapes = dict(RWKV5.shapes, r=(2, 81, 2, 3), k=(2, 81, 2, 3), v=(2, 81, 2, 3))
+    values = inputs_for(shapes, seed=9)
+    values["w"] = np.random.default_rng(10).uniform(0.3, 0.95, shapes["w"])
+    cotangent = np.random.default_rng(11).standard_normal((2, 81, 2, 3))
+    args = [tf.constant(values[m]) for m in module.INPUTS]
+    module.MAX_TEMP_BYTES = 2**40
+    plain = [module.forward(*args), *module.vjp(*args, tf.constant(cotangent))]
+    module.MAX_TEMP_BYTES = 12 * module._window_bytes(*args)
+    assert module._chunk_lengths(81, module._window_bytes(*args)) == (27, 9, 3)
+    spec = [tf.TensorSpec([None] * len(values[m].shape), tf.float64) for m in module.INPUTS]
+
+    @tf.function(input_signature=[*spec, tf.TensorSpec([None] * 4, tf.float64)])
+    def unknown(*xs):
+        lengths = module._lengths_of(tf.shape(xs[1])[1], *xs[:-1])
+        return [module.forward(*xs[:-1]), *module.vjp(*xs), tf.stack(lengths)]
+
+    *got, lengths = unknown(*args, tf.constant(cotangent))
+    assert [int(x) for x in lengths] == [27, 9, 3]
+    for name, g, w in zip(("y", *module.INPUTS), got, plain, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-13, err_msg=name)
