@@ -194,3 +194,43 @@ def test_tensorflow_plans_levels_when_the_graph_runs(tmp_path):
     assert [int(x) for x in lengths] == [27, 9, 3]
     for name, g, w in zip(("y", *module.INPUTS), got, plain, strict=True):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+def test_tensorflow_gradient_of_the_gradient(tmp_path):
+    """The forward runs on inputs cut from the tape and, eagerly, as one graph; under a
+    tape or a forward accumulator (a gradient of the gradient) the backward recomputes the
+    checkpoints from the inputs op by op, so second derivatives hold: forward-over-reverse
+    and reverse-over-reverse Hessian-vector products equal central differences of the
+    gradient, under the default budget and at two levels (budget 0)."""
+    import tensorflow as tf
+
+    spec = CASES["rnn"][0]
+    module = _module(spec, "tensorflow", tmp_path, "levels_rnn_second")
+    values = inputs_for({"W": (3, 3), "x": (2, 23, 3)}, seed=12)
+    args = [tf.constant(values[n]) for n in module.INPUTS]
+    rng = np.random.default_rng(3)
+    v = [tf.constant(rng.standard_normal(a.shape)) for a in args]
+
+    def first(xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(module.forward(*xs) ** 2)
+        return tape.gradient(loss, xs)
+
+    for budget in (2**40, 0):
+        module.MAX_TEMP_BYTES = budget
+        eps = 1e-6
+        ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
+        behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
+        fd = [(a - b) / (2 * eps) for a, b in zip(ahead, behind, strict=True)]
+        with tf.autodiff.ForwardAccumulator(args, v) as acc:
+            grads = first(args)
+        forward_over_reverse = [acc.jvp(g) for g in grads]
+        with tf.GradientTape() as outer:
+            outer.watch(args)
+            grads = first(args)
+            along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(grads, v, strict=True)])
+        reverse_over_reverse = outer.gradient(along, args)
+        for got in (forward_over_reverse, reverse_over_reverse):
+            for g, want in zip(got, fd, strict=True):
+                np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)
