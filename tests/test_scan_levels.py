@@ -196,17 +196,20 @@ def test_tensorflow_plans_levels_when_the_graph_runs(tmp_path):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-13, err_msg=name)
 
 
-def test_tensorflow_gradient_of_the_gradient(tmp_path):
+@pytest.mark.parametrize(("case", "associative"), [("rnn", False), ("linear", True)])
+def test_tensorflow_gradient_of_the_gradient(case, associative, tmp_path):
     """The forward runs on inputs cut from the tape and, eagerly, as one graph; under a
     tape or a forward accumulator (a gradient of the gradient) the backward recomputes the
     checkpoints from the inputs op by op, so second derivatives hold: forward-over-reverse
     and reverse-over-reverse Hessian-vector products equal central differences of the
-    gradient, under the default budget and at two levels (budget 0)."""
+    gradient, under the default budget and at budget 0 (two levels; the associative scan:
+    chunks of one position)."""
     import tensorflow as tf
 
-    spec = CASES["rnn"][0]
-    module = _module(spec, "tensorflow", tmp_path, "levels_rnn_second")
-    values = inputs_for({"W": (3, 3), "x": (2, 23, 3)}, seed=12)
+    spec, shapes, _ = CASES[case]
+    text = scan_render.module_text(spec, "test", "tensorflow", associative=associative)
+    module = load_module(text, tmp_path, f"second_{case}")
+    values = inputs_for({n: (2, 23, 3) if len(s) == 3 else s for n, s in shapes.items()}, seed=12)
     args = [tf.constant(values[n]) for n in module.INPUTS]
     rng = np.random.default_rng(3)
     v = [tf.constant(rng.standard_normal(a.shape)) for a in args]
