@@ -16,10 +16,16 @@ from dataclasses import replace
 from . import ir
 from .render import environment
 
+# Top-level names an embedded step reads from the module around it, neither renamed nor
+# copied: the budget, so that a scan or tiling inside a step follows the module's
+# MAX_TEMP_BYTES at call time (the including templates define it).
+SHARED = frozenset({"MAX_TEMP_BYTES"})
+
 
 def embed(source: str, prefix: str) -> tuple[list[str], str]:
     """The imports and the definitions `_compute` and `_backward` need of a module, with
-    every top-level name `n` renamed `{prefix}{n}` (prefix like `_step`)."""
+    every top-level name `n` renamed `{prefix}{n}` (prefix like `_step`), but for the
+    names in `SHARED`, read from the module the step is embedded in."""
     tree = ast.parse(source)
     defined: dict[str, ast.stmt] = {}
     imports: list[str] = []
@@ -36,7 +42,7 @@ def embed(source: str, prefix: str) -> tuple[list[str], str]:
     todo = ["_compute", "_backward"]
     while todo:
         name = todo.pop()
-        if name in wanted or name not in defined:
+        if name in wanted or name not in defined or name in SHARED:
             continue
         wanted.add(name)
         for sub in ast.walk(defined[name]):

@@ -143,3 +143,97 @@ def test_jax_levels_under_jit_vmap_and_grad(tmp_path):
     grads = jax.jit(jax.grad(lambda w, x: (module.forward(w, x) * cotangent).sum(), (0, 1)))(w, x)
     for g, want in zip(grads, plain, strict=True):
         np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-13)
+
+
+def test_tensorflow_plans_levels_when_the_graph_runs(tmp_path):
+    """Where the length is known only when the graph runs, TensorFlow plans the levels then
+    (`_runtime_chunk_lengths`): the plan `_chunk_lengths` makes where it has at most
+    `_RUNTIME_LEVELS` levels (the last length repeated), else a covering plan of that many
+    levels holding the fewest windows; and under tf.function with every dim unknown, RWKV-5
+    over 81 positions in three levels (27, 9, 3: twelve windows against the budget) gives
+    the forward and gradient of the default budget."""
+    import tensorflow as tf
+
+    module = _module(op_spec(RWKV5, "Rwkv5Runtime"), "tensorflow", tmp_path, "runtime_rwkv5")
+    most = module._RUNTIME_LEVELS
+    window = 1000
+    for n in (1, 2, 3, 17, 29, 64, 100, 1000, 4096):
+        for budget in (0, 6 * window, 12 * window, 40 * window, 2**40):
+            module.MAX_TEMP_BYTES = budget
+            static = module._chunk_lengths(n, window)
+            found = tuple(int(x) for x in module._runtime_chunk_lengths(tf.constant(n), window))
+            if len(static) <= most:
+                assert found == static + static[-1:] * (most - len(static)), (n, budget)
+            else:
+                c = found[-1]
+                levels = [a // b for a, b in itertools.pairwise(found)].count(c) + 1
+                assert c ** (levels + 1) >= n and found[0] == c**levels, (n, budget, found)
+                held = min(
+                    (k + 1) * next(c for c in range(1, n + 1) if c ** (k + 1) >= n)
+                    for k in range(1, most + 1)
+                )
+                assert (levels + 1) * c == held, (n, budget, found)
+
+    shapes = dict(RWKV5.shapes, r=(2, 81, 2, 3), k=(2, 81, 2, 3), v=(2, 81, 2, 3))
+    values = inputs_for(shapes, seed=9)
+    values["w"] = np.random.default_rng(10).uniform(0.3, 0.95, shapes["w"])
+    cotangent = np.random.default_rng(11).standard_normal((2, 81, 2, 3))
+    args = [tf.constant(values[m]) for m in module.INPUTS]
+    module.MAX_TEMP_BYTES = 2**40
+    plain = [module.forward(*args), *module.vjp(*args, tf.constant(cotangent))]
+    module.MAX_TEMP_BYTES = 12 * module._window_bytes(*args)
+    assert module._chunk_lengths(81, module._window_bytes(*args)) == (27, 9, 3)
+    spec = [tf.TensorSpec([None] * len(values[m].shape), tf.float64) for m in module.INPUTS]
+
+    @tf.function(input_signature=[*spec, tf.TensorSpec([None] * 4, tf.float64)])
+    def unknown(*xs):
+        lengths = module._lengths_of(tf.shape(xs[1])[1], *xs[:-1])
+        return [module.forward(*xs[:-1]), *module.vjp(*xs), tf.stack(lengths)]
+
+    *got, lengths = unknown(*args, tf.constant(cotangent))
+    assert [int(x) for x in lengths] == [27, 9, 3]
+    for name, g, w in zip(("y", *module.INPUTS), got, plain, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-13, err_msg=name)
+
+
+@pytest.mark.parametrize(("case", "associative"), [("rnn", False), ("linear", True)])
+def test_tensorflow_gradient_of_the_gradient(case, associative, tmp_path):
+    """The forward runs on inputs cut from the tape and, eagerly, as one graph; under a
+    tape or a forward accumulator (a gradient of the gradient) the backward recomputes the
+    checkpoints from the inputs op by op, so second derivatives hold: forward-over-reverse
+    and reverse-over-reverse Hessian-vector products equal central differences of the
+    gradient, under the default budget and at budget 0 (two levels; the associative scan:
+    chunks of one position)."""
+    import tensorflow as tf
+
+    spec, shapes, _ = CASES[case]
+    text = scan_render.module_text(spec, "test", "tensorflow", associative=associative)
+    module = load_module(text, tmp_path, f"second_{case}")
+    values = inputs_for({n: (2, 23, 3) if len(s) == 3 else s for n, s in shapes.items()}, seed=12)
+    args = [tf.constant(values[n]) for n in module.INPUTS]
+    rng = np.random.default_rng(3)
+    v = [tf.constant(rng.standard_normal(a.shape)) for a in args]
+
+    def first(xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(module.forward(*xs) ** 2)
+        return tape.gradient(loss, xs)
+
+    for budget in (2**40, 0):
+        module.MAX_TEMP_BYTES = budget
+        eps = 1e-6
+        ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
+        behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
+        fd = [(a - b) / (2 * eps) for a, b in zip(ahead, behind, strict=True)]
+        with tf.autodiff.ForwardAccumulator(args, v) as acc:
+            grads = first(args)
+        forward_over_reverse = [acc.jvp(g) for g in grads]
+        with tf.GradientTape() as outer:
+            outer.watch(args)
+            grads = first(args)
+            along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(grads, v, strict=True)])
+        reverse_over_reverse = outer.gradient(along, args)
+        for got in (forward_over_reverse, reverse_over_reverse):
+            for g, want in zip(got, fd, strict=True):
+                np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)

@@ -226,3 +226,28 @@ def test_rnnt_alpha_in_float32_with_log_probabilities_in_the_hundreds(target, fo
         assert np.isfinite(g).all(), f"{name}: {g}"
         v, fd = _directional(rnnt_alpha_ref, exact, names, [grad_out], k, rng)
         assert abs(np.sum(g * v) - fd) <= 1e-3 * max(abs(fd), 1.0), (name, np.sum(g * v), fd)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_inner_scans_follow_the_module_budget(target, folder):
+    """The scan along a row (the step of the scan over rows) plans its levels from the
+    module's MAX_TEMP_BYTES at call time, not from a copy of its own: 29 positions take
+    one level of 6 under the default budget and four (16, 8, 4, 2) at budget 0, and
+    soft-DTW's forward and gradient over rows of 29 are the same under both."""
+    spec, _, attrs = CASES["soft_dtw"]
+    if target == "jax":
+        _enable_x64()
+    module = load_module(module_text(spec, "test", target), folder, f"wf_budget_{target}")
+    assert not any(name.endswith("_MAX_TEMP_BYTES") for name in vars(module))
+    fw = FRAMEWORKS[target]
+    shape = (2, 3, 29)
+    rng = np.random.default_rng(14)
+    d = fw.tensor(np.abs(rng.standard_normal(shape)))
+    cotangent = fw.tensor(rng.standard_normal(shape))
+    assert module._step_chunk_lengths(29, 1000) == (6,)
+    plain = [module.forward(d, **attrs), *module.vjp(d, cotangent, **attrs)]
+    module.MAX_TEMP_BYTES = 0
+    assert module._step_chunk_lengths(29, 1000) == (16, 8, 4, 2)
+    levels = [module.forward(d, **attrs), *module.vjp(d, cotangent, **attrs)]
+    for got, want in zip(levels, plain, strict=True):
+        np.testing.assert_allclose(fw.numpy(got), fw.numpy(want), rtol=1e-12, atol=1e-13)
