@@ -112,6 +112,8 @@ OPS = {
     "shift": "shift(x, start): x + start in x's dtype (a chunk's first position); nothing "
     "runs when start is the Python int 0 (the whole op)",
     "slice": "slice(x, begin, size) with size -1 to the end",
+    "fit": "fit(x, axis, n): x along axis `axis` cut to its first n positions or padded with "
+    "zeros to n (x itself, no op, when its size is n)",
     "squeeze": "squeeze(x, axis=k)",
     "tile": "tile(x, multiples)",
     "broadcast_tile": "broadcast_tile(x, multiples): tile(x, multiples) read only by an "

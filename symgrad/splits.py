@@ -295,11 +295,13 @@ def in_group(name: str, reads) -> bool:
 
 
 def reshape_grid(level) -> bool:
-    """Whether a gather is exactly its source reshaped: every computed axis a composite of
-    distinct plain indices sized from that axis (in bounds), and the gathered axes in the
-    source's order with each composite's members in place of its axis."""
+    """Whether a gather is its source reshaped: every computed axis a composite of distinct
+    plain indices, and the gathered axes in the source's order with each composite's
+    members in place of its axis. A composite sized from its axis (bounded) reads the axis
+    itself; another reads it cut or padded with zeros to the members' product (`fit`), which
+    is the gather with its mask: `(h, r)` reads h*R + r, from 0 to H*R - 1 in order."""
     gather = level.gather
-    if not gather.computed or not all(gather.bounded) or not reshapes(level):
+    if not gather.computed or not reshapes(level):
         return False
     expected = []
     for position in gather.positions:
@@ -310,18 +312,49 @@ def reshape_grid(level) -> bool:
     return len(set(expected)) == len(expected) and tuple(expected) == tuple(level.indices)
 
 
+def _product(lowerer, body, position) -> ir.Expr:
+    sizes = [ir.Var(lowerer.index_size(body, m)) for m in position.args]
+    result = sizes[0]
+    for size in sizes[1:]:
+        result = ir.Binary("*", result, size)
+    return result
+
+
+def _unbounded(level):
+    """The computed axes whose composite is not sized from the axis (maybe cut or padded)."""
+    gather = level.gather
+    return [axis for axis, ok in zip(gather.computed, gather.bounded, strict=True) if not ok]
+
+
 def reshape_read(lowerer, body, level) -> ir.Expr:
-    """`x[b, (h, r), t]` as `reshape(x, [B, H, R, T])`."""
+    """`x[b, (h, r), t]` as `reshape(x, [B, H, R, T])`, each axis not sized by its
+    composite first fit to the product of its members' sizes."""
+    source: ir.Expr = ir.Var(body.tensors[level.gather.source])
+    for axis in _unbounded(level):
+        product = _product(lowerer, body, level.gather.positions[axis])
+        source = ir.Var(body.bind(ir.Call("fit", (source, ir.Lit(str(axis)), product))))
     shape = ir.Shape(tuple((lowerer.index_size(body, i),) for i in level.indices))
-    return ir.Call("reshape", (ir.Var(body.tensors[level.gather.source]), shape))
+    return ir.Call("reshape", (source, shape))
 
 
 def reshape_back(lowerer, body, level, grad: ir.Expr) -> ir.Expr:
-    """The transpose of `reshape_read`: the gradient reshaped to the source's shape."""
+    """The transpose of `reshape_read`: the gradient reshaped to the source's shape (each
+    fit axis at the members' product, then fit back to the axis' size)."""
     source = level.gather.source
     rank = lowerer.program.rank(source)
-    shape = ir.Shape(tuple((lowerer.axis_size(body, source, n),) for n in range(rank)))
-    return ir.Call("reshape", (grad, shape))
+    unbounded = _unbounded(level)
+    dims = []
+    for n in range(rank):
+        position = level.gather.positions[n]
+        if n in unbounded:
+            dims.append(tuple(lowerer.index_size(body, m) for m in position.args))
+        else:
+            dims.append((lowerer.axis_size(body, source, n),))
+    result: ir.Expr = ir.Call("reshape", (grad, ir.Shape(tuple(dims))))
+    for axis in unbounded:
+        size = ir.Var(lowerer.axis_size(body, source, axis))
+        result = ir.Call("fit", (ir.Var(body.bind(result)), ir.Lit(str(axis)), size))
+    return result
 
 
 def lower(lowerer, body, e: sp.Expr, target) -> ir.Expr:

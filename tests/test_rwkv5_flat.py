@@ -274,6 +274,29 @@ def test_rwkv5_flat_with_unknown_dims_under_tf_function(folder):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-13)
 
 
+def test_an_empty_sequence_in_a_graph_traced_with_its_length_unknown_is_refused(folder):
+    """T unknown while tracing and 0 when the graph runs: refused by one line naming the
+    op, in the forward and the vjp, never a result; the same graph runs T = 4."""
+    import tensorflow as tf
+
+    module = module_of("Rwkv5Flat", FLAT, "tensorflow", folder)
+    flat = tf.TensorSpec([None, None, None], tf.float64)
+    small = tf.TensorSpec([None, None], tf.float64)
+    signature = [flat, flat, flat, small, small]
+    forward = tf.function(module.forward, input_signature=signature)
+    vjp = tf.function(module.vjp, input_signature=[*signature, flat])
+    empty = [tf.constant(inputs(T=0)[n]) for n in INPUTS]
+    message = "Rwkv5Flat: an empty sequence in a graph traced with its length unknown; trace"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        forward(*empty)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        vjp(*empty, tf.zeros([2, 0, 6], tf.float64))
+    values = inputs(T=4)
+    (want,) = wkv5_kernel(*(values[n] for n in INPUTS))
+    found = forward(*[tf.constant(values[n]) for n in INPUTS]).numpy()
+    np.testing.assert_allclose(found, want, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_rwkv5_flat_on_an_empty_sequence(target, folder):
     """T = 0: y is [B, 0, C]; the gradients are zeros of the inputs' shapes."""

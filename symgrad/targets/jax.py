@@ -81,6 +81,7 @@ NAMES = {
     "conv_padding": "_conv_padding",
     "conv_window": "_conv_window",
     "conv_unwindow": "_conv_unwindow",
+    "fit": "_fit",
 }
 
 # tf.nn.convolution's layouts (channels last) by the number of spatial axes.

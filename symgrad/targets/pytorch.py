@@ -104,6 +104,7 @@ PARAMETERS = {
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
     "gelu_tanh": ("x",),
+    "fit": ("x", "axis", "n"),
     "gather": ("x", "positions", "axis"),
     "pad": ("x", "paddings"),
     "range": ("n",),
@@ -601,6 +602,10 @@ class PyTorchPrinter(Printer):
             if v is not None
         )
         return f"_cumsum({x}, {axis}{flags})"
+
+    def call_fit(self, args: dict) -> str:
+        parts = (self.code(args["x"]), self.code(args["axis"]), self.code(args["n"]))
+        return f"_fit({', '.join(parts)})"
 
     def call_gather(self, args: dict) -> str:
         x, positions = self.code(args["x"]), self.code(args["positions"])

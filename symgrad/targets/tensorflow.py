@@ -27,6 +27,7 @@ NAMES = {
     "erf": "tf.math.erf",
     "exp": "tf.exp",
     "eye": "tf.eye",
+    "fit": "_fit",
     "gather": "tf.gather",
     "is_finite": "tf.math.is_finite",
     "is_nan": "tf.math.is_nan",
