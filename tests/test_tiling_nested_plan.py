@@ -4,8 +4,7 @@ While one position of the outer index is within the step's bound less the inputs
 outputs it holds anyway (MAX_TEMP_BYTES + 3 x (inputs + outputs)), a chunk takes as many
 whole outer positions as the target's allowance for a chunk holds (MAX_TEMP_BYTES +
 _ROOM_QUARTERS / 4 x (inputs + outputs)), at least one; else one, split along the inner
-index in chunks of the same allowance (a chunk of roi_align_rotated's 7 x 7 bins at
-256 KiB takes 4 bins, not 2: 14 chunks, not 28). The rule is the same whether or not one position fits the
+index in chunks of the budget. The rule is the same whether or not one position fits the
 budget alone, so more budget never means more chunks (where chunks of the budget alone
 were taken once one position fit it, MsDeformAttn's 300 queries ran in 300 chunks at
 512 KiB, in 17 at 256 KiB). The allowance is what the bound, 4 x (inputs + outputs) + the
@@ -76,13 +75,13 @@ def _rule(n, n2, volumes, itemsize, inputs, outputs, budget, held, target):
     if held <= budget or n * n2 <= 1:
         return None
     io = inputs + itemsize * sum(int(np.prod(v)) for v in outputs)
-    room = budget + QUARTERS[target] * io // 4  # what the target's allowance holds
-    if held <= (budget + 3 * io) * n:  # one outer position within the bound: whole ones
+    if held <= (budget + 3 * io) * n:  # one outer position within the bound: whole ones,
+        room = budget + QUARTERS[target] * io // 4  # as many as the target's allowance holds
         c = max(1, min(n, room * n // held))
         if target == "jax":
             c = max(d for d in range(1, c + 1) if n % d == 0)
         return n, c, n2, n2
-    return n, 1, n2, max(1, min(n2, room * n * n2 // held))  # split along the inner index
+    return n, 1, n2, max(1, budget * n * n2 // held)  # split along the inner index
 
 
 def _chunks(plan) -> int:
