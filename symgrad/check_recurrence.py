@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .check import Sizes, plan_sizes, with_lets
+from .check import Sizes, compared_only, plan_sizes, with_lets
 from .errors import SymgradError
 from .model import build
 from .recurrence import is_recurrence, plan
@@ -48,6 +48,7 @@ class Program:
     attrs: tuple[tuple[str, str], ...]
     source: str
     index_inputs: tuple[str, ...] = ()
+    compared: tuple[str, ...] = ()  # inputs the step reads only in == and != (compared_only)
 
 
 def program(op: OpSpec) -> Program:
@@ -61,7 +62,10 @@ def program(op: OpSpec) -> Program:
         groups = [(_Index(g[0].name.rstrip("'")),) for g in out.groups]
         groups.insert(axes[name], (_Index(scan.index),))
         outputs.append(_Output(_Level(name), tuple(groups)))
-    return Program(scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source)
+    compared = tuple(name for name in compared_only(step) if name in scan.inputs)
+    return Program(
+        scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source, compared=compared
+    )
 
 
 def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | None = None) -> Sizes:
