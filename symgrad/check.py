@@ -591,12 +591,14 @@ def parse_sizes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
     return found
 
 
-def compared_only(program: Program) -> tuple[str, ...]:
+def compared_only(program) -> tuple[str, ...]:
     """The float inputs read only inside `==` or `!=` (segment ids kept as floats, as in
     `where(seg[m] == seg[n], ...)`). Random reals are never equal, so a check that drew
     them would never take the `==` branch and would pass a kernel that gets the segments
     wrong: they are drawn as small integers instead, so equal values occur. Their gradient
     is 0 and a difference step would break the ties, so the gradient check leaves them."""
+    if not isinstance(program, Program):  # a recurrence's: found on its step's program
+        return program.compared
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     compared: set[str] = set()
     elsewhere: set[str] = set()
