@@ -259,35 +259,6 @@ def test_jax_step_of_mmd_with_a_bandwidth_per_batch_stays_within_the_bound(budge
     assert tiled <= bound, (tiled, bound)
 
 
-def test_jax_parts_centre_every_chunk_on_the_same_points(tmp_path):
-    """The MMD's parts read a chunk's rows of x (or z) gathered beside the whole input,
-    and centre the pairwise expansion on the mean of the whole input, not of the chunk's
-    rows: the centre and the whole set shifted by it are then the same at every chunk, so
-    XLA computes them once outside the chunk loop (a step at 2 rows a chunk: 98 -> 38 ms,
-    untiled 24 ms). Chunks at different starts save the same centre, and each chunk's
-    sum equals NumPy's over its rows."""
-    jnp = pytest.importorskip("jax.numpy")
-    from frameworks import _enable_x64
-
-    _enable_x64()  # float64 sums, compared at 1e-12
-    module = generate(REAL["mmd_rbf"], tmp_path, prefix="MmdCentre3", target="jax")
-    rng = np.random.default_rng(1)
-    x = rng.uniform(0.5, 1.5, (2, 9, 3))
-    s = rng.uniform(0.5, 1.5, (2,))
-    centres = []
-    for start in (0, 3, 6):
-        (y,), saved = module._part0_chunk_compute(
-            jnp.asarray(x), jnp.asarray(s), tile_start=start, tile_length=3
-        )
-        centres.append(np.asarray(saved[1]))
-        rows = x[:, start : start + 3]
-        d2 = ((rows[:, :, None] - x[:, None]) ** 2).sum(-1) / s[:, None, None]
-        np.testing.assert_allclose(np.asarray(y), np.exp(-d2).sum((1, 2)) / 81, rtol=1e-12)
-    np.testing.assert_allclose(centres[0], x.mean(1), rtol=1e-12)
-    for centre in centres[1:]:
-        np.testing.assert_array_equal(centre, centres[0])
-
-
 def test_jax_plan_takes_chunks_that_divide_the_count(tmp_path):
     """A shorter last chunk runs apart from JAX's chunk loop, and XLA gives it buffers of
     its own beside the loop's (the MMD's step in chunks of 16 rows of 1,000 and 700
