@@ -232,7 +232,9 @@ def check_sizes(program, indices: dict[str, int], ints: dict[str, int]) -> dict:
     """Sizes `symgrad check` gives axes read at split positions, from the sizes of the
     indices they split (name -> size) and int attrs (`_int_G` -> value): `(h, r)` the
     product, `c % G` G, `c // G` the rows c reads, and for a let G (not known before the
-    sizes are) the smallest divisor > 1 of c's size, so that c's size over it is whole."""
+    sizes are) the smallest divisor > 1 of c's size, so that c's size over it is whole.
+    The same for an index tensor read at a split position inside another read's position
+    (mmcv's tin_shift, `x[b, t + shift[b, c // CG], c, hw]`)."""
     found: dict = {}
     for level in program.intermediates:
         gather = level.gather
@@ -242,6 +244,12 @@ def check_sizes(program, indices: dict[str, int], ints: dict[str, int]) -> dict:
             size = _check_size(gather.positions[axis], indices, ints)
             if size is not None:
                 found.setdefault((gather.source, axis), size)
+        for position in gather.positions:
+            for read in sorted(position.atoms(sp.Indexed), key=str):
+                for axis, inner in enumerate(read.indices):
+                    size = _check_size(inner, indices, ints)
+                    if size is not None:
+                        found.setdefault((str(read.base), axis), size)
     return found
 
 
