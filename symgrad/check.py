@@ -974,13 +974,8 @@ def _adjoint_test(program, target: Target, arrays, dtype, rng) -> Result:
     differentiation of the op, per input that has a gradient, median over DIRECTIONS
     directions."""
     tolerance = GRADIENT_TOL[dtype]
-    inputs = [
-        k
-        for k, name in enumerate(program.inputs)
-        if name not in program.index_inputs
-        and name not in program.no_gradient
-        and name not in compared_only(program)
-    ]
+    skipped = {*program.index_inputs, *program.no_gradient, *compared_only(program)}
+    inputs = [k for k, name in enumerate(program.inputs) if name not in skipped]
     if not inputs:
         return Result("gradient", None, detail="no input has a gradient")
     worst, worst_input, worst_ratio = 0.0, inputs[0], 1.0
