@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import finite_once, ir, tile_once
+from . import finite_once, ir, tile_hoist, tile_once
 from .targets import TARGETS, Target
 from .targets.printer import Printer
 
@@ -107,9 +107,40 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
                 module.tiling.output_axes if module.tiling else (), module.output_axes
             ),
             finite_checks=checks,
+            hoist=_hoist(module, chosen) if checks is None else None,
             **nest,
         )
     )
+
+
+def _hoist(module: ir.Module, target) -> dict | None:
+    """The chunk-invariant work of a nested tiling's one program, per block (`tile_hoist`:
+    PyTorch's), or None."""
+    tiling = module.tiling
+    if (
+        target.template != "pytorch.py.j2"
+        or tiling is None
+        or tiling.program is None
+        or tiling.inner is None
+        or tiling.deeper
+        or tiling.parts
+        or tiling.stages
+        or not tile_once.program_recomputes(module)
+    ):
+        return None
+    from .targets.pytorch import is_python
+
+    levels = (tiling, tiling.inner)
+    names = {n for level in levels for n in (level.start, level.length) if n}
+    cut = {x for level in levels for x, _ in level.sliced}
+    variant = names | {f"_int_{n}" for n in names} | cut
+    program = tiling.program
+    forward = tile_hoist.split(program.forward, variant, is_python, program.saved)
+    chunk = {*program.grads, *program.outputs, *program.saved}
+    backward = tile_hoist.split(program.backward, variant | chunk, is_python)
+    if forward is None and backward is None:
+        return None
+    return {"forward": forward, "backward": backward}
 
 
 def tile_nest_context(module: ir.Module) -> dict:

@@ -217,16 +217,24 @@ class PyTorchPrinter(Printer):
 
     # -- function bodies ----------------------------------------------------------------
 
-    def body(self, block: ir.Block, m: ir.Module, kind: str, raw: tuple[str, ...] = ()) -> str:
+    def body(
+        self, block: ir.Block, m: ir.Module, kind: str, raw: tuple[str, ...] = (), once=None
+    ) -> str:
         """The statements of `_compute` (kind "forward"), `_recompute`, `_backward` or a
         tiling's size block ("sizes"), indented, without the steps and prelude lines
         nothing reads. Int attrs in `raw` (a chunk's position in the loop) are taken as
-        they come, unchecked."""
+        they come, unchecked. `once`, (`tile_hoist.Hoist`, the call computing its names):
+        its invariant steps are not printed, their values come as `_once` (else from the
+        call), before anything else."""
+        skip: frozenset[str] = frozenset()
+        if once is not None:
+            block, skip = once[0].block, once[0].once
         roots = {
             "forward": (*m.outputs, *m.saved),
             "recompute": m.saved,
             "backward": tuple(r for r in block.returns if r),
             "sizes": tuple(r for r in block.returns if r),
+            "once": tuple(r for r in block.returns if r),
         }[kind]
         numbers: set[str] = set()
         bools: set[str] = set()
@@ -240,7 +248,7 @@ class PyTorchPrinter(Printer):
         live = set(roots)
         kept: list[tuple[ir.Assign, str]] = []
         for step in reversed(block.steps):
-            if step.target not in live:
+            if step.target not in live or step.target in skip:
                 continue
             text = self.code(step.value)
             live.discard(step.target)
@@ -252,6 +260,10 @@ class PyTorchPrinter(Printer):
             kept = self.overwriting(kept, block.returns if backward else roots, backward)
         reference = m.value_inputs[0]
         lines = []
+        if once is not None:
+            names = once[0].names
+            unpacked = ", ".join(names) + ("," if len(names) == 1 else "")
+            lines.append(f"({unpacked}) = _once if _once is not None else {once[1]}")
         if kind == "backward" and len(m.grads) > 1:
             # An output nothing downstream reads may come without a gradient.
             for grad, output in zip(m.grads, m.outputs, strict=True):
@@ -310,9 +322,9 @@ class PyTorchPrinter(Printer):
         self.owned, self.overwrite_on = frozenset(), False
         return [(step, texts[step.target]) for step, _ in kept]
 
-    def code(self, e, module: ir.Module | None = None, kind: str = "", raw=()) -> str:
+    def code(self, e, module: ir.Module | None = None, kind: str = "", raw=(), once=None) -> str:
         if isinstance(e, ir.Block):
-            return self.body(e, module, kind, tuple(raw))
+            return self.body(e, module, kind, tuple(raw), once)
         if self.overwrite_on and isinstance(e, ir.Binary | ir.Negate | ir.Call):
             spelled = torch_overwrite.spell(e, self, self.owned)
             if spelled is not None:
