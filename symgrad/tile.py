@@ -35,6 +35,7 @@ import sympy as sp
 from . import functions as fn
 from . import ir, output_temps, patterns, sampled_temps, splits
 from .indexing import IOTA
+from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
 from .segment_forms import segment_extremum, ties_at_rows
@@ -69,6 +70,11 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
+    sizes = size_sources(program)
+
+    def same(i: Index, k: Index) -> bool:
+        return same_size(sizes, i, k)
+
     for level in levels:
         if level.name in kernels:
             continue
@@ -80,7 +86,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
                     found.append((*level.indices, *term.summed))  # else a segment kernel's
                 continue
             allowed = {*level.indices, *term.summed}
-            prefix = prefix_sum_form(term.expr, term.summed, level.indices) is not None
+            prefix = prefix_sum_form(term.expr, term.summed, level.indices, same) is not None
             found += [
                 _indices_of(f, allowed)
                 for f in _materialized(term.expr, program.index_inputs, prefix)

@@ -213,12 +213,12 @@ class Kernels:
         return total, tuple(i if j == k else j for j in axes)
 
 
-def prefix_sum_form(e: sp.Expr, summed, out, same_size=None):
+def prefix_sum_form(e: sp.Expr, summed, out, same_size):
     """`(k, i, op, rest)` when the product `e`, summed over `summed` into `out`, is a
     prefix sum `Σ_k where(k op i, rest, 0)`: its one mask (a `where` with 0 else)
     relates a summed index k and an index i of `out` that is not summed, `<=` (`<`:
     exclusive; `>=`, `>`: reversed; `op` reads as `k op i`), and the rest of the product
-    reads k and not i; k and i have one size (`same_size(i, k)`; None: not compared).
+    reads k and not i; k and i have one size (`same_size(i, k)`).
     Else None. Lowering computes it as a `cumsum` (`Kernels.prefix_sum`), so tiling
     counts no mask of it (`tile._materialized`)."""
     factors = sp.Mul.make_args(e)
@@ -242,8 +242,6 @@ def prefix_sum_form(e: sp.Expr, summed, out, same_size=None):
     else:
         return None
     rest = mask.args[1] * sp.Mul(*[f for f in factors if f is not mask])
-    if i in _index_set(rest) or k not in _index_set(rest):
-        return None
-    if same_size is not None and not same_size(i, k):
+    if i in _index_set(rest) or k not in _index_set(rest) or not same_size(i, k):
         return None
     return k, i, op, rest
