@@ -591,45 +591,16 @@ def parse_sizes(ops: tuple[OpSpec, ...], given: list[str]) -> dict[str, dict]:
     return found
 
 
-def compared_only(program) -> tuple[str, ...]:
-    """The float inputs read only inside `==` or `!=` (segment ids kept as floats, as in
-    `where(seg[m] == seg[n], ...)`). Random reals are never equal, so a check that drew
-    them would never take the `==` branch and would pass a kernel that gets the segments
-    wrong: they are drawn as small integers instead, so equal values occur. Their gradient
-    is 0 and a difference step would break the ties, so the gradient check leaves them."""
-    if not isinstance(program, Program):  # a recurrence's: found on its step's program
-        return program.compared
-    levels = [*program.intermediates, *(o.level for o in program.outputs)]
-    compared: set[str] = set()
-    elsewhere: set[str] = set()
-    for level in levels:
-        if level.gather is not None:
-            elsewhere.add(level.gather.source)
-            for position in level.gather.positions:
-                elsewhere |= {str(a.base) for a in position.atoms(sp.Indexed)}
-        for term in level.terms:
-            relations = term.expr.atoms(sp.Eq, sp.Ne)
-            for relation in relations:
-                compared |= {str(a.base) for a in relation.atoms(sp.Indexed)}
-            rest = term.expr.xreplace({r: sp.Dummy() for r in relations})
-            elsewhere |= {str(a.base) for a in rest.atoms(sp.Indexed)}
-    return tuple(
-        name
-        for name in program.inputs
-        if name in compared and name not in elsewhere and name not in program.index_inputs
-    )
-
-
 def _random_inputs(program: Program, sizes: Sizes, dtype: str, rng, *, positive: bool):
     arrays = {}
-    ids = compared_only(program)
+    ids = program.compared
     for name in program.inputs:
         shape = sizes.shapes[name]
         if name in program.index_inputs:
             low, high = sizes.index_values.get(name, (0, 1))
             arrays[name] = rng.integers(low, high, shape)
         elif name in ids:
-            # few distinct values, so that equal ones occur (see compared_only)
+            # few distinct values, so that equal ones occur (see compared.py)
             arrays[name] = rng.integers(0, 3, shape).astype(dtype) + (1 if positive else 0)
         elif positive:
             arrays[name] = rng.uniform(0.5, 1.5, shape).astype(dtype)
@@ -932,7 +903,7 @@ def _check_op(program, target: Target, sizes: Sizes, dtype, rng):
     """The forward and gradient checks of one op."""
     notes = []
     results = []
-    if ids := compared_only(program):
+    if ids := program.compared:
         notes.append(
             f"{', '.join(ids)} drawn from 0..2 (read only in == and !=, so that equal values "
             "occur), with no gradient to check"
@@ -974,7 +945,7 @@ def _adjoint_test(program, target: Target, arrays, dtype, rng) -> Result:
     differentiation of the op, per input that has a gradient, median over DIRECTIONS
     directions."""
     tolerance = GRADIENT_TOL[dtype]
-    skipped = {*program.index_inputs, *program.no_gradient, *compared_only(program)}
+    skipped = {*program.index_inputs, *program.no_gradient, *program.compared}
     inputs = [k for k, name in enumerate(program.inputs) if name not in skipped]
     if not inputs:
         return Result("gradient", None, detail="no input has a gradient")

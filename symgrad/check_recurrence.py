@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .check import Sizes, compared_only, plan_sizes, with_lets
+from .check import Sizes, plan_sizes, with_lets
 from .composite_states import shape_of
 from .errors import SymgradError
 from .model import build
@@ -49,7 +49,7 @@ class Program:
     attrs: tuple[tuple[str, str], ...]
     source: str
     index_inputs: tuple[str, ...] = ()
-    compared: tuple[str, ...] = ()  # inputs the step reads only in == and != (compared_only)
+    compared: tuple[str, ...] = ()  # inputs the step reads only in == and != (compared.py)
 
 
 def program(op: OpSpec) -> Program:
@@ -63,7 +63,7 @@ def program(op: OpSpec) -> Program:
         groups = [tuple(_Index(i.name.rstrip("'")) for i in g) for g in out.groups]
         groups.insert(axes[name], (_Index(scan.index),))
         outputs.append(_Output(_Level(name), tuple(groups)))
-    compared = tuple(name for name in compared_only(step) if name in scan.inputs)
+    compared = tuple(name for name in step.compared if name in scan.inputs)
     return Program(
         scan.inputs, scan.no_gradient, tuple(outputs), op.attrs, op.source, compared=compared
     )

@@ -23,6 +23,7 @@ import sympy as sp
 from . import functions as fn
 from . import indexing, internals, lets, logaddexp, sampling, splits
 from . import lookups as lookups_
+from .compared import compared_only
 from .errors import SymgradError
 from .indexing import Gather
 from .parse import (
@@ -129,6 +130,11 @@ class Program:
     def size_source(self, index: Index) -> tuple[str, int]:
         """An (input, axis) whose size is the size of `index`."""
         return dict(self.dims)[index][0]
+
+    @property
+    def compared(self) -> tuple[str, ...]:
+        """The float inputs read only in `==` and `!=` (`compared.py`)."""
+        return compared_only(self)
 
 
 def tensor(name: str) -> sp.IndexedBase:

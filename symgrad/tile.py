@@ -35,6 +35,8 @@ import sympy as sp
 from . import functions as fn
 from . import ir, output_temps, patterns, sampled_temps, splits
 from .indexing import IOTA
+from .lower.common import same_size, size_sources
+from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
 from .segment_forms import segment_extremum, ties_at_rows
 from .spec import OpSpec
@@ -68,6 +70,11 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
+    sizes = size_sources(program)
+
+    def same(i: Index, k: Index) -> bool:
+        return same_size(sizes, i, k)
+
     for level in levels:
         if level.name in kernels:
             continue
@@ -79,9 +86,10 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
                     found.append((*level.indices, *term.summed))  # else a segment kernel's
                 continue
             allowed = {*level.indices, *term.summed}
+            prefix = prefix_sum_form(term.expr, term.summed, level.indices, same) is not None
             found += [
                 _indices_of(f, allowed)
-                for f in _materialized(term.expr, program.index_inputs, term.summed)
+                for f in _materialized(term.expr, program.index_inputs, prefix)
             ]
     sampled = sampled_temps.sets(program)
     found += sampled
@@ -167,15 +175,16 @@ def _one_window(program: Program, reads: dict[str, list[list[ast.AST]]]):
     return window
 
 
-def _materialized(expr: sp.Expr, ids: tuple[str, ...], summed=()) -> list[sp.Expr]:
+def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> list[sp.Expr]:
     """The factors of a product that lowering computes as tensors of their own: not plain
     reads (einsum operands), not polynomials (expanded), and not a mask comparing two
-    indices (a prefix sum) or an index tensor with an index (a segment sum,
-    `lower/segments.py`): its value instead. A mask of indices that a prefix sum does not
-    take (`where(s < r and r <= t, A[b,r,h], 0)` summed over r: Mamba-2's segsum; or
-    `where(s <= t, X[b,s,h,p], 0)` times a factor over t) is a `where` over its value's
-    indices and the mask's ([b,r,h,s,t]; [b,s,h,p,t]): that tensor too (no larger than
-    an input where the mask adds no index)."""
+    indices when the product is a prefix sum (`prefix`: `lower.kernels.prefix_sum_form`)
+    or an index tensor with an index (a segment sum, `lower/segments.py`): its value
+    instead. A mask of indices that a prefix sum does not take (`where(s < r and r <= t,
+    A[b,r,h], 0)` summed over r: Mamba-2's segsum; or `where(s <= t, X[b,s,h,p], 0)`
+    times a factor over t) is a `where` over its value's indices and the mask's
+    ([b,r,h,s,t]; [b,s,h,p,t]): that tensor too (no larger than an input where the mask
+    adds no index)."""
     found = []
     factors = sp.Mul.make_args(expr)
     for factor in factors:
@@ -191,31 +200,13 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...], summed=()) -> list[sp.Exp
             and (_on_indices(factor.args[0]) or _segment(factor.args[0], ids))
         ):
             found += _materialized(factor.args[1], ids)
-            if _on_indices(factor.args[0]) and not _prefix_sum(factor, factors, summed):
+            if _on_indices(factor.args[0]) and not prefix:
                 found.append(factor)
             continue
         if factor.is_polynomial(*accesses(factor)):
             continue
         found.append(factor)
     return found
-
-
-def _prefix_sum(mask: fn.select, factors, summed) -> bool:
-    """Whether `mask`, `where(k <= i, ..)` in a product `factors` summed over `summed`, is
-    the lowering's prefix sum (`lower/kernels.py`, `prefix_sum`): one relation between a
-    summed index k and one i that is not summed and that no other factor reads."""
-    cond = mask.args[0]
-    if not isinstance(cond, (sp.StrictLessThan, sp.LessThan, sp.StrictGreaterThan, sp.GreaterThan)):
-        return False
-    if not all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in cond.args):
-        return False
-    left, right = (a.indices[0] for a in cond.args)
-    rest = {i for f in factors if f is not mask for i in f.free_symbols} | set(
-        mask.args[1].free_symbols
-    )
-    return any(
-        k in summed and i not in summed and i not in rest for k, i in ((left, right), (right, left))
-    )
 
 
 def _segment(condition: sp.Expr, ids: tuple[str, ...]) -> bool:

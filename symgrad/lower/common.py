@@ -100,6 +100,29 @@ class _Body:
         return target
 
 
+def size_sources(program: Program) -> dict[Index, tuple[str, int] | sp.Expr]:
+    """Where each index's size can be read: index -> (input, axis), or an integer
+    expression (an extent: from `ranges`, or inferred)."""
+    found: dict[Index, tuple[str, int] | sp.Expr] = {
+        index: sources[0] for index, sources in program.dims if sources
+    }
+    for index, extent in program.extents:
+        found.setdefault(index, extent)
+    return found
+
+
+def same_size(size_of: dict, i: Index, k: Index) -> bool:
+    """Whether two indices are known to have the same size (`size_of`: `size_sources`)."""
+
+    def key(index):
+        source = size_of.get(index)
+        if isinstance(source, tuple):
+            return indexing.shape_symbol(*source)
+        return source
+
+    return key(i) is not None and key(i) == key(k)
+
+
 def _plain(name: str) -> str:
     return name.replace("'", "_")
 

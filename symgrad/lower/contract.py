@@ -8,7 +8,7 @@ from __future__ import annotations
 import opt_einsum
 import sympy as sp
 
-from .. import indexing, ir
+from .. import ir
 from ..model import Index, tensor
 from .common import (
     MAX_BROADCAST_RANK,
@@ -23,6 +23,7 @@ from .common import (
     _word,
     align,
     reduction,
+    same_size,
 )
 
 
@@ -84,14 +85,7 @@ class Contraction:
 
     def same_size(self, i: Index, k: Index) -> bool:
         """Whether two indices are known to have the same size."""
-
-        def key(index):
-            source = self.size_of.get(index)
-            if isinstance(source, tuple):
-                return indexing.shape_symbol(*source)
-            return source
-
-        return key(i) is not None and key(i) == key(k)
+        return same_size(self.size_of, i, k)
 
     def centered(self, body: _Body, factor: sp.Expr) -> sp.Expr | None:
         """A translation-invariant polynomial (`(x[b,i,k] - z[b,j,k])**2`) over points

@@ -189,33 +189,14 @@ class Kernels:
 
     def prefix_sum(self, body, e, summed, out, eyes):
         """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n
-        mask. Also `<` (exclusive) and `>=`, `>` (reversed); the gradient of a prefix sum
-        is a reversed one, so the same rule serves the backward pass."""
+        mask (`prefix_sum_form`). The gradient of a prefix sum is a reversed one, so the
+        same rule serves the backward pass."""
         if eyes:
             return None
-        factors = sp.Mul.make_args(e)
-        masks = [f for f in factors if isinstance(f, fn.select) and f.args[2] == 0]
-        if len(masks) != 1:
+        form = prefix_sum_form(e, summed, out, self.same_size)
+        if form is None:
             return None
-        (mask,) = masks
-        cond = mask.args[0]
-        if type(cond) not in RELATIONS or RELATIONS[type(cond)] in ("==", "!="):
-            return None
-        sides = cond.args
-        if not all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in sides):
-            return None
-        left, right = (a.indices[0] for a in sides)
-        op = RELATIONS[type(cond)]
-        if left in summed and right in out and right not in summed:
-            k, i = left, right
-        elif right in summed and left in out and left not in summed:
-            k, i = right, left
-            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
-        else:
-            return None
-        rest = mask.args[1] * sp.Mul(*[f for f in factors if f is not mask])
-        if i in _index_set(rest) or k not in _index_set(rest) or not self.same_size(i, k):
-            return None
+        k, i, op, rest = form
         out_k = tuple(k if j == i else j for j in out)
         inner = tuple(j for j in summed if j != k)
         value, axes = self.contract(body, rest, inner, out_k, ())
@@ -230,3 +211,37 @@ class Kernels:
             keywords.append(("reverse", ir.Lit("True")))
         total = ir.Call("cumsum", (value,), tuple(keywords))
         return total, tuple(i if j == k else j for j in axes)
+
+
+def prefix_sum_form(e: sp.Expr, summed, out, same_size):
+    """`(k, i, op, rest)` when the product `e`, summed over `summed` into `out`, is a
+    prefix sum `Σ_k where(k op i, rest, 0)`: its one mask (a `where` with 0 else)
+    relates a summed index k and an index i of `out` that is not summed, `<=` (`<`:
+    exclusive; `>=`, `>`: reversed; `op` reads as `k op i`), and the rest of the product
+    reads k and not i; k and i have one size (`same_size(i, k)`).
+    Else None. Lowering computes it as a `cumsum` (`Kernels.prefix_sum`), so tiling
+    counts no mask of it (`tile._materialized`)."""
+    factors = sp.Mul.make_args(e)
+    masks = [f for f in factors if isinstance(f, fn.select) and f.args[2] == 0]
+    if len(masks) != 1:
+        return None
+    (mask,) = masks
+    cond = mask.args[0]
+    if type(cond) not in RELATIONS or RELATIONS[type(cond)] in ("==", "!="):
+        return None
+    sides = cond.args
+    if not all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in sides):
+        return None
+    left, right = (a.indices[0] for a in sides)
+    op = RELATIONS[type(cond)]
+    if left in summed and right in out and right not in summed:
+        k, i = left, right
+    elif right in summed and left in out and left not in summed:
+        k, i = right, left
+        op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+    else:
+        return None
+    rest = mask.args[1] * sp.Mul(*[f for f in factors if f is not mask])
+    if i in _index_set(rest) or k not in _index_set(rest) or not same_size(i, k):
+        return None
+    return k, i, op, rest

@@ -19,6 +19,7 @@ from .common import (
     align,
     integer,
     reduction,
+    size_sources,
 )
 from .contract import Contraction
 from .gathers import Gathers
@@ -51,11 +52,7 @@ class Lowerer(
         self.backward = backward
         # Where each index's size can be read: index -> (input, axis), or an integer
         # expression (an extent: from `ranges`, or inferred).
-        self.size_of: dict[Index, tuple[str, int] | sp.Expr] = {
-            index: sources[0] for index, sources in program.dims if sources
-        }
-        for index, extent in program.extents:
-            self.size_of.setdefault(index, extent)
+        self.size_of: dict[Index, tuple[str, int] | sp.Expr] = size_sources(program)
         self.levels: dict[str, Level] = {lv.name: lv for lv in program.intermediates}
         for output in program.outputs:
             self.levels[output.level.name] = output.level
