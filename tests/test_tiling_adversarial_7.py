@@ -12,8 +12,10 @@ Each is checked against a NumPy transcription of its kernel, against TF float64 
 over the reference evaluator and finite differences (harness.check), in chunks against the
 untiled module (`adversarial.chunks_equal_the_untiled_module`), in float32 with logits in
 the hundreds, at ties (samples exactly on pixels and on the clamps, a global key inside
-the window), on empty axes, under tf.function with unknown sizes, and a training step's
-peak where the untiled step is over the bound.
+the window), on empty axes, under tf.function with unknown sizes, and the dynamicconv
+layer's training-step peak (no plan: a strict xfail with its measurement). Longformer's
+step at 1,024 tokens was within the bound in chunks (2.5 MB against 3.8 MB; 107 MB
+untiled) but took minutes, so it is not pinned here.
 """
 
 from __future__ import annotations
@@ -424,7 +426,7 @@ def test_deform_roi_pool_samples_on_pixels_and_on_the_clamps(target, tmp_path):
 
 def test_longformer_global_key_inside_a_window_is_counted_once(tmp_path):
     """A global key inside a local query's window enters its softmax once (through the
-    global column; mmcv-free: transformers masks it out of the window): with every score
+    global column; transformers masks it out of the window): with every score
     equal, a local row's output is the plain mean of v over its window and the global
     keys, the global key counted once."""
     case = REAL["longformer_global"]
