@@ -54,6 +54,8 @@ def _weights_mask(name: str, steps: dict[str, ir.Expr]) -> ir.Expr | None:
     """The condition that keeps a position, when step `name` is `softmax(where(c, s,
     -inf))` (or the mirror `where(c, -inf, s)`: kept where c does not hold); else None."""
     value = steps.get(name)
+    if _guarded(value):  # lower/pointwise.py's empty_rows_weigh_nothing: 0 where all masked
+        return _weights_mask(value.args[1].name, steps)
     if not (isinstance(value, ir.Call) and value.function == "softmax"):
         return None
     (operand,) = value.args
@@ -67,6 +69,18 @@ def _weights_mask(name: str, steps: dict[str, ir.Expr]) -> ir.Expr | None:
     if _is_neg_inf(then):
         return ir.Call("logical_not", (cond,))
     return None
+
+
+def _guarded(value: ir.Expr | None) -> bool:
+    """`where(is_finite(..), weights, zeros_like(weights))`: a step's weights with the rows
+    that are all -inf set to 0."""
+    return (
+        isinstance(value, ir.Call)
+        and value.function == "where"
+        and isinstance(value.args[0], ir.Call)
+        and value.args[0].function == "is_finite"
+        and isinstance(value.args[1], ir.Var)
+    )
 
 
 def _is_neg_inf(e: ir.Expr) -> bool:

@@ -304,6 +304,18 @@ class Pointwise:
         value = ir.Binary("+", ir.Call("log", (ir.Var(total),)), ir.Var(peak))
         return ir.Call("squeeze", (value,), (("axis", ir.Lit("-1")),))
 
+    def empty_rows_weigh_nothing(self, body: _Body, operand: ir.Expr, weights: str) -> str:
+        """The gradient's softmax weights of masked logits, 0 in a row that is all -inf
+        (every entry masked) where the softmax is 0 / 0 = nan: that row's log-sum-exp is
+        -inf, and a term added to it (`log(sum(where(.., exp(u), 0), k) + sum(exp(s),
+        j))`, Longformer's window beside its global keys) leaves the result finite and
+        the row's cotangent exactly 0, so nan * 0 put nan into a gradient whose value is
+        0. The forward keeps the softmax as it is (a masked mean of nothing is 0 / 0)."""
+        last = (("axis", ir.Lit("-1")), ("keepdims", ir.Lit("True")))
+        keep = ir.Call("is_finite", (ir.Call("reduce_max", (operand,), last),))
+        zeros = ir.Call("zeros_like", (ir.Var(weights),))
+        return body.bind(ir.Call("where", (keep, ir.Var(weights), zeros)))
+
     def softmax(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr | None:
         """`exp(u - L)` with `L = log Σ_m exp(u)`: one fused `tf.nn.softmax(u)` over m.
 
@@ -331,6 +343,8 @@ class Pointwise:
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
                 weights = body.bind(ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),)))
+                if logits.has(fn.NEG_INF) and body.stem == "_t":  # masked, in the backward
+                    weights = self.empty_rows_weigh_nothing(body, operand, weights)
                 return self.align(body, ir.Var(weights), order, target)
         return None
 
