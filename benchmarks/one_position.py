@@ -157,7 +157,7 @@ def one_position(folder: Path, spec_file: str, op_name: str, shapes, ints, attrs
     module._plan2 = plan2
     module._plan_deeper = plan_deeper
     module._tile_plan(*[tf.constant(a) for a in arrays], **attrs)
-    held = module._HELD * seen["itemsize"] * sum(_product(v) for v in seen["volumes"])
+    held = module._HELD * sum((v[0] or seen["itemsize"]) * _product(v[1:]) for v in seen["volumes"])
     tiling = compile_op(op).tiling
     n, n2 = int(seen["n"]), int(seen.get("n2", 1))
     inner = tiling.inner.index if tiling.inner else "-"

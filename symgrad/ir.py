@@ -332,10 +332,20 @@ class Tiling:
     # Levels below `inner`, outermost first (`tile_nest`): where one position of `index` and
     # `inner.index` still holds more than the budget, each such chunk runs in chunks of these.
     deeper: tuple[Inner, ...] = ()
+    # Per volume, the bytes of its items: 0 for the values' itemsize, 8 for a sampled
+    # read's int64 corner positions (`sampled_temps.widths`); empty: every volume is values.
+    widths: tuple[int, ...] = ()
 
     def cut_axis(self, name: str) -> int | None:
         """The axis along which input `name` is cut to the chunk, or None (read whole)."""
         return dict(self.sliced).get(name)
+
+    @property
+    def held_volumes(self) -> tuple[tuple[str, ...], ...]:
+        """The volumes as the plan's `_held` reads them: each its items' bytes (0: the
+        values' itemsize) and then its sizes."""
+        widths = self.widths or (0,) * len(self.volumes)
+        return tuple((str(w), *v) for w, v in zip(widths, self.volumes, strict=True))
 
 
 @dataclass(frozen=True)

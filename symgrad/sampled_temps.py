@@ -7,6 +7,14 @@ assumes one per large temporary. So the read's index set is a large temporary ev
 is no larger than an output (grid_sample: the output's own size), and every large
 temporary that holds a sampled read's indices counts `WEIGHT` times in the plan's
 volumes, which keeps a chunk's step within the budget.
+
+The plan counts bytes, not items: of the `WEIGHT` tensors, the corners' positions (floor
+and floor + 1 of each floored coordinate, which every target holds as int64 and saves for
+the backward) are `POSITION_BYTES` each, twice a float32 item, and the rest the values'
+itemsize (`widths`). Counted as float32 items, DCNv2's row of 8 channels at 24 x 24 was
+estimated at 304 KB, within the bound less the inputs and outputs (455 KB at 32 KiB), and
+the step of whole rows held 1.28x the bound; counted by width, 507 KB, and the plan splits
+the row (tests/test_tiling_adversarial_6.py).
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from .model import Index, Program
 # 1 MiB holds 3.16, 1.77, 0.96, 1.04, 0.60 times its bound at 1, 2, 3, 4, 6; TensorFlow
 # and PyTorch 0.52 and 0.50 at 6; tests/test_memory_sampled_reads.py).
 WEIGHT = 6
+
+# The bytes of an integer position in any target: PyTorch and TensorFlow cast floors to
+# int64, JAX to its default int (int64 under x64): the widest is counted.
+POSITION_BYTES = 8
 
 
 def sets(program: Program) -> list[tuple[Index, ...]]:
@@ -35,5 +47,22 @@ def sets(program: Program) -> list[tuple[Index, ...]]:
 def weight(indices: tuple[Index, ...], program: Program) -> int:
     """How many times a large temporary over `indices` counts in the plan: `WEIGHT` when
     it holds a sampled read's indices, else once."""
+    return len(widths(indices, program))
+
+
+def widths(indices: tuple[Index, ...], program: Program) -> tuple[int, ...]:
+    """Per time a large temporary over `indices` counts in the plan, the bytes of its items:
+    0 for the values' itemsize, `POSITION_BYTES` for a corner's integer positions (two per
+    floored coordinate of the sampled reads it holds, at most `WEIGHT`)."""
     held = set(indices)
-    return WEIGHT if any(set(s) <= held for s in sets(program)) else 1
+    floored = [
+        sum(p.has(fn.floor_index) for p in level.gather.positions)
+        for level in program.intermediates
+        if level.gather is not None
+        and set(level.indices) <= held
+        and any(p.has(fn.floor_index) for p in level.gather.positions)
+    ]
+    if not floored:
+        return (0,)
+    positions = min(WEIGHT, 2 * max(floored))
+    return (0,) * (WEIGHT - positions) + (POSITION_BYTES,) * positions

@@ -545,6 +545,7 @@ def tiling(
         temporaries=tuple(
             "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
         ),
+        widths=tuple(w for b in choice.big for w in sampled_temps.widths(b, program)),
         count=size_of[index],
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,

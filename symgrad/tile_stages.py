@@ -265,7 +265,8 @@ def _sized(t: ir.Tiling, choice: Choice, stage: Program, whole: Program, backwar
         for b in choice.big
         for _ in range(sampled_temps.weight(b, stage))
     )
-    return replace(t, sizes=sizes, volumes=volumes, count=size_of[index])
+    widths = tuple(w for b in choice.big for w in sampled_temps.widths(b, stage))
+    return replace(t, sizes=sizes, volumes=volumes, widths=widths, count=size_of[index])
 
 
 def _sizes(choice: Choice, stage: Program, whole: Program, backward):

@@ -268,11 +268,11 @@ def test_jax_plan_takes_chunks_that_divide_the_count(tmp_path):
     sized on) are left to it. At 256 KiB every part of the MMD has chunks dividing it."""
     jnp = pytest.importorskip("jax.numpy")
     module = generate(REAL["mmd_rbf"], tmp_path, prefix="MmdDivide3", target="jax")
-    volumes, itemsize = ((2, 1000, 1000),), 4
+    volumes, itemsize = ((0, 2, 1000, 1000),), 4  # values' items (0), then sizes
     module.MAX_TEMP_BYTES = 11 * module._held(volumes, itemsize) // 1000  # 11 rows fit
     assert module._plan(1000, volumes, itemsize, dividing=False) == (1000, 11)
     assert module._plan(1000, volumes, itemsize) == (1000, 10)
-    assert module._plan(997, ((2, 997, 1000),), itemsize) == (997, 11)  # 997 is prime
+    assert module._plan(997, ((0, 2, 997, 1000),), itemsize) == (997, 11)  # 997 is prime
     rng = np.random.default_rng(0)
     shapes = {"x": (2, 1000, 3), "z": (2, 700, 3), "s": (2,)}
     xs = [jnp.asarray(rng.uniform(0.5, 1.5, shapes[n]), jnp.float32) for n in module.INPUTS]

@@ -4,8 +4,12 @@ While one position of the outer index is within the step's bound less the inputs
 outputs it holds anyway (MAX_TEMP_BYTES + 3 x (inputs + outputs)), a chunk takes as many
 whole outer positions as the target's allowance for a chunk holds (MAX_TEMP_BYTES +
 _ROOM_QUARTERS / 4 x (inputs + outputs)), at least one; else one, split along the inner
-index in chunks of the budget. The rule is the same whether or not one position fits the
-budget alone, so more budget never means more chunks (where chunks of the budget alone
+index in chunks of the same allowance (a chunk of roi_align_rotated's 7 x 7 bins at
+256 KiB takes 2 bins in PyTorch where chunks of the budget take 1: 28 chunks, not 49;
+DCNv2's row of 22 positions at 32 KiB, 8 channels of 24 x 24, runs in 2 chunks, not 22,
+at 0.90x the bound). The volumes count bytes: a sampled read's int64 corner positions 8
+bytes an item, the rest the values' itemsize. The rule is the same whether or not one
+position fits the budget alone, so more budget never means more chunks (where chunks of the budget alone
 were taken once one position fit it, MsDeformAttn's 300 queries ran in 300 chunks at
 512 KiB, in 17 at 256 KiB). The allowance is what the bound, 4 x (inputs + outputs) + the
 budget, leaves beside what a step holds besides its chunk, measured per target
@@ -71,17 +75,17 @@ TENSORS = {"tensorflow": tf.constant, "pytorch": torch.from_numpy, "jax": jnp.as
 def _rule(n, n2, volumes, itemsize, inputs, outputs, budget, held, target):
     """The plan as the docstring of `_plan2` states it, written out once here (JAX's
     whole positions in chunks of one size)."""
-    held = held * itemsize * sum(int(np.prod(v)) for v in volumes)
+    held = held * sum((v[0] or itemsize) * int(np.prod(v[1:])) for v in volumes)
     if held <= budget or n * n2 <= 1:
         return None
     io = inputs + itemsize * sum(int(np.prod(v)) for v in outputs)
-    if held <= (budget + 3 * io) * n:  # one outer position within the bound: whole ones,
-        room = budget + QUARTERS[target] * io // 4  # as many as the target's allowance holds
+    room = budget + QUARTERS[target] * io // 4  # what the target's allowance holds
+    if held <= (budget + 3 * io) * n:  # one outer position within the bound: whole ones
         c = max(1, min(n, room * n // held))
         if target == "jax":
             c = max(d for d in range(1, c + 1) if n % d == 0)
         return n, c, n2, n2
-    return n, 1, n2, max(1, budget * n * n2 // held)  # split along the inner index
+    return n, 1, n2, max(1, min(n2, room * n * n2 // held))  # split along the inner index
 
 
 def _chunks(plan) -> int:
@@ -106,8 +110,9 @@ def test_every_target_takes_several_whole_positions_within_its_allowance(modules
     for target, module in modules.items():
         monkeypatch.setattr(module, "MAX_TEMP_BYTES", budget)
         found = tuple(int(v) for v in module._tile_plan(*map(TENSORS[target], arrays)))
-        # six temporaries [b, l, q, m, p, d] = [2, 3, 300, 4, 5, 16]; out [2, 300, 4, 16]
-        volumes = ((2, 3, 300, 4, 5, 16),) * 6
+        # six temporaries [b, l, q, m, p, d] = [2, 3, 300, 4, 5, 16], two of them the int64
+        # corner positions of its one floored (flat) coordinate; out [2, 300, 4, 16]
+        volumes = ((0, 2, 3, 300, 4, 5, 16),) * 4 + ((8, 2, 3, 300, 4, 5, 16),) * 2
         want = _rule(300, 4, volumes, 4, io, ((2, 300, 4, 16),), budget, module._HELD, target)
         assert found == want, target
         assert 1 < found[1] < 300 and found[3] == 4, (target, found)
@@ -146,7 +151,7 @@ def test_jax_takes_several_positions_within_the_bound(modules, monkeypatch):
 # (n, n2, volumes, itemsize, inputs, outputs): each branch of the plan, and the edges
 # between them (an outer position within the budget, within the allowance, beyond it).
 SIZES = [
-    (n, n2, ((n, n2, 5), (n, 3)), 4, inputs, ((n2, 2),))
+    (n, n2, ((0, n, n2, 5), (8, n, 3)), 4, inputs, ((n2, 2),))
     for n, n2, inputs in itertools.product((1, 2, 7, 300), (1, 3, 64), (0, 10, 1000, 10**6))
 ]
 BUDGETS = (1, 64, 300, 4096, 2**16, 2**20)
@@ -168,7 +173,7 @@ def test_the_three_targets_plan_alike(modules, monkeypatch, held):
         plan2 = modules["tensorflow"]._plan2
         unknown = tf.function(
             lambda n, n2, inputs, plan2=plan2: plan2(
-                n, n2, ((n, n2, 5), (n, 3)), 4, inputs, ((n2, 2),)
+                n, n2, ((0, n, n2, 5), (8, n, 3)), 4, inputs, ((n2, 2),)
             ),
             input_signature=spec,
         )
@@ -206,7 +211,9 @@ def test_more_budget_never_means_more_chunks(modules, monkeypatch):
         for budget in budgets[::6]:
             monkeypatch.setattr(modules["tensorflow"], "MAX_TEMP_BYTES", budget)
             unknown = tf.function(
-                lambda n, n2, inputs: plan2(n, n2, ((n, n2, 5), (n, 3)), 4, inputs, ((n2, 2),)),
+                lambda n, n2, inputs: plan2(
+                    n, n2, ((0, n, n2, 5), (8, n, 3)), 4, inputs, ((n2, 2),)
+                ),
                 input_signature=spec,
             )
             found.append(
