@@ -455,9 +455,13 @@ def plan(op: OpSpec) -> CoupledPlan:
         outputs=tuple(outputs),
         state=stack,
         internal=True,
-        # the last axis of the carry stacks the states: its size is their number
-        state_axes=(*state_axes, (None, len(c.states))),
-        state_divisors=(*divisors, ()) if any(divisors) else (),
+        # several states are stacked along a last axis of the carry, its size their number;
+        # a single state is the carry itself (no axis of size 1, which XLA lays out apart
+        # and copies around its loops)
+        state_axes=(*state_axes, (None, len(c.states))) if len(c.states) > 1 else state_axes,
+        state_divisors=(
+            ((*divisors, ()) if len(c.states) > 1 else divisors) if any(divisors) else ()
+        ),
         length=length,
         depth=max(lags),
         depth_sizes=(),
@@ -488,26 +492,34 @@ _ZEROS = {"tensorflow": "tf.zeros_like", "pytorch": "torch.zeros_like", "jax": "
 def adapter(found: CoupledPlan, inner_inputs, inner_outputs, target: str) -> str:
     """The step functions `_compute` and `_backward` in the scan's convention (one stacked
     state) around the step op's `_coupled_compute` and `_coupled_backward` (one input per
-    past state read, one output per state)."""
+    past state read, one output per state). A single state is not stacked: the carry is
+    the state itself."""
     scan = found.scan
     step = scan.body
     stack, zeros = _STACK[target], _ZEROS[target]
+    single = len(found.states) == 1
     lag_of = {name: (s, lag) for s, lag, name in found.lags}
     params = [r.name for r in step.reads]
+
+    def part(name: str, j: int) -> str:  # state j of a stacked carry `name`
+        return name if single else f"{name}[..., {j}]"
+
     inner_args = []
     for n in inner_inputs:
         if n in lag_of:
             s, lag = lag_of[n]
-            inner_args.append(f"_lag{lag}[..., {found.states.index(s)}]")
+            inner_args.append(part(f"_lag{lag}", found.states.index(s)))
         else:
             inner_args.append(n)
     states = ", ".join(f"_outputs[{inner_outputs.index(s)}]" for s in found.states)
+    if not single:
+        states = f"{stack}([{states}], -1)"
     others = "".join(f", _outputs[{inner_outputs.index(o)}]" for o in step.outputs[1:])
     grads = []
     for o in inner_outputs:
         terms = []
         if o in found.states:
-            terms.append(f"_grad_0[..., {found.states.index(o)}]")
+            terms.append(part("_grad_0", found.states.index(o)))
         if o in step.outputs[1:]:
             terms.append(f"_grad_{step.outputs.index(o)}")
         grads.append(" + ".join(terms))
@@ -522,24 +534,34 @@ def adapter(found: CoupledPlan, inner_inputs, inner_outputs, target: str) -> str
             parts.append(
                 f"_found[{inner_inputs.index(name)}]"
                 if name is not None
-                else f"{zeros}({r.name}[..., {j}])"
+                else f"{zeros}({part(r.name, j)})"
             )
-        returns.append(f"{stack}([{', '.join(parts)}], -1)")
+        returns.append(parts[0] if single else f"{stack}([{', '.join(parts)}], -1)")
     outs = [f"_out_{k}" for k in range(len(step.outputs))]
+    if single:
+        compute_doc = "The step op's outputs, its state first (the carry)."
+        backward_doc = "The step op's vector-Jacobian product, its gradient of the past state last."
+    else:
+        compute_doc = (
+            "The step on the stacked states: unstacked into the step op's past states, its new\n"
+            "    states stacked along the last axis."
+        )
+        backward_doc = (
+            "The step op's vector-Jacobian product, its gradients of the past states stacked."
+        )
     gs = [f"_grad_{k}" for k in range(len(step.outputs))]
     args = ", ".join(inner_args)
     return f'''
 
 
 def _compute({", ".join(params)}, **_attrs):
-    """The step on the stacked states: unstacked into the step op's past states, its new
-    states stacked along the last axis."""
+    """{compute_doc}"""
     _outputs, _saved = _coupled_compute({args}, **_attrs)
-    return ({stack}([{states}], -1){others}), (_outputs, _saved)
+    return ({states}{others}), (_outputs, _saved)
 
 
 def _backward({", ".join([*params, *outs])}, _outputs, _saved, {", ".join(gs)}, **_attrs):
-    """The step op's vector-Jacobian product, its gradients of the past states stacked."""
+    """{backward_doc}"""
     _found = _coupled_backward(
         {args}, *_outputs, *_saved, {", ".join(grads)}, **_attrs
     )
@@ -578,9 +600,11 @@ def recurrence_lines(found: CoupledPlan, op: OpSpec) -> list[str]:
     states = ", ".join(found.states)
     lines = [f"Coupled recurrence along {t} ({way}; reads before the start read zero):"]
     lines += [f"  {f}" for f in op.formulas]
+    several = len(found.states) > 1
+    carry = f", stacked along a last axis ({scan.state})" if several else f" ({scan.state})"
     lines.append(
-        f"  computed by one scan whose state is {states}, stacked along a last axis "
-        f"({scan.state}); the step below at each position of {t}, where"
+        f"  computed by one scan whose state is {states}{carry}; the step below at each "
+        f"position of {t}, where"
     )
     for s, lag, name in found.lags:
         lines.append(f"    {name} is {s} at {t} {sign} {lag} (zero before the start)")
@@ -627,8 +651,9 @@ def reference(found: CoupledPlan, op: OpSpec, attrs: dict):
         named = dict(zip(scan.inputs, arrays, strict=True))
         length = named[scan.length[0]].shape[scan.length[1]]
         order = range(length - 1, -1, -1) if scan.reverse else range(length)
+        axes = scan.state_axes if len(found.states) == 1 else scan.state_axes[:-1]
         shape = composite_states.shape_of(
-            scan.state_axes[:-1], scan.state_divisors, lambda n, a: named[n].shape[a], attrs
+            axes, scan.state_divisors, lambda n, a: named[n].shape[a], attrs
         )
         history: dict[str, list] = {s: [] for s in found.states}
         results: dict[str, list] = {o: [] for o in spec.outputs}
