@@ -25,6 +25,7 @@ STEP = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
+import numpy as np
 import tensorflow as tf
 from harness import Case, generate
 from peaks import peak
