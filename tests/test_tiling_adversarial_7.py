@@ -563,3 +563,32 @@ def test_softmax_over_an_internal_tensors_range_is_refused_in_one_line(tmp_path,
     assert "[ops.DynamicconvLayer]" in reason
     assert "index 'm' reads axis 3 of internal tensor 'L'" in reason
     assert not (tmp_path / "gen").exists()
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_nan_logit_in_a_row_the_mask_keeps_still_gives_nan(target, tmp_path):
+    """The guard above sets the weights of a row to 0 only where every logit is -inf (the
+    mask keeps nothing): a nan logit in a kept row gives nan in that row's gradient, as TF
+    autodiff does, and not 0. The other batch, without nan, equals TF autodiff."""
+    from frameworks import FRAMEWORKS
+
+    fw = FRAMEWORKS[target]
+    module = generate(EMPTY_ROW, tmp_path, prefix="NanRow7", target=target)
+    rng = np.random.default_rng(12)
+    named = {n: rng.standard_normal(s) for n, s in EMPTY_ROW.shapes.items()}
+    named["m"][:] = 1.0  # every key kept
+    named["x"][0, 1, 2] = np.nan
+    cotangent = rng.standard_normal((2, 3))
+    args = [fw.tensor(named[n]) for n in module.INPUTS]
+    grads = dict(zip(module.INPUTS, module.vjp(*args, fw.tensor(cotangent)), strict=True))
+    x, z = tf.constant(named["x"]), tf.constant(named["z"])
+    with tf.GradientTape() as tape:
+        tape.watch([x, z])
+        keep = tf.constant(named["m"] > 0)[:, None, :]
+        masked = tf.where(keep, tf.exp(x), tf.zeros_like(x))
+        want = tf.math.log(tf.reduce_sum(masked, 2) + tf.reduce_sum(tf.exp(z), 2))
+    want_x = tape.gradient(want, x, output_gradients=tf.constant(cotangent)).numpy()
+    got_x = fw.numpy(grads["x"])
+    assert np.isnan(want_x[0, 1]).all()
+    assert np.isnan(got_x[0, 1]).all(), got_x[0, 1]
+    np.testing.assert_allclose(got_x[1], want_x[1], rtol=1e-12, atol=1e-15)
