@@ -168,3 +168,27 @@ def _lower_sum(lowerer, body, e: logaddexp, target) -> ir.Expr:
     for term in terms[1:]:
         total = ir.Binary("+", total, ir.Call("exp", (ir.Binary("-", term, shift),)))
     return ir.Var(body.bind(ir.Binary("+", ir.Call("log", (total,)), shift)))
+
+
+def distributes(terms, factor) -> bool:
+    """Whether `factor` (pointwise) is multiplied into each of `terms` rather than into
+    their total: `factor` a constant times one exponential of tensors (`exp(-L)`, the
+    reciprocal of a sum of exponentials in log space) and every term an exponential of
+    tensors (times reads). Longformer's `(sum(exp(u)*v, k) + sum(exp(s)*v, j)) / (sum(
+    exp(u), k) + sum(exp(s), j))` is then `sum(exp(u - L)*v, k) + sum(exp(s - L)*v, j)`,
+    each weight at most 1, where the total of the raw exponentials is inf in float32 at
+    logits near 89 (inf times exp(-L) = 0: nan). One such sum was already distributed."""
+    if _exponential(factor) is None:
+        return False
+    return all(any(_exponential(f) is not None for f in sp.Mul.make_args(t.expr)) for t in terms)
+
+
+def _exponential(expr: sp.Expr) -> sp.Expr | None:
+    """The exponential of tensors of `c·exp(a)` (c a number; a negative power of a sum
+    of exponentials is one, `rewrite`), or None."""
+    constant, rest = expr.as_independent(sp.Indexed, as_Add=False)
+    if isinstance(rest, sp.Pow) and rest.exp.is_negative:
+        rest = rewrite(rest)
+    if not isinstance(rest, sp.exp) or not constant.is_number or constant == 0:
+        return None
+    return rest

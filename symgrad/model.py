@@ -446,9 +446,11 @@ class _Builder:
         # A sum of several terms, some of them sums, times something that varies:
         # `(x - mean(x)) / sigma` stays one pointwise term (x - mu) / sigma instead of
         # being distributed into separate contractions.
-        if _mixed_sum(left) and _varies(right):
+        # A softmax over several sums is the exception: exp(-L) goes into each
+        # (logaddexp.distributes).
+        if _mixed_sum(left) and _varies(right) and not _softmax_of(left, right):
             left = [Term(self.as_pointwise(left, []), ())]
-        if _mixed_sum(right) and _varies(left):
+        if _mixed_sum(right) and _varies(left) and not _softmax_of(right, left):
             right = [Term(self.as_pointwise(right, []), ())]
         out = [
             Term(a.expr * b.expr, _ordered_union(a.summed, b.summed))
@@ -911,6 +913,10 @@ def _count(n: int, noun: str) -> str:
 
 def _mixed_sum(terms: list[Term]) -> bool:
     return len(terms) > 1 and any(t.summed for t in terms)
+
+
+def _softmax_of(terms: list[Term], other: list[Term]) -> bool:
+    return len(other) == 1 and not other[0].summed and logaddexp.distributes(terms, other[0].expr)
 
 
 def _varies(terms: list[Term]) -> bool:

@@ -50,12 +50,14 @@ def logits(kind: str, seed: int) -> dict[str, np.ndarray]:
 
 
 def run(module, target: str, values: dict[str, np.ndarray], names, grad: np.ndarray, **attrs):
-    """float32 forward and vjp of a generated module in `target`, as float64 NumPy."""
+    """float32 forward and vjp of a generated module in `target`, as float64 NumPy (None
+    for an input without a gradient)."""
     fw = FRAMEWORKS[target]
     tensors = [fw.tensor(values[n].astype(np.float32)) for n in names]
     out = module.forward(*tensors, **attrs)
     grads = module.vjp(*tensors, fw.tensor(grad.astype(np.float32)), **attrs)
-    return fw.numpy(out).astype(np.float64), [fw.numpy(g).astype(np.float64) for g in grads]
+    grads = [None if g is None else fw.numpy(g).astype(np.float64) for g in grads]
+    return fw.numpy(out).astype(np.float64), grads
 
 
 def assert_close(got, want, rtol, what):
@@ -173,3 +175,73 @@ def test_soft_dtw_in_float32_with_costs_in_the_hundreds(target, tmp_path):
     got, (grad_d,) = run(module, target, {"D": D}, ["D"], G, gamma=gamma)
     assert_close(got, want, 1e-5, "soft-DTW forward")
     assert_close(grad_d, backward(G), 1e-4, "soft-DTW gradient")
+
+
+# -- one softmax over two sums ------------------------------------------------------------
+
+# Longformer's attention reduced: query i's window of 3 keys (i - 1 .. i + 1, those inside
+# the sequence) and the global keys j (g > 0), one softmax over both; x and z the logits
+TWO_SUMS = Case(
+    (
+        "y[b,i,e] = (sum(where(i + k - 1 >= 0 and i + k - 1 < N, exp(x[b,i,k])"
+        " * v[b,i + k - 1,e], 0), k) + sum(where(g[b,j] > 0, exp(z[b,i,j]) * u[b,j,e], 0), j))"
+        " / (sum(where(i + k - 1 >= 0 and i + k - 1 < N, exp(x[b,i,k]), 0), k)"
+        " + sum(where(g[b,j] > 0, exp(z[b,i,j]), 0), j))"
+    ),
+    {"x": (2, 5, 3), "v": (2, 5, 2), "z": (2, 5, 4), "u": (2, 4, 2), "g": (2, 4)},
+    inputs=("x", "v", "z", "u", "g"),
+    no_gradient=("g",),
+    lets={"N": "v.shape[1]"},
+    let_values={"N": 5},
+)
+
+
+def two_sums_truth(values, grad):
+    """float64 forward and gradients of x, v, z, u: TF's softmax over the window's and the
+    global keys' logits concatenated (masked ones -inf), by TF autodiff."""
+    import tensorflow as tf
+
+    _, length, width = values["x"].shape
+    position = np.arange(length)[:, None] + np.arange(width)[None, :] - 1
+    inside = tf.constant((position >= 0) & (position < length))
+    x, v, z, u = (tf.constant(values[n], tf.float64) for n in ("x", "v", "z", "u"))
+    with tf.GradientTape() as tape:
+        tape.watch([x, v, z, u])
+        window = tf.gather(v, np.clip(position, 0, length - 1), axis=1)  # [b,i,k,e]
+        glob = tf.constant(values["g"] > 0)[:, None, :]
+        minus_inf = tf.constant(-np.inf, tf.float64)
+        p = tf.nn.softmax(
+            tf.concat([tf.where(inside, x, minus_inf), tf.where(glob, z, minus_inf)], -1)
+        )
+        y = tf.einsum("bik,bike->bie", p[..., :width], window)
+        y += tf.einsum("bij,bje->bie", p[..., width:], u)
+    grads = tape.gradient(y, [x, v, z, u], output_gradients=tf.constant(grad, tf.float64))
+    return y.numpy(), [g.numpy() for g in grads]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_one_softmax_over_a_window_sum_and_a_global_sum_in_float32(target, tmp_path):
+    """Logits near +400 or -400 (the window's, the global keys' or both larger): forward
+    and gradients finite and within 1e-4 of the float64 truth's scale. The numerator
+    `sum(exp(x) * v, k) + sum(exp(z) * u, j)` was summed from raw exponentials and then
+    multiplied by exp(-L): inf * 0 or 0 * inf, nan in float32 (all 20 outputs and every
+    gradient, in each target); each sum now carries its own exp(x - L)."""
+    module = generate(TWO_SUMS, tmp_path, prefix="TwoSums", target=target)
+    rng = np.random.default_rng(5)
+    # per row (b, i): the centres of its window's and its global keys' logits
+    centres = np.array([(400, 400), (-400, -400), (400, -400), (-400, 400), (400, 397)])
+    values = {
+        "x": centres[:, 0][None, :, None] + rng.uniform(-3, 3, (2, 5, 3)),
+        "z": centres[:, 1][None, :, None] + rng.uniform(-3, 3, (2, 5, 4)),
+        "v": rng.standard_normal((2, 5, 2)),
+        "u": rng.standard_normal((2, 4, 2)),
+        "g": np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]]),
+    }
+    values = {n: a.astype(np.float32).astype(np.float64) for n, a in values.items()}
+    grad = rng.standard_normal((2, 5, 2))
+    want, want_grads = two_sums_truth(values, grad)
+    got, got_grads = run(module, target, values, TWO_SUMS.inputs, grad)
+    assert_close(got, want, 1e-4, "forward")
+    assert got_grads[4] is None  # g: no gradient
+    for n, g, w in zip(("x", "v", "z", "u"), got_grads[:4], want_grads, strict=True):
+        assert_close(g, w, 1e-4, f"gradient of {n}")
