@@ -237,3 +237,54 @@ def test_tensorflow_gradient_of_the_gradient(case, associative, tmp_path):
         for got in (forward_over_reverse, reverse_over_reverse):
             for g, want in zip(got, fd, strict=True):
                 np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)
+
+
+def test_tensorflow_windows_deeper_than_the_last_level(tmp_path):
+    """lfilter reads its output 4 positions back; at budget 0 its 19 positions take levels
+    of 9 and 3, so the last level's windows reach past its 3 states into the window before
+    them. Under XLA (jit_compile=True), under tf.function with every dim unknown, and under
+    a tape of the gradient (reverse over reverse, against central differences of the
+    gradient) the values equal those of the default budget (one level of 5)."""
+    import tensorflow as tf
+
+    spec, shapes, _ = CASES["lfilter"]
+    module = _module(spec, "tensorflow", tmp_path, "deep_lfilter")
+    values = inputs_for(dict(shapes, x=(3, 19)), seed=21)
+    args = [tf.constant(values[n]) for n in module.INPUTS]
+    cotangent = tf.constant(np.random.default_rng(22).standard_normal((3, 19)))
+    plain = module.vjp(*args, cotangent)
+    module.MAX_TEMP_BYTES = 0
+    window = module._window_bytes(*args)
+    assert module._window_shape(*args) == [4, 3]  # depth 4, 3 rows
+    assert module._chunk_lengths(19, window) == (9, 3)
+
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            y = module.forward(*xs)
+        return tape.gradient(y, xs, output_gradients=cotangent)
+
+    signature = [tf.TensorSpec([None] * a.shape.rank, tf.float64) for a in args]
+    for run in (tf.function(step, jit_compile=True), tf.function(step, input_signature=signature)):
+        for name, g, w in zip(module.INPUTS, run(*args), plain, strict=True):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-13, err_msg=name)
+
+    v = [
+        tf.constant(d)
+        for d in inputs_for({n: a.shape for n, a in zip(module.INPUTS, args)}, 23).values()
+    ]
+
+    def first(xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(module.forward(*xs) ** 2)
+        return tape.gradient(loss, xs)
+
+    eps = 1e-6
+    ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
+    behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
+    with tf.GradientTape() as outer:
+        outer.watch(args)
+        along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(first(args), v, strict=True)])
+    for g, a, b in zip(outer.gradient(along, args), ahead, behind, strict=True):
+        np.testing.assert_allclose(g.numpy(), ((a - b) / (2 * eps)).numpy(), rtol=1e-6, atol=1e-8)

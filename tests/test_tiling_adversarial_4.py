@@ -589,8 +589,10 @@ print(json.dumps(found))
 
 def test_tensorflow_rwkv5_training_step_stays_within_the_bound(tmp_path):
     """The same RWKV-5 step in TensorFlow (the BFC allocator's peak), eagerly, under
-    tf.function, and under tf.function with the length unknown: 524-565 KB, 504-519 KB
-    and 512-536 KB (five runs) against the bound of 594 KB at two levels of checkpoints.
+    tf.function, and under tf.function with the length unknown: 498-539 KB, 468-505 KB
+    and 472-506 KB (five runs) against the bound of 594 KB at two levels of checkpoints.
+    The last level read its states from a stacked copy joined to the window before them
+    (the states held twice while each copy was made): 517-568, 491-516 and 504-553 KB.
     Eagerly the tape recorded every position's ops inside the custom gradient and kept
     their values (7.9 MB); with that cut, Python still held the loops' earlier carries
     (652 KB): the scan runs as one graph. With the length unknown one level held 643 KB."""
