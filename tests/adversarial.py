@@ -50,6 +50,29 @@ def chunks_equal_the_untiled_module(case: Case, target: str, folder, prefix: str
     np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
 
 
+def unknown_sizes_equal_eager(module, args, attrs, seed: int) -> None:
+    """TF: forward and vjp under tf.function with every size unknown, at a 1-byte budget
+    (chunk counts known only when the graph runs), equal to the untiled module run
+    eagerly in float64 (a cotangent drawn with `seed`)."""
+    import tensorflow as tf
+
+    module.MAX_TEMP_BYTES = 2**40
+    y = module.forward(*args, **attrs)
+    cotangent = tf.constant(np.random.default_rng(seed).standard_normal(y.shape))
+    want = [y, *module.vjp(*args, cotangent, **attrs)]
+    module.MAX_TEMP_BYTES = TINY
+    spec = [tf.TensorSpec([None] * t.shape.rank, t.dtype) for t in (*args, cotangent)]
+
+    def run(*xs):
+        return [module.forward(*xs[:-1], **attrs), *module.vjp(*xs, **attrs)]
+
+    got = tf.function(run, input_signature=spec)(*args, cotangent)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def torch_step_peaks(module, xs, attrs, budget):
     """(untiled, tiled, bound): the peak bytes of a PyTorch training step (forward, the sum
     of sin of the output, the gradient of every input that requires one) untiled and at

@@ -25,7 +25,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from adversarial import TINY, as_numpy, chunks_equal_the_untiled_module
+from adversarial import TINY, as_numpy, chunks_equal_the_untiled_module, unknown_sizes_equal_eager
 from harness import Case, check, generate, op_spec
 
 D2 = "sum((new_xyz[b,m,k] - xyz[b,n,k])**2, k)"
@@ -554,21 +554,7 @@ def test_unknown_sizes_under_tf_function_in_chunks(name, tmp_path):
     case = REAL[name]
     module = generate(case, tmp_path, prefix="Unknown5")
     args = make_tensors(case, module.INPUTS)
-    module.MAX_TEMP_BYTES = 2**40
-    y = module.forward(*args, **case.attrs)
-    cotangent = tf.constant(np.random.default_rng(7).standard_normal(y.shape))
-    want = [y, *module.vjp(*args, cotangent, **case.attrs)]
-    module.MAX_TEMP_BYTES = TINY
-    spec = [tf.TensorSpec([None] * t.shape.rank, t.dtype) for t in (*args, cotangent)]
-
-    def run(*xs):
-        return [module.forward(*xs[:-1], **case.attrs), *module.vjp(*xs, **case.attrs)]
-
-    got = tf.function(run, input_signature=spec)(*args, cotangent)
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if w is not None:
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+    unknown_sizes_equal_eager(module, args, case.attrs, seed=7)
 
 
 # ------------------------------------------------------------------ from a spec file

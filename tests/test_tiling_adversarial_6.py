@@ -27,7 +27,13 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from adversarial import TINY, as_numpy, chunks_equal_the_untiled_module, torch_step_peaks
+from adversarial import (
+    TINY,
+    as_numpy,
+    chunks_equal_the_untiled_module,
+    torch_step_peaks,
+    unknown_sizes_equal_eager,
+)
 from harness import Case, check, generate
 
 jax.config.update("jax_enable_x64", True)
@@ -597,21 +603,7 @@ def _unknown_sizes(case, module, named, attrs):
     """forward and vjp under tf.function with every size unknown, at a 1-byte budget,
     against the untiled module run eagerly."""
     args = [tf.constant(named[n]) for n in module.INPUTS]
-    module.MAX_TEMP_BYTES = BIG
-    y = module.forward(*args, **attrs)
-    cotangent = tf.constant(np.random.default_rng(9).standard_normal(y.shape))
-    want = [y, *module.vjp(*args, cotangent, **attrs)]
-    module.MAX_TEMP_BYTES = TINY
-    spec = [tf.TensorSpec([None] * t.shape.rank, t.dtype) for t in (*args, cotangent)]
-
-    def run(*xs):
-        return [module.forward(*xs[:-1], **attrs), *module.vjp(*xs, **attrs)]
-
-    got = tf.function(run, input_signature=spec)(*args, cotangent)
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if w is not None:
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+    unknown_sizes_equal_eager(module, args, attrs, seed=9)
 
 
 @pytest.mark.parametrize("name", [*sorted(REAL), *sorted(RECURRENCES)])

@@ -27,7 +27,7 @@ tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from adversarial import TINY, as_numpy, chunks_equal_the_untiled_module
+from adversarial import TINY, as_numpy, chunks_equal_the_untiled_module, unknown_sizes_equal_eager
 from harness import Case, check, generate
 
 jax.config.update("jax_enable_x64", True)
@@ -476,21 +476,7 @@ def test_unknown_sizes_under_tf_function_in_chunks(name, tmp_path):
     module = generate(case, tmp_path, prefix="Unknown7")
     named, _ = _kernel_inputs(name, np.random.default_rng(7))
     args = [tf.constant(named[n]) for n in module.INPUTS]
-    module.MAX_TEMP_BYTES = BIG
-    y = module.forward(*args, **case.attrs)
-    cotangent = tf.constant(np.random.default_rng(8).standard_normal(y.shape))
-    want = [y, *module.vjp(*args, cotangent, **case.attrs)]
-    module.MAX_TEMP_BYTES = TINY
-    spec = [tf.TensorSpec([None] * t.shape.rank, t.dtype) for t in (*args, cotangent)]
-
-    def run(*xs):
-        return [module.forward(*xs[:-1], **case.attrs), *module.vjp(*xs, **case.attrs)]
-
-    got = tf.function(run, input_signature=spec)(*args, cotangent)
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if w is not None:
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+    unknown_sizes_equal_eager(module, args, case.attrs, seed=8)
 
 
 # ------------------------------------------------------------------------------ peaks
