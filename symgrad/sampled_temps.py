@@ -66,3 +66,11 @@ def widths(indices: tuple[Index, ...], program: Program) -> tuple[int, ...]:
         return (0,)
     positions = min(WEIGHT, 2 * max(floored))
     return (0,) * (WEIGHT - positions) + (POSITION_BYTES,) * positions
+
+
+def counted(big, program: Program, size_of: dict) -> tuple[tuple, tuple[int, ...]]:
+    """A plan's volumes and their widths, in step: per large temporary over indices `b` of
+    `big`, its sizes (`size_of[i]` for each index) once per time it counts (`widths`), and
+    the bytes of its items that time."""
+    pairs = [(tuple(size_of[i] for i in b), w) for b in big for w in widths(b, program)]
+    return tuple(v for v, _ in pairs), tuple(w for _, w in pairs)

@@ -530,6 +530,7 @@ def tiling(
     wanted = [index, *dict.fromkeys(i for b in choice.big for i in b)]
     sizes, names = lower_sizes(program, backward, wanted)
     size_of = dict(zip(wanted, names, strict=True))
+    volumes, widths = sampled_temps.counted(choice.big, program, size_of)
     return ir.Tiling(
         index=choice.index,
         start=choice.start,
@@ -537,15 +538,11 @@ def tiling(
         sliced=choice.sliced,
         output_axes=() if summed else tuple(output_axis(index, o) for o in program.outputs),
         sizes=sizes,
-        volumes=tuple(
-            tuple(size_of[i] for i in b)
-            for b in choice.big
-            for _ in range(sampled_temps.weight(b, program))
-        ),
+        volumes=volumes,
         temporaries=tuple(
             "[" + ",".join(i.name.replace("'", "") for i in b) + "]" for b in choice.big
         ),
-        widths=tuple(w for b in choice.big for w in sampled_temps.widths(b, program)),
+        widths=widths,
         count=size_of[index],
         chunk=chunk,
         max_temp_bytes=choice.chunk.max_temp_bytes,

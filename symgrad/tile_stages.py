@@ -260,12 +260,7 @@ def _sized(t: ir.Tiling, choice: Choice, stage: Program, whole: Program, backwar
     """A stage's tiling with its plan's sizes read from the op's inputs (the stage's own
     read the internal tensors, which the plan does not have)."""
     index, sizes, size_of = _sizes(choice, stage, whole, backward)
-    volumes = tuple(
-        tuple(size_of[i] for i in b)
-        for b in choice.big
-        for _ in range(sampled_temps.weight(b, stage))
-    )
-    widths = tuple(w for b in choice.big for w in sampled_temps.widths(b, stage))
+    volumes, widths = sampled_temps.counted(choice.big, stage, size_of)
     return replace(t, sizes=sizes, volumes=volumes, widths=widths, count=size_of[index])
 
 
