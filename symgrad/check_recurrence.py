@@ -113,8 +113,8 @@ def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | Non
     state = shape_of(scan.state_axes, scan.state_divisors, size, attrs)
     depth = scan.depth + sum(c * (size(n, a) - 1) for c, n, a in scan.depth_sizes)
     # coupled: each past state read is the carry's, less the axis stacking several
-    single = len(getattr(found, "states", ())) == 1
-    fixed = {name: state if single else state[:-1] for _, _, name in getattr(found, "lags", ())}
+    stacked = getattr(found, "stacked", False)
+    fixed = {name: state[:-1] if stacked else state for _, _, name in getattr(found, "lags", ())}
     for read in scan.body.reads + (scan.init.reads if scan.init else ()):
         if read.kind == "lag":
             fixed[read.name] = state

@@ -46,11 +46,19 @@ from .spec import OpSpec
 
 @dataclass(frozen=True)
 class CoupledPlan(Plan):
-    """A plan whose state is a stack of several recurrent tensors (`states`, along the
-    last axis); `lags` maps (state, lag) to the step input that reads it."""
+    """A plan whose state is several recurrent tensors (`states`) stacked along a last
+    axis, or one, the carry itself; `lags` maps (state, lag) to the step input that reads
+    it."""
 
     states: tuple[str, ...] = ()
     lags: tuple[tuple[str, int, str], ...] = ()  # (state, lag, step input name)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the carry stacks the states along a last axis (several of them): a
+        single state has no axis of size 1, which XLA lays out apart and copies around
+        its loops."""
+        return len(self.states) > 1
 
 
 def is_coupled(op: OpSpec) -> bool:
@@ -497,7 +505,7 @@ def adapter(found: CoupledPlan, inner_inputs, inner_outputs, target: str) -> str
     scan = found.scan
     step = scan.body
     stack, zeros = _STACK[target], _ZEROS[target]
-    single = len(found.states) == 1
+    single = not found.stacked
     lag_of = {name: (s, lag) for s, lag, name in found.lags}
     params = [r.name for r in step.reads]
 
@@ -600,8 +608,7 @@ def recurrence_lines(found: CoupledPlan, op: OpSpec) -> list[str]:
     states = ", ".join(found.states)
     lines = [f"Coupled recurrence along {t} ({way}; reads before the start read zero):"]
     lines += [f"  {f}" for f in op.formulas]
-    several = len(found.states) > 1
-    carry = f", stacked along a last axis ({scan.state})" if several else f" ({scan.state})"
+    carry = f", stacked along a last axis ({scan.state})" if found.stacked else f" ({scan.state})"
     lines.append(
         f"  computed by one scan whose state is {states}{carry}; the step below at each "
         f"position of {t}, where"
@@ -651,7 +658,7 @@ def reference(found: CoupledPlan, op: OpSpec, attrs: dict):
         named = dict(zip(scan.inputs, arrays, strict=True))
         length = named[scan.length[0]].shape[scan.length[1]]
         order = range(length - 1, -1, -1) if scan.reverse else range(length)
-        axes = scan.state_axes if len(found.states) == 1 else scan.state_axes[:-1]
+        axes = scan.state_axes[:-1] if found.stacked else scan.state_axes
         shape = composite_states.shape_of(
             axes, scan.state_divisors, lambda n, a: named[n].shape[a], attrs
         )
