@@ -50,6 +50,16 @@ class Hoist:
         return ir.Block(steps, self.names)
 
 
+def _scalar(e: ir.Expr) -> bool:
+    """A scalar a printer may spell as a Python number where an op takes one (a zero of
+    no shape, a literal cast to the values' dtype): nothing to compute once."""
+    if not isinstance(e, ir.Call):
+        return False
+    if e.function == "zeros":
+        return e.args[:1] == (ir.Lit("[]"),)
+    return e.function == "cast" and isinstance(e.args[0], ir.Lit)
+
+
 def split(
     block: ir.Block,
     variant: set[str],
@@ -75,7 +85,7 @@ def split(
             return e
         if not isinstance(e, _OPS) or not invariant(e) or is_python(e, frozenset(numbers)):
             return None
-        if not ir.names_in(e):  # numbers alone
+        if not ir.names_in(e) or _scalar(e):  # numbers alone, or a zero of the dtype
             return None
         if e not in made:
             made[e] = f"{PREFIX}{len(made) + 1}"
