@@ -1,4 +1,4 @@
-"""A tiled module's chunk-invariant work, computed once before its chunk loop (PyTorch).
+"""A tiled module's chunk-invariant work, computed once before its chunk loop.
 
 A chunk of a tiled op runs the op's one program (`tile_once`) at its start and length;
 much of that program does not depend on them: per-roi geometry read off an input (its
@@ -43,6 +43,11 @@ class Hoist:
     block: ir.Block
     once: frozenset[str]
     names: tuple[str, ...]
+
+    def rest_block(self) -> ir.Block:
+        """The steps each chunk computes, reading `names` as given."""
+        steps = tuple(s for s in self.block.steps if s.target not in self.once)
+        return ir.Block(steps, self.block.returns)
 
     def once_block(self) -> ir.Block:
         """The invariant steps, returning `names`."""
