@@ -114,23 +114,21 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
 
 
 def _hoist(module: ir.Module, target) -> dict | None:
-    """The chunk-invariant work of a nested tiling's one program, per block (`tile_hoist`:
-    PyTorch's), or None."""
+    """The chunk-invariant work of a tiling's one program, per block (`tile_hoist`), for a
+    target whose chunk loops run their ops one by one (`Printer.hoists`), or None."""
     tiling = module.tiling
     if (
-        target.template != "pytorch.py.j2"
+        not target.printer.hoists
         or tiling is None
         or tiling.program is None
-        or tiling.inner is None
         or tiling.deeper
         or tiling.parts
         or tiling.stages
-        or not tile_once.program_recomputes(module)
     ):
         return None
     from .targets.pytorch import is_python
 
-    levels = (tiling, tiling.inner)
+    levels = (tiling, tiling.inner) if tiling.inner else (tiling,)
     names = {n for level in levels for n in (level.start, level.length) if n}
     cut = {x for level in levels for x, _ in level.sliced}
     variant = names | {f"_int_{n}" for n in names} | cut

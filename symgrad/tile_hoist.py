@@ -1,4 +1,4 @@
-"""A tiled module's chunk-invariant work, computed once before its chunk loop (PyTorch).
+"""A tiled module's chunk-invariant work, computed once before its chunk loop.
 
 A chunk of a tiled op runs the op's one program (`tile_once`) at its start and length;
 much of that program does not depend on them: per-roi geometry read off an input (its
@@ -44,10 +44,25 @@ class Hoist:
     once: frozenset[str]
     names: tuple[str, ...]
 
+    def rest_block(self) -> ir.Block:
+        """The steps each chunk computes, reading `names` as given."""
+        steps = tuple(s for s in self.block.steps if s.target not in self.once)
+        return ir.Block(steps, self.block.returns)
+
     def once_block(self) -> ir.Block:
         """The invariant steps, returning `names`."""
         steps = tuple(s for s in self.block.steps if s.target in self.once)
         return ir.Block(steps, self.names)
+
+
+def _scalar(e: ir.Expr) -> bool:
+    """A scalar a printer may spell as a Python number where an op takes one (a zero of
+    no shape, a literal cast to the values' dtype): nothing to compute once."""
+    if not isinstance(e, ir.Call):
+        return False
+    if e.function == "zeros":
+        return e.args[:1] == (ir.Lit("[]"),)
+    return e.function == "cast" and isinstance(e.args[0], ir.Lit)
 
 
 def split(
@@ -75,7 +90,7 @@ def split(
             return e
         if not isinstance(e, _OPS) or not invariant(e) or is_python(e, frozenset(numbers)):
             return None
-        if not ir.names_in(e):  # numbers alone
+        if not ir.names_in(e) or _scalar(e):  # numbers alone, or a zero of the dtype
             return None
         if e not in made:
             made[e] = f"{PREFIX}{len(made) + 1}"

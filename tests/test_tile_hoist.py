@@ -131,3 +131,86 @@ def test_hoisted_chunks_compile_with_fullgraph(module):
     got = (out.detach(), *torch.autograd.grad(torch.sin(out).sum(), xs))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def grid_sample(tmp_path_factory):
+    """symgrad.toml's GridSample: tiled in one level, along the grid's rows."""
+    from pathlib import Path
+
+    from harness import load_module
+
+    from symgrad.pipeline import module_text
+    from symgrad.spec import parse_spec
+
+    toml = Path(__file__).resolve().parent.parent / "symgrad.toml"
+    spec = parse_spec(toml.read_text(encoding="utf-8"), "symgrad.toml")
+    op = next(op for op in spec.ops if op.name == "GridSample")
+    folder = tmp_path_factory.mktemp("hoist_one_level")
+    return load_module(module_text(op, "symgrad.toml", "pytorch"), folder, "hoist_grid_sample")
+
+
+def test_one_level_chunks_take_the_invariant_work_once_bit_for_bit(grid_sample, monkeypatch):
+    """A tiling in one level hoists as a nested one: grid_sample's chunks of grid rows
+    share the map's layout copy for their gathers and its sizes, computed once by the
+    forward and once each by the backward's recompute and gradient; outputs and gradients
+    equal, bit for bit, the chunks computing them each for itself, and, to rounding, the
+    untiled step (float64)."""
+    module = grid_sample
+    rng = np.random.default_rng(3)
+    x, g = rng.standard_normal((2, 3, 6, 7)), rng.uniform(-1.1, 1.1, (2, 9, 5, 2))
+
+    def step():
+        xs = [torch.tensor(x, requires_grad=True), torch.tensor(g, requires_grad=True)]
+        out = module.forward(*xs)
+        return (out.detach(), *torch.autograd.grad(torch.sin(out).sum(), xs))
+
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = step()
+    module.MAX_TEMP_BYTES = 2**11
+    xs = (torch.tensor(x), torch.tensor(g))
+    n, c = module._tile_plan(*xs)
+    chunks = -(-n // c)
+    assert chunks >= 3, (n, c)
+    assert module._kept_once(module._compute_once(*xs), xs) is not None
+
+    counts: dict = {}
+    _counting(monkeypatch, module, counts)
+    hoisted = step()
+    assert counts == {
+        "_compute_once": 2,
+        "_backward_once": 1,
+        "_compute": chunks,
+        "_recompute": chunks,
+        "_backward": chunks,
+    }, counts
+    counts.clear()
+    with monkeypatch.context() as patch:  # every chunk computes them
+        patch.setattr(module, "_kept_once", lambda values, inputs: None)
+        alone = step()
+    assert counts["_compute_once"] == 2 + 2 * chunks, counts
+    assert counts["_backward_once"] == 1 + chunks, counts
+    for got, fallback, whole in zip(hoisted, alone, untiled, strict=True):
+        assert torch.equal(got, fallback)
+        torch.testing.assert_close(got, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_one_level_hoisted_chunks_compile_with_fullgraph(grid_sample):
+    """torch.compile(fullgraph=True) unrolls a one-level loop (two chunks of grid rows)
+    with the invariant values passed in: forward and gradients equal the eager ones."""
+    module = grid_sample
+    rng = np.random.default_rng(5)
+    x, g = rng.standard_normal((1, 2, 5, 6)), rng.uniform(-1.1, 1.1, (1, 2, 3, 2))
+    xs = [torch.tensor(x, requires_grad=True), torch.tensor(g, requires_grad=True)]
+    module.MAX_TEMP_BYTES = 2**8
+    n, c = module._tile_plan(*xs)
+    assert -(-n // c) == 2, (n, c)
+    assert module._kept_once(module._compute_once(*xs), xs) is not None
+    out = module.forward(*xs)
+    want = (out.detach(), *torch.autograd.grad(torch.sin(out).sum(), xs))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: module.forward(*a), fullgraph=True, backend="aot_eager")
+    out = compiled(*xs)
+    got = (out.detach(), *torch.autograd.grad(torch.sin(out).sum(), xs))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

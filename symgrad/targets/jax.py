@@ -138,6 +138,9 @@ def contraction_path(subscripts: str) -> list[tuple[int, ...]]:
 
 class JaxPrinter(Printer):
     branches = False  # `jax.lax.cond` would run under `vmap` as a select of both branches
+    # Chunks run as `jax.lax.scan`, one compiled XLA loop: what no chunk changes is left
+    # to XLA's own while-loop invariant code motion (`Printer.hoists`).
+    hoists = False
     # A `kept` Cond (the others are gone, `ir.without_conds`): jit and grad keep it as one
     # branch (under vmap both run, as a select).
     cond_function = "jax.lax.cond"

@@ -52,6 +52,11 @@ class Printer:
     # Whether a module tiled in chunks checks its values for `masked_values`' kept Conds
     # once for every chunk (`finite_once`), rather than each chunk again.
     checks_once = False
+    # Whether a module tiled in chunks computes its chunk-invariant work once before its
+    # chunk loop (`tile_hoist`): where the loop's body runs its ops one by one, each chunk
+    # paying their dispatch, rather than as one compiled loop whose compiler moves
+    # invariant code out of it itself.
+    hoists = False
 
     def __init__(self, in_module: bool = True) -> None:
         self.in_module = in_module

@@ -196,6 +196,7 @@ def _literal_list(e: ir.Expr | None) -> list[ir.Expr] | None:
 
 class PyTorchPrinter(Printer):
     branches = False  # data-dependent Python control flow breaks torch.compile(fullgraph)
+    hoists = True  # a Python loop of eager ops: each chunk dispatches every op again
 
     # A `kept` Cond (the others are gone, `ir.without_conds`) is the module's `_cond`, one
     # branch run: `torch.cond` under torch.compile (fullgraph=True traces it; the branches
@@ -255,13 +256,15 @@ class PyTorchPrinter(Printer):
             live |= _names_read(text)
             kept.append((step, text))
         kept.reverse()
+        given = live & skip  # read of what `_once` gives (the rest is not made again)
+        live -= skip
         if self.in_module and kind != "sizes":
             backward = kind == "backward"
             kept = self.overwriting(kept, block.returns if backward else roots, backward)
         reference = m.value_inputs[0]
         lines = []
         if once is not None:
-            names = once[0].names
+            names = [n if n in given else "_" for n in once[0].names]
             unpacked = ", ".join(names) + ("," if len(names) == 1 else "")
             lines.append(f"({unpacked}) = _once if _once is not None else {once[1]}")
         if kind == "backward" and len(m.grads) > 1:

@@ -127,6 +127,10 @@ def _inexact_number(code: str) -> bool:
 class TensorFlowPrinter(Printer):
     cond_function = "tf.cond"
     checks_once = True
+    # A chunk loop is a tf.while_loop in a graph, whose every op runs again each chunk
+    # (TensorFlow's graph optimizer does not move invariant nodes out of a loop by
+    # default); under XLA the compiler would, and does no harm to what is moved already.
+    hoists = True
 
     def cond(self, e: ir.Cond) -> str:
         # A kept Cond's predicate may be the Python bool a chunk loop hands its chunks
