@@ -1,0 +1,352 @@
+"""An eighth set of real ops in their published layouts, none of them in the earlier
+adversarial files, written from the kernels' own index arithmetic: Mamba's causal_conv1d
+with seq_idx (Dao-AILab/causal-conv1d, the channel-last forward: a tap is kept only where
+its seq_idx equals the output step's, a step whose seq_idx is negative is 0), FlowNet2's
+resample2d (a bilinear warp by a flow field, every corner clamped to the image) and
+channelnorm (the L2 norm over channels), and NATTEN's 2-D neighborhood attention with
+dilation, causal along rows and not along columns, on sizes the dilation does not divide
+(the flex backend's mask: a dilation group's own length, the causal window ending at the
+query).
+
+Each is checked against a NumPy transcription of its kernel (FlowNet2's backward kernels
+too), against TF float64 autodiff over the reference evaluator and finite differences
+(harness.check), in chunks against the untiled module, with logits in the hundreds in
+float32, at ties (flow that lands exactly on pixels and on the clamps, a seq_idx reset at
+every step, an all-zero pixel), on empty axes and under tf.function with unknown sizes.
+
+Found: resample2d's flow gradient at the last row and column under zero flow (the
+identity warp) was -x[H - 1] and -x[W - 1] -- the clamp `min(e, W - 1)` sent its tie to e
+and the read took the forward difference with the zero outside the image; FlowNet2's
+kernel (and either one-sided derivative but this) gives 0 and x[W-1] - x[W-2]. A clamp
+inside a float position now takes its right derivative (sampling._right_sided_clamps).
+
+Refused, clearly, at the call: the clamped warp written with integer bounds only
+(`min(max(j + f[b,0,i,j], 0), W - 1)` is an integer position, `f` an index tensor):
+"index tensor f has dtype float64; expected int32 or int64 (to interpolate at float
+positions, list it in the spec: `float_positions = ["f"]`)". Written with `0.0` it
+interpolates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+from adversarial import TINY, as_numpy
+from harness import Case, check, generate
+
+jax.config.update("jax_enable_x64", True)
+
+BIG = 2**40
+
+# causal_conv1d: output step t reads x at t + k - (K - 1); seq_idx read at the same step
+TAP = "t + k - K + 1"
+CONV = f"S[b,d,t] = bias[d] + sum(where(seq[b,{TAP}] == seq[b,t], w[d,k] * x[b,d,{TAP}], 0), k)"
+
+# NATTEN (flex backend, stride 1): a row's causal window ends at the query inside its
+# dilation group; a column's window starts at max(min(j // D1 - K1 // 2, n - K1), 0) with
+# n = (W - j % D1 + D1 - 1) // D1 the length of j's dilation group
+NAT_ROW = "i % D0 + D0*(i // D0 - u)"
+NAT_COL = "j % D1 + D1*(max(min(j // D1 - K1 // 2, (W - j % D1 + D1 - 1) // D1 - K1), 0) + s)"
+NAT_EXP = f"exp(scale * sum(query[b,i,j,h,d] * key[b,{NAT_ROW},{NAT_COL},h,d], d))"
+NAT_IN = "i // D0 - u >= 0"
+
+WARP = (
+    "y[b,c,i,j] = x[b, c, min(max(i + f[b,1,i,j], 0.0), H - 1),"
+    " min(max(j + f[b,0,i,j], 0.0), W - 1)]"
+)
+
+REAL = {
+    # csrc/causal_conv1d_fwd.cu, causal_conv1d_channellast_fwd_kernel with seq_idx: x
+    # [B, D, L] (a channel-last view), weight [D, K], bias [D], seq_idx [B, L]; out = 0
+    # where seq_idx < 0, else silu(bias + the taps whose seq_idx equals the step's)
+    "causal_conv1d_seq_idx": Case(
+        (CONV, "y[b,d,t] = where(seq[b,t] >= 0, S[b,d,t] * sigmoid(S[b,d,t]), 0)"),
+        {"x": (2, 4, 10), "w": (4, 3), "bias": (4,), "seq": (2, 10)},
+        inputs=("x", "w", "bias", "seq"),
+        lets={"K": "w.shape[1]"},
+        let_values={"K": 3},
+        ranges={"t": "x.shape[2]"},
+        sizes={"t": 10},
+        outputs=("y",),
+        no_gradient=("seq",),
+    ),
+    # networks/resample2d_package/resample2d_kernel.cu, kernel_resample2d_update_output
+    # (bilinear, kernel_size 1): xf = x + flow[b,0], yf = y + flow[b,1], each corner
+    # clamped to the image, which is the position clamped to [0, size - 1]
+    "resample2d": Case(
+        WARP,
+        {"x": (2, 3, 5, 6), "f": (2, 2, 5, 6)},
+        inputs=("x", "f"),
+        lets={"H": "x.shape[2]", "W": "x.shape[3]"},
+        let_values={"H": 5, "W": 6},
+        ranges={"i": "f.shape[2]", "j": "f.shape[3]"},
+        sizes={"i": 5, "j": 6},
+        fd_directions=2,
+    ),
+    # networks/channelnorm_package/channelnorm_kernel.cu: output [B, 1, H, W], the
+    # square root of the sum over channels of the squares (norm_deg is not read)
+    "channelnorm": Case(
+        "y[b,o,h,w] = sqrt(sum(x[b,c,h,w]**2, c))",
+        {"x": (2, 3, 4, 5)},
+        ranges={"o": "1"},
+        sizes={"o": 1},
+    ),
+    # NATTEN na2d, q, k, v [B, H, W, heads, head_dim], kernel (K0, K1), dilation (D0, D1),
+    # is_causal (True, False): src/natten/backends/flex.py, get_na_flex_mask
+    "natten2d_causal_dilated": Case(
+        f"y[b,i,j,h,e] = sum(where({NAT_IN}, {NAT_EXP} * value[b,{NAT_ROW},{NAT_COL},h,e], 0),"
+        f" u, s) / sum(where({NAT_IN}, {NAT_EXP}, 0), u, s)",
+        {"query": (1, 7, 7, 2, 3), "key": (1, 7, 7, 2, 3), "value": (1, 7, 7, 2, 3)},
+        attrs={"K0": 3, "K1": 3, "D0": 2, "D1": 2, "scale": 0.5},
+        inputs=("query", "key", "value"),
+        lets={"W": "key.shape[2]"},
+        let_values={"W": 7},
+        ranges={"u": "K0", "s": "K1"},
+        sizes={"u": 3, "s": 3},
+        fd_directions=2,
+    ),
+}
+
+
+# ------------------------------------------------------- the kernels, transcribed
+
+
+def causal_conv1d_seq_idx(x, w, bias, seq):
+    """causal_conv1d_channellast_fwd_kernel with seq_idx and silu: a step before 0 has
+    seq_idx -1; a tap counts where its seq_idx equals the output step's."""
+    batch, dim, length = x.shape
+    width = w.shape[1]
+    out = np.zeros_like(x)
+    for b in range(batch):
+        ids = np.concatenate([-np.ones(width - 1), seq[b]])
+        xs = np.concatenate([np.zeros((dim, width - 1)), x[b]], 1)
+        for t in range(length):
+            current = ids[t + width - 1]
+            if current < 0:
+                continue
+            total = bias.copy()
+            for k in range(width):
+                if ids[t + k] == current:
+                    total += w[:, k] * xs[:, t + k]
+            out[b, :, t] = total / (1 + np.exp(-total))
+    return out
+
+
+def _corners(f, b, y, x, dim_h, dim_w):
+    xf, yf = x + f[b, 0, y, x], y + f[b, 1, y, x]
+    x_left = max(min(int(np.floor(xf)), dim_w - 1), 0)
+    x_right = max(min(int(np.floor(xf) + 1), dim_w - 1), 0)
+    y_top = max(min(int(np.floor(yf)), dim_h - 1), 0)
+    y_bottom = max(min(int(np.floor(yf) + 1), dim_h - 1), 0)
+    return xf, yf, x_left, x_right, y_top, y_bottom
+
+
+def resample2d(x, f):
+    """kernel_resample2d_update_output, bilinear, kernel_size 1."""
+    batch, channels, dim_h, dim_w = x.shape
+    out = np.zeros((batch, channels, *f.shape[2:]))
+    for b, c, y, xx in np.ndindex(out.shape):
+        xf, yf, xl, xr, yt, yb = _corners(f, b, y, xx, dim_h, dim_w)
+        alpha, beta = xf - np.floor(xf), yf - np.floor(yf)
+        img = x[b, c]
+        out[b, c, y, xx] = (
+            (1 - alpha) * (1 - beta) * img[yt, xl]
+            + alpha * (1 - beta) * img[yt, xr]
+            + (1 - alpha) * beta * img[yb, xl]
+            + alpha * beta * img[yb, xr]
+        )
+    return out
+
+
+def resample2d_flow_grad(x, f, grad_out):
+    """kernel_resample2d_backward_input2 (kernel_size 1): channel 0 (dx) takes the
+    difference of the right and left columns, channel 1 (dy) of the bottom and top rows,
+    each weighted by the other axis's fraction, summed over the image's channels."""
+    _, channels, dim_h, dim_w = x.shape
+    grad = np.zeros_like(f)
+    for b, c, y, xx in np.ndindex(f.shape):
+        xf, yf, xl, xr, yt, yb = _corners(f, b, y, xx, dim_h, dim_w)
+        total = 0.0
+        for ch in range(channels):
+            img, g = x[b, ch], grad_out[b, ch, y, xx]
+            if c % 2:
+                gamma = 1 - (xf - np.floor(xf))
+                total += gamma * g * (img[yb, xl] - img[yt, xl])
+                total += (1 - gamma) * g * (img[yb, xr] - img[yt, xr])
+            else:
+                gamma = 1 - (yf - np.floor(yf))
+                total += gamma * g * (img[yt, xr] - img[yt, xl])
+                total += (1 - gamma) * g * (img[yb, xr] - img[yb, xl])
+        grad[b, c, y, xx] = total
+    return grad
+
+
+def channelnorm(x):
+    """kernel_channelnorm_update_output."""
+    return np.sqrt((x * x).sum(1, keepdims=True))
+
+
+def channelnorm_grad(x, grad_out):
+    """kernel_channelnorm_backward_input1: gradOutput * input / (output + 1e-9)."""
+    return grad_out * x / (channelnorm(x) + 1e-9)
+
+
+def _natten_mask(q_crd, kv_crd, extent, kernel, dilation, causal):
+    """get_na_flex_mask's single_dim_tiling_mask along one axis, stride 1."""
+    q_di, kv_di = q_crd // dilation, kv_crd // dilation
+    group = q_crd % dilation
+    padding = 1 - ((group + (dilation - (extent % dilation))) // dilation)
+    corrected = extent // dilation + padding
+    same_group = group == kv_crd % dilation
+    if causal:
+        leader = min(q_di, corrected - 1)
+        return q_di - kv_di >= 0 and leader - kv_di < kernel and same_group
+    left, right = kernel // 2, kernel // 2 + (kernel % 2 - 1)
+    center = min(max(min(q_di, corrected - 1), left), corrected - 1 - right)
+    w0, w1 = center - kv_di, kv_di - center
+    return ((0 <= w0 <= left) or (0 <= w1 <= right)) and same_group
+
+
+def natten2d(query, key, value, K0, K1, D0, D1, scale):
+    """Attention of each query over the keys the flex mask keeps (causal rows)."""
+    batch, dim_h, dim_w, heads, _ = query.shape
+    out = np.zeros(value.shape)
+    for b, i, j, h in np.ndindex(batch, dim_h, dim_w, heads):
+        keys = [
+            (p, q)
+            for p in range(dim_h)
+            for q in range(dim_w)
+            if _natten_mask(i, p, dim_h, K0, D0, True) and _natten_mask(j, q, dim_w, K1, D1, False)
+        ]
+        scores = np.array([scale * query[b, i, j, h] @ key[b, p, q, h] for p, q in keys])
+        weights = np.exp(scores - scores.max())
+        weights /= weights.sum()
+        out[b, i, j, h] = sum(wt * value[b, p, q, h] for wt, (p, q) in zip(weights, keys))
+    return out
+
+
+def _kernel_inputs(name, rng):
+    """Inputs a user of the published op would pass, and the transcribed kernel's output."""
+    case = REAL[name]
+    named = {n: rng.uniform(-1, 1, shape) for n, shape in case.shapes.items()}
+    if name == "causal_conv1d_seq_idx":
+        # packed sequences (a reset at steps 3 and 4, one of a single step), padding
+        # tokens (-1) at the end of one batch
+        named["seq"] = np.array([[0, 0, 0, 1, 2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, -1, -1, -1]])
+        named["seq"] = named["seq"].astype(float)
+        return named, causal_conv1d_seq_idx(**named)
+    if name == "resample2d":
+        named["f"] = rng.uniform(-3, 3, named["f"].shape)  # past every border
+        return named, resample2d(**named)
+    if name == "channelnorm":
+        return named, channelnorm(**named)
+    return named, natten2d(**named, **case.attrs)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_ops_equal_their_kernels(name, tmp_path):
+    """float64, TensorFlow: the forward equals the NumPy transcription of the published
+    kernel on the inputs its users pass (packed sequences and padding tokens, flow past
+    every border, windows in dilation groups of unequal lengths)."""
+    case = REAL[name]
+    module = generate(case, tmp_path, prefix="Kernel8")
+    named, want = _kernel_inputs(name, np.random.default_rng(1))
+    got = module.forward(*(tf.constant(named[n]) for n in module.INPUTS), **case.attrs)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_ops_equal_tf_autodiff(name, tmp_path):
+    """float64, TensorFlow: forward, vjp, the registered gradient and a tape equal TF
+    autodiff over the reference evaluator and finite differences (harness.check)."""
+    case = REAL[name]
+    check(case, generate(case, tmp_path, prefix="Check8"))
+
+
+def _tensor(target, a):
+    a = np.asarray(a)
+    if target == "tensorflow":
+        return tf.constant(a)
+    if target == "jax":
+        return jax.numpy.asarray(a)
+    return torch.from_numpy(a.copy())
+
+
+def _run(module, target, named, cotangent, attrs, dtype, budget):
+    """forward and vjp (as NumPy) of `module` at `budget` on NumPy inputs given by name,
+    floats cast to `dtype`."""
+    module.MAX_TEMP_BYTES = budget
+    args = [_tensor(target, named[n].astype(dtype)) for n in module.INPUTS]
+    y = module.forward(*args, **attrs)
+    grads = module.vjp(*args, _tensor(target, cotangent.astype(dtype)), **attrs)
+    return [as_numpy(t) for t in (y, *grads)]
+
+
+@pytest.mark.parametrize(
+    ("flow", "target"),
+    [
+        ("random", "tensorflow"),
+        ("zero", "tensorflow"),
+        ("zero", "pytorch"),
+        ("zero", "jax"),
+        ("integer", "pytorch"),
+    ],
+)
+def test_resample2d_flow_gradient_is_flownet2s_backward_kernel(flow, target, tmp_path):
+    """The flow's gradient equals kernel_resample2d_backward_input2, untiled and at a
+    1-byte budget: at random flow, at zero flow (the identity warp: every sample on a
+    pixel, the last row and column on the clamps) and at integer flow past the borders.
+    At zero flow the last column's dx and the last row's dy were -x there (the clamp's tie
+    sent the gradient into the read's difference with the zero outside the image); the
+    kernel gives 0. The image's gradient equals the kernel's scatter of the weights."""
+    case = REAL["resample2d"]
+    module = generate(case, tmp_path, prefix="Flow8", target=target)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(case.shapes["x"])
+    f = {
+        "random": rng.uniform(-3, 3, case.shapes["f"]),
+        "zero": np.zeros(case.shapes["f"]),
+        "integer": rng.integers(-7, 8, case.shapes["f"]).astype(float),
+    }[flow]
+    cotangent = rng.standard_normal(case.shapes["x"][:2] + case.shapes["f"][2:])
+    want_x = np.zeros_like(x)
+    for b, c, y, xx in np.ndindex(cotangent.shape):  # kernel_resample2d_backward_input1
+        xf, yf, xl, xr, yt, yb = _corners(f, b, y, xx, *x.shape[2:])
+        alpha, beta = xf - np.floor(xf), yf - np.floor(yf)
+        g = cotangent[b, c, y, xx]
+        want_x[b, c, yt, xl] += (1 - alpha) * (1 - beta) * g
+        want_x[b, c, yt, xr] += alpha * (1 - beta) * g
+        want_x[b, c, yb, xl] += (1 - alpha) * beta * g
+        want_x[b, c, yb, xr] += alpha * beta * g
+    want_f = resample2d_flow_grad(x, f, cotangent)
+    for budget in (BIG, TINY):
+        y, gx, gf = _run(module, target, {"x": x, "f": f}, cotangent, {}, np.float64, budget)
+        np.testing.assert_allclose(y, resample2d(x, f), rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(gx, want_x, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(gf, want_f, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_channelnorm_gradient_is_flownet2s_backward_kernel(target, tmp_path):
+    """The gradient equals kernel_channelnorm_backward_input1 (gradOutput * input /
+    (output + 1e-9)) within its 1e-9 away from zero; at an all-zero pixel (the norm of
+    a difference that vanishes) TF autodiff of sqrt at 0 gives nan, and so does the
+    module (a loud nan, not a silent value), where the kernel's 1e-9 gives 0."""
+    case = REAL["channelnorm"]
+    module = generate(case, tmp_path, prefix="Norm8", target=target)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(case.shapes["x"])
+    x[1, :, 2, 3] = 0.0
+    cotangent = rng.standard_normal((2, 1, 4, 5))
+    y, gx = _run(module, target, {"x": x}, cotangent, {}, np.float64, BIG)
+    np.testing.assert_allclose(y, channelnorm(x), rtol=1e-14)
+    want = channelnorm_grad(x, cotangent)
+    kept = np.ones(x.shape, bool)
+    kept[1, :, 2, 3] = False
+    np.testing.assert_allclose(gx[kept], want[kept], rtol=1e-8)
+    assert np.isnan(gx[1, :, 2, 3]).all(), gx[1, :, 2, 3]
