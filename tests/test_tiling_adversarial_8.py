@@ -3,16 +3,18 @@ adversarial files, written from the kernels' own index arithmetic: Mamba's causa
 with seq_idx (Dao-AILab/causal-conv1d, the channel-last forward: a tap is kept only where
 its seq_idx equals the output step's, a step whose seq_idx is negative is 0), FlowNet2's
 resample2d (a bilinear warp by a flow field, every corner clamped to the image) and
-channelnorm (the L2 norm over channels), and NATTEN's 2-D neighborhood attention with
-dilation, causal along rows and not along columns, on sizes the dilation does not divide
-(the flex backend's mask: a dilation group's own length, the causal window ending at the
-query).
+channelnorm (the L2 norm over channels), mmcv's rotated_feature_align (a feature plus
+bilinear samples at a rotated box's center and corners, mmcv's border clamps), and
+NATTEN's 2-D neighborhood attention with dilation, causal along rows and not along
+columns, on sizes the dilation does not divide (the flex backend's mask: a dilation
+group's own length, the causal window ending at the query).
 
 Each is checked against a NumPy transcription of its kernel (FlowNet2's backward kernels
 too), against TF float64 autodiff over the reference evaluator and finite differences
 (harness.check), in chunks against the untiled module, with logits in the hundreds in
 float32, at ties (flow that lands exactly on pixels and on the clamps, a seq_idx reset at
-every step, an all-zero pixel), on empty axes and under tf.function with unknown sizes.
+every step, rotated boxes whose corners fall on pixels and exactly on the clamps, an
+all-zero pixel), on empty axes and under tf.function with unknown sizes.
 
 Found: resample2d's flow gradient at the last row and column under zero flow (the
 identity warp) was -x[H - 1] and -x[W - 1] -- the clamp `min(e, W - 1)` sent its tie to e
@@ -55,6 +57,13 @@ NAT_COL = "j % D1 + D1*(max(min(j // D1 - K1 // 2, (W - j % D1 + D1 - 1) // D1 -
 NAT_EXP = f"exp(scale * sum(query[b,i,j,h,d] * key[b,{NAT_ROW},{NAT_COL},h,d], d))"
 NAT_IN = "i // D0 - u >= 0"
 
+# mmcv rotated_feature_align: sample p of pixel (h, w) is the box's center (p = 0) or a
+# corner, center + sw * (w/2 along the angle) + sh * (h/2 across it)
+SW = "where(p == 0, 0, where(p == 1 or p == 4, 1, -1))"
+SH = "where(p == 0, 0, where(p < 3, 1, -1))"
+RFA_Y, RFA_X = "PY[n,h,w,p]", "PX[n,h,w,p]"
+RFA_IN = f"{RFA_Y} >= -1 and {RFA_Y} <= H and {RFA_X} >= -1 and {RFA_X} <= W"
+
 WARP = (
     "y[b,c,i,j] = x[b, c, min(max(i + f[b,1,i,j], 0.0), H - 1),"
     " min(max(j + f[b,0,i,j], 0.0), W - 1)]"
@@ -95,6 +104,36 @@ REAL = {
         {"x": (2, 3, 4, 5)},
         ranges={"o": "1"},
         sizes={"o": 1},
+    ),
+    # mmcv/ops/csrc/pytorch/cpu/rotated_feature_align.cpp (the CUDA kernel's twin):
+    # features [N, C, H, W], best_rbboxes [N, H, W, 5] = (y, x, w, h, a), spatial_scale,
+    # points 1 or 5; out = the feature plus bilinear_interpolate (0 beyond one pixel
+    # outside, clamped within it) at each point; the boxes get no gradient
+    "rotated_feature_align": Case(
+        (
+            (
+                f"PY[n,h,w,p] = scale * (rb[n,h,w,0] + {SW} * sin(rb[n,h,w,4]) * rb[n,h,w,2] / 2"
+                f" + {SH} * cos(rb[n,h,w,4]) * rb[n,h,w,3] / 2)"
+            ),
+            (
+                f"PX[n,h,w,p] = scale * (rb[n,h,w,1] + {SW} * cos(rb[n,h,w,4]) * rb[n,h,w,2] / 2"
+                f" - {SH} * sin(rb[n,h,w,4]) * rb[n,h,w,3] / 2)"
+            ),
+            (
+                f"y[n,c,h,w] = x[n,c,h,w] + sum(where({RFA_IN}, x[n, c, min(max({RFA_Y}, 0.0),"
+                f" H - 1), min(max({RFA_X}, 0.0), W - 1)], 0), p)"
+            ),
+        ),
+        {"x": (2, 3, 5, 6), "rb": (2, 5, 6, 5)},
+        attrs={"scale": 0.25, "P": 5},
+        inputs=("x", "rb"),
+        lets={"H": "x.shape[2]", "W": "x.shape[3]"},
+        let_values={"H": 5, "W": 6},
+        ranges={"p": "P"},
+        sizes={"p": 5},
+        outputs=("y",),
+        no_gradient=("rb",),
+        fd_directions=2,
     ),
     # NATTEN na2d, q, k, v [B, H, W, heads, head_dim], kernel (K0, K1), dilation (D0, D1),
     # is_causal (True, False): src/natten/backends/flex.py, get_na_flex_mask
@@ -196,6 +235,50 @@ def channelnorm_grad(x, grad_out):
     return grad_out * x / (channelnorm(x) + 1e-9)
 
 
+def rotated_feature_align(x, rb, scale, P):
+    """rotated_feature_align_forward_cpu_kernel: px, py of the center and the four
+    corners, each read with mmcv's bilinear_interpolate, added to the feature."""
+    from test_tiling_adversarial_6 import bilinear_interpolate
+
+    out = x.copy()
+    for n, c, h, w in np.ndindex(x.shape):
+        roi_y, roi_x, roi_w, roi_h, roi_a = rb[n, h, w] * [scale, scale, scale, scale, 1]
+        wx, wy = np.cos(roi_a) * roi_w / 2, np.sin(roi_a) * roi_w / 2
+        hx, hy = -np.sin(roi_a) * roi_h / 2, np.cos(roi_a) * roi_h / 2
+        px = [roi_x, roi_x + wx + hx, roi_x - wx + hx, roi_x - wx - hx, roi_x + wx - hx]
+        py = [roi_y, roi_y + wy + hy, roi_y - wy + hy, roi_y - wy - hy, roi_y + wy - hy]
+        for i in range(P):
+            out[n, c, h, w] += bilinear_interpolate(x[n, c], py[i], px[i])
+    return out
+
+
+def bilinear_interpolate_gradient(height, width, y, x):
+    """rotated_feature_align.cpp's bilinear_interpolate_gradient: the four weights and
+    their (clamped) corners; none beyond one pixel outside."""
+    if y < -1.0 or y > height or x < -1.0 or x > width:
+        return []
+    y, x = max(y, 0.0), max(x, 0.0)
+    y_low, x_low = int(y), int(x)
+    if y_low >= height - 1:
+        y_high = y_low = height - 1
+        y = float(y_low)
+    else:
+        y_high = y_low + 1
+    if x_low >= width - 1:
+        x_high = x_low = width - 1
+        x = float(x_low)
+    else:
+        x_high = x_low + 1
+    ly, lx = y - y_low, x - x_low
+    hy, hx = 1 - ly, 1 - lx
+    return [
+        (hy * hx, y_low, x_low),
+        (hy * lx, y_low, x_high),
+        (ly * hx, y_high, x_low),
+        (ly * lx, y_high, x_high),
+    ]
+
+
 def _natten_mask(q_crd, kv_crd, extent, kernel, dilation, causal):
     """get_na_flex_mask's single_dim_tiling_mask along one axis, stride 1."""
     q_di, kv_di = q_crd // dilation, kv_crd // dilation
@@ -245,6 +328,21 @@ def _kernel_inputs(name, rng):
         return named, resample2d(**named)
     if name == "channelnorm":
         return named, channelnorm(**named)
+    if name == "rotated_feature_align":
+        # boxes in image pixels (scale 0.25: the 5 x 6 map is 20 x 24 pixels), centers
+        # and corners past every border, any angle
+        shape = case.shapes["rb"][:3]
+        named["rb"] = np.stack(
+            [
+                rng.uniform(-4, 24, shape),
+                rng.uniform(-4, 28, shape),
+                rng.uniform(2, 16, shape),
+                rng.uniform(2, 16, shape),
+                rng.uniform(-np.pi, np.pi, shape),
+            ],
+            -1,
+        )
+        return named, rotated_feature_align(**named, **case.attrs)
     return named, natten2d(**named, **case.attrs)
 
 
@@ -428,6 +526,7 @@ EMPTY = {
     "causal_conv1d_seq_idx": {"x": (2, 4, 0), "seq": (2, 0)},
     "resample2d": {"f": (0, 2, 5, 6), "x": (0, 3, 5, 6)},
     "channelnorm": {"x": (2, 0, 4, 5)},
+    "rotated_feature_align": {"x": (0, 3, 5, 6), "rb": (0, 5, 6, 5)},
     "natten2d_causal_dilated": {n: (0, 7, 7, 2, 3) for n in ("query", "key", "value")},
 }
 
@@ -469,3 +568,36 @@ def test_unknown_sizes_under_tf_function_in_chunks(name, tmp_path):
     named, _ = _kernel_inputs(name, np.random.default_rng(8))
     args = [tf.constant(named[n]) for n in module.INPUTS]
     unknown_sizes_equal_eager(module, args, case.attrs, seed=9)
+
+
+def test_rotated_feature_align_samples_on_pixels_and_on_the_clamps(tmp_path):
+    """Boxes at angle 0 whose center and corners fall exactly on pixels, on the borders
+    (y = 0, H - 1, and exactly one pixel outside: -1 and H, both still read, clamped) and
+    past them (read 0): the forward equals the kernel and the features' gradient equals
+    mmcv's backward (the cotangent plus each sample's weights scattered to its clamped
+    corners), untiled and at a 1-byte budget (PyTorch)."""
+    case = REAL["rotated_feature_align"]
+    module = generate(case, tmp_path, prefix="RfaTies8", target="pytorch")
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal(case.shapes["x"])
+    # (y, x, w, h) in image pixels at scale 0.25: a center on pixel (2, 3) with corners
+    # on (0, 1) .. (4, 5), one with corners at rows -1 and 5 (= H) and columns -1 and
+    # 6 (= W), one past every border (rows -2, 6), one of size 0
+    boxes = np.array([[8, 12, 16, 16], [8, 10, 28, 24], [8, 10, 32, 32], [0, 0, 0, 0]])
+    rb = np.zeros(case.shapes["rb"])
+    rb[..., :4] = boxes[rng.integers(0, 4, rb.shape[:3])]
+    named = {"x": x, "rb": rb}
+    cotangent = rng.standard_normal(x.shape)
+    want_x = cotangent.copy()  # rotated_feature_align_backward: grad_output, then the
+    for n, c, h, w in np.ndindex(x.shape):  # weights of each sample scattered
+        roi_y, roi_x, roi_w, roi_h = rb[n, h, w, :4] * 0.25
+        for dy, dx in ((0, 0), (1, 1), (1, -1), (-1, -1), (-1, 1)):
+            py, px = roi_y + dy * roi_h / 2, roi_x + dx * roi_w / 2
+            for weight, p, q in bilinear_interpolate_gradient(*x.shape[2:], py, px):
+                want_x[n, c, p, q] += weight * cotangent[n, c, h, w]
+    want = rotated_feature_align(x, rb, **case.attrs)
+    for budget in (BIG, TINY):
+        y, gx, grb = _run(module, "pytorch", named, cotangent, case.attrs, np.float64, budget)
+        assert grb is None
+        np.testing.assert_allclose(y, want, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(gx, want_x, rtol=1e-12, atol=1e-12)
