@@ -601,3 +601,32 @@ def test_rotated_feature_align_samples_on_pixels_and_on_the_clamps(tmp_path):
         assert grb is None
         np.testing.assert_allclose(y, want, rtol=1e-13, atol=1e-13)
         np.testing.assert_allclose(gx, want_x, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ peaks
+
+
+def test_pytorch_natten_causal_dilated_step_stays_within_the_bound(tmp_path):
+    """NATTEN 2-D, causal rows, dilation 2, float32 (1 x 16 x 14, 2 heads of 8, K = 5) at a
+    64 KiB budget: the untiled step holds every window's scores (2.9 MB, 9.8x the bound),
+    in chunks 0.61x. Run on one thread: on two busy cores torch's float32 index_add (the
+    chunks' scatter into key and value) took 0.16 s a call against 6 us on one, 33 s a
+    step."""
+    from adversarial import torch_step_peaks
+
+    case = REAL["natten2d_causal_dilated"]
+    module = generate(case, tmp_path, prefix="NatPeak8", target="pytorch")
+    rng = np.random.default_rng(11)
+    xs = [
+        torch.tensor(rng.uniform(-1, 1, (1, 16, 14, 2, 8)), dtype=torch.float32, requires_grad=True)
+        for _ in module.INPUTS
+    ]
+    attrs = {"K0": 5, "K1": 5, "D0": 2, "D1": 2, "scale": 0.25}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**16)
+    finally:
+        torch.set_num_threads(threads)
+    assert untiled > 3 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, bound)
