@@ -22,6 +22,12 @@ and the read took the forward difference with the zero outside the image; FlowNe
 kernel (and either one-sided derivative but this) gives 0 and x[W-1] - x[W-2]. A clamp
 inside a float position now takes its right derivative (sampling._right_sided_clamps).
 
+Found, not fixed (a strict xfail): mmcv's prroi_pool (a bin's integral of the bilinear
+interpolation over its area, 0 for an empty bin: `where(AR > 0, sum(...) / AR, 0)`) has
+nan gradients for x and the roi beside an empty roi, where the kernel has 0: the select
+masks the quotient's cotangent with a 0/1 factor, and the chain multiplies it by 1 / AR
+= inf. Its forward is the kernel's.
+
 Refused, clearly, at the call: the clamped warp written with integer bounds only
 (`min(max(j + f[b,0,i,j], 0), W - 1)` is an integer position, `f` an index tensor):
 "index tensor f has dtype float64; expected int32 or int64 (to interpolate at float
@@ -67,6 +73,58 @@ RFA_IN = f"{RFA_Y} >= -1 and {RFA_Y} <= H and {RFA_X} >= -1 and {RFA_X} <= W"
 WARP = (
     "y[b,c,i,j] = x[b, c, min(max(i + f[b,1,i,j], 0.0), H - 1),"
     " min(max(j + f[b,0,i,j], 0.0), W - 1)]"
+)
+
+# mmcv prroi_pool: the integral of the bilinear interpolation over a bin is, per pixel,
+# the product of the integrals of its row's and column's hat function over the bin's
+# extent; G is the hat's antiderivative
+
+
+def _hat_integral(u):
+    return (
+        f"where({u} <= -1, 0, where({u} <= 0, ({u} + 1)**2 / 2,"
+        f" where({u} <= 1, 1 - (1 - {u})**2 / 2, 1)))"
+    )
+
+
+BIN_H = "max(rois[r,4] - rois[r,2], 0) * scale / PH"
+BIN_W = "max(rois[r,3] - rois[r,1], 0) * scale / PW"
+PRROI_ROWS = f"({_hat_integral('(EY[r,i] - a)')} - {_hat_integral('(BY[r,i] - a)')})"
+PRROI_COLS = f"({_hat_integral('(EX[r,j] - q)')} - {_hat_integral('(BX[r,j] - q)')})"
+
+# mmcv/ops/csrc/common/cuda/prroi_pool_cuda_kernel.cuh, prroi_pool_forward_cuda_kernel:
+# rois [K, 5] = (batch index, x1, y1, x2, y2) times spatial_scale, a bin's integral of
+# the bilinear interpolation (pixels outside read 0) over its area; 0 for an empty bin.
+# The per-pixel weights are written inside the sum: as internal tensors IY[r,i,a] their
+# axis a is sized by no input in their own equation ("output index 'a' is not used by any
+# input"), and with `ranges` for a the read x[.., a, q] refuses it ("index 'a' is a
+# plain index of x (axis 2) ...; remove it from `ranges`"): no spelling has both
+PRROI = Case(
+    (
+        f"BY[r,i] = rois[r,2] * scale + {BIN_H} * i",
+        f"EY[r,i] = rois[r,2] * scale + {BIN_H} * (i + 1)",
+        f"BX[r,j] = rois[r,1] * scale + {BIN_W} * j",
+        f"EX[r,j] = rois[r,1] * scale + {BIN_W} * (j + 1)",
+        f"AR[r] = {BIN_H} * {BIN_W}",
+        (
+            "y[r,c,i,j] = where(AR[r] > 0, sum(x[floor(rois[r,0]), c, a, q]"
+            f" * {PRROI_ROWS} * {PRROI_COLS}, a, q) / AR[r], 0)"
+        ),
+    ),
+    {"x": (2, 3, 6, 7), "rois": (4, 5)},
+    attrs={"scale": 0.5, "PH": 2, "PW": 3},
+    inputs=("x", "rois"),
+    ranges={"i": "PH", "j": "PW"},
+    sizes={"i": 2, "j": 3},
+    outputs=("y",),
+)
+PRROI_ROIS = np.array(
+    [
+        [0, 2.3, 1.1, 9.7, 8.2],
+        [1, -3.0, -2.5, 6.0, 7.5],  # past the top-left border
+        [1, 10.0, 9.0, 17.0, 14.5],  # past the bottom-right border
+        [0, 5.5, 1.0, 5.5, 9.0],  # no width: every bin empty, 0
+    ]
 )
 
 REAL = {
@@ -277,6 +335,45 @@ def bilinear_interpolate_gradient(height, width, y, x):
         (ly * hx, y_high, x_low),
         (ly * lx, y_high, x_high),
     ]
+
+
+def prroi_pool(x, rois, scale, PH, PW):
+    """prroi_pool_forward_cuda_kernel: each bin the sum over the unit cells it overlaps
+    of PrRoIPoolingMatCalculation (the four corners' integrals), over the bin's area."""
+
+    def get(img, h, w):
+        inside = 0 <= h < img.shape[0] and 0 <= w < img.shape[1]
+        return img[h, w] if inside else 0.0
+
+    def part(a, lim):
+        return lim - 0.5 * lim * lim - a + 0.5 * a * a
+
+    def cell(img, s_h, s_w, y0, x0, y1, x1):
+        e_h, e_w = s_h + 1, s_w + 1
+        rows = (part(y0 - s_h, y1 - s_h), part(e_h - y1, e_h - y0))
+        cols = (part(x0 - s_w, x1 - s_w), part(e_w - x1, e_w - x0))
+        return sum(
+            get(img, h, w) * rows[m] * cols[k]
+            for m, h in enumerate((s_h, e_h))
+            for k, w in enumerate((s_w, e_w))
+        )
+
+    out = np.zeros((rois.shape[0], x.shape[1], PH, PW))
+    for n, c, ph, pw in np.ndindex(out.shape):
+        batch, x1, y1, x2, y2 = rois[n] * [1, scale, scale, scale, scale]
+        bin_h, bin_w = max(y2 - y1, 0) / PH, max(x2 - x1, 0) / PW
+        bx1, by1 = x1 + bin_w * pw, y1 + bin_h * ph
+        bx2, by2 = bx1 + bin_w, by1 + bin_h
+        if max(0.0, bin_w * bin_h) == 0:
+            continue
+        total = 0.0
+        for bx in range(int(np.floor(bx1)), int(np.ceil(bx2))):
+            for by in range(int(np.floor(by1)), int(np.ceil(by2))):
+                y0, x0 = max(by1, by), max(bx1, bx)
+                y1_, x1_ = min(by2, by + 1.0), min(bx2, bx + 1.0)
+                total += cell(x[int(batch), c], by, bx, y0, x0, y1_, x1_)
+        out[n, c, ph, pw] = total / (bin_w * bin_h)
+    return out
 
 
 def _natten_mask(q_crd, kv_crd, extent, kernel, dilation, causal):
@@ -630,3 +727,52 @@ def test_pytorch_natten_causal_dilated_step_stays_within_the_bound(tmp_path):
         torch.set_num_threads(threads)
     assert untiled > 3 * bound, (untiled, bound)
     assert tiled <= bound, (tiled, bound)
+
+
+# -------------------------------------------------------------------------- prroi_pool
+
+
+def test_prroi_pool_is_mmcvs_kernel(tmp_path):
+    """float64: the forward equals prroi_pool_forward_cuda_kernel's cell-by-cell
+    integrals on rois past the borders and an empty one (0), untiled and at a 1-byte
+    budget, and the gradients in chunks equal the untiled ones."""
+    module = generate(PRROI, tmp_path, prefix="PrRoi8", target="pytorch")
+    rng = np.random.default_rng(12)
+    named = {"x": rng.standard_normal(PRROI.shapes["x"]), "rois": PRROI_ROIS}
+    want = prroi_pool(**named, **PRROI.attrs)
+    cotangent = rng.standard_normal(want.shape)
+    cotangent[3] = 0.0  # the empty roi: see the next test
+    untiled = _run(module, "pytorch", named, cotangent, PRROI.attrs, np.float64, BIG)
+    tiled = _run(module, "pytorch", named, cotangent, PRROI.attrs, np.float64, TINY)
+    np.testing.assert_allclose(untiled[0], want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(tiled[0], want, rtol=1e-12, atol=1e-14)
+    kept = [0, 1, 2]  # the gradients of the rois that have bins
+    np.testing.assert_allclose(tiled[2][kept], untiled[2][kept], rtol=1e-12, atol=1e-14)
+    assert np.isfinite(untiled[2][kept]).all()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="where(AR > 0, sum(...) / AR, 0): the quotient is an intermediate, the select "
+    "masks its cotangent to 0 (a 0/1 factor) and the chain multiplies that 0 by 1 / AR = "
+    "inf: with one roi of zero width, nan in 126 of 252 gradients of x (all of its "
+    "image) and in its 4 coordinates' gradients, even at a zero cotangent for it; "
+    "mmcv's kernel gives 0. Reduced: y[r,c] = where(A[r] > 0, sum(x[c,a] * w[r,a], a) "
+    "/ A[r], 0) with A[1] = 0 gives nan in 12 of 12 gradients of x; without the sum, 0",
+)
+def test_prroi_pool_gradient_beside_an_empty_roi_is_finite(tmp_path):
+    """An empty roi (no width: every bin 0, the kernel's `continue`) has no effect on
+    any gradient: x's and the other rois' gradients stay finite and equal those without
+    it."""
+    module = generate(PRROI, tmp_path, prefix="PrRoiNan8")
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal(PRROI.shapes["x"])
+    cotangent = rng.standard_normal((4, 3, 2, 3))
+    grads = module.vjp(
+        tf.constant(x), tf.constant(PRROI_ROIS), tf.constant(cotangent), **PRROI.attrs
+    )
+    fewer = module.vjp(
+        tf.constant(x), tf.constant(PRROI_ROIS[:3]), tf.constant(cotangent[:3]), **PRROI.attrs
+    )
+    np.testing.assert_allclose(grads[0].numpy(), fewer[0].numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(grads[1].numpy()[3], 0.0)
