@@ -29,7 +29,7 @@ import sympy as sp
 
 from . import functions as fn
 from . import interpolation
-from .parse import Access, Equation, Sampled, index_names
+from .parse import Access, BinOp, Call, Equation, Neg, Sampled, index_names
 
 
 def is_sampled(node: Access) -> bool:
@@ -63,7 +63,7 @@ def read(builder, node: Access, scope: dict) -> sp.Expr:
             # The position and its fraction are intermediates: the 2^k weights and their
             # derivatives read them, and the position's gradient is summed once.
             written = [scope[i] for i in dict.fromkeys(index_names(position))]
-            value = builder.pointwise(position.expr, scope)
+            value = builder.pointwise(_right_sided_clamps(position.expr), scope)
             integer = value - fn.floor(value) == 0  # `floor(...)`: one neighbour, exactly
             value = _intermediate(builder, value, written)
             positions.append(fn.floor_index(value))
@@ -84,6 +84,46 @@ def read(builder, node: Access, scope: dict) -> sp.Expr:
 
     total = corners(positions, list(fractions))
     return builder.lift([Term(total, ())], written)
+
+
+def _right_sided_clamps(node):
+    """`node` (a float position) with its clamps of a tensor expression e by a bound that
+    reads no tensor (`H - 1`, `0`) written so that a tie takes the right derivative:
+    `min(bound, e)` (the gradient to the bound) and `max(e, bound)` (to e).
+
+    The read's derivative at an integer position is the forward difference (the right
+    derivative), and so must be the clamp's, or the two sides meet: clamped at the last
+    pixel (`min(max(j + flow, 0), W - 1)` at zero flow), the clamp passed the gradient
+    to e (its tie rule, TensorFlow's) and the read took the difference with the zero
+    outside the axis, -x[W - 1]: neither one-sided derivative of the clamped read (0 to
+    the right, the kernels' -- FlowNet2's resample2d, mmcv's bilinear_interpolate --
+    and x[W - 1] - x[W - 2] to the left). A clamp of two tensor expressions keeps its
+    order; a clamp written in an earlier equation keeps its tie rule."""
+    if isinstance(node, Call):
+        args = tuple(_right_sided_clamps(a) for a in node.args)
+        if node.function in ("min", "max") and len(args) == 2:
+            reads = [_reads_a_tensor(a) for a in args]
+            if reads[0] != reads[1]:
+                e, bound = args if reads[0] else args[::-1]
+                args = (bound, e) if node.function == "min" else (e, bound)
+        return dataclasses.replace(node, args=args)
+    if isinstance(node, BinOp):
+        left, right = _right_sided_clamps(node.left), _right_sided_clamps(node.right)
+        return dataclasses.replace(node, left=left, right=right)
+    if isinstance(node, Neg):
+        return dataclasses.replace(node, operand=_right_sided_clamps(node.operand))
+    return node
+
+
+def _reads_a_tensor(node) -> bool:
+    """Whether a formula node reads a tensor anywhere in it."""
+    if isinstance(node, Access):
+        return True
+    if dataclasses.is_dataclass(node):
+        return any(_reads_a_tensor(getattr(node, f.name)) for f in dataclasses.fields(node))
+    if isinstance(node, tuple):
+        return any(_reads_a_tensor(n) for n in node)
+    return False
 
 
 def _intermediate(builder, value: sp.Expr, written: list) -> sp.Expr:
