@@ -64,6 +64,9 @@ RELATIONS = {sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">=", sp.Eq: "==", sp.N
 LOGIC = {sp.And: "logical_and", sp.Or: "logical_or"}
 
 
+_STEMS = {"forward": "_f", "backward": "_t", "sizes": "_s"}
+
+
 @dataclass
 class _Body:
     """The steps of one function body being built, with hash-consing and sizes."""
@@ -75,7 +78,9 @@ class _Body:
     counter: int = 0
     sizes: dict[str, tuple[str, int]] = field(default_factory=dict)  # var -> (tensor, axis)
     uses_dtype: bool = False
-    stem: str = "_t"  # temporaries: _f1.. in the forward, _t1.. in the backward
+    # Which function this body is: "forward", "backward" (the gradient) or "sizes" (the
+    # tiling plan's sizes). It also names the temporaries: _f1.., _t1.., _s1...
+    part: str = "backward"
     # A cheaper way to compute a value from the inputs alone, for `gradient(op)`.
     recompute: dict[str, ir.Expr] = field(default_factory=dict)
     # A value lowered to read an earlier step -> the same value as the formula writes it
@@ -84,7 +89,7 @@ class _Body:
 
     def fresh(self) -> str:
         self.counter += 1
-        return f"{self.stem}{self.counter}"
+        return f"{_STEMS[self.part]}{self.counter}"
 
     def bind(self, value: ir.Expr, name: str | None = None, comment: str = "") -> str:
         """Assign `value` to a name (reusing an identical earlier step)."""

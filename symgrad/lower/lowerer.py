@@ -190,7 +190,7 @@ class Lowerer(
             operand = self.expr(body, term.expr, order)
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
-            if len(term.summed) == 1 and body.stem == "_f" and level.name in self.is_output:
+            if len(term.summed) == 1 and body.part == "forward" and level.name in self.is_output:
                 return self.logsumexp_keeping_softmax(body, operand)
             axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
             return ir.Call("reduce_logsumexp", (operand,), (("axis", axes),))
@@ -246,7 +246,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     inputs = {name: name for name in program.inputs}
 
     # Forward: intermediates in order, then outputs.
-    fwd = _Body(program, dict(inputs), stem="_f")
+    fwd = _Body(program, dict(inputs), part="forward")
     for level in program.intermediates:
         fwd.tensors[level.name] = level.name
         fwd.bind(lowerer.level(fwd, level), name=level.name)
@@ -265,7 +265,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         outputs.append(level.name)
 
     # Backward.
-    bwd = _Body(program, dict(inputs))
+    bwd = _Body(program, dict(inputs), part="backward")
     for output in program.outputs:
         bwd.tensors[output.level.name] = output.level.name
     for level in program.intermediates:
@@ -412,7 +412,7 @@ def lower_sizes(
     """A block computing the sizes of `indices` from the inputs and attrs, and the
     variables that hold them (for the call-time tiling plan)."""
     lowerer = Lowerer(program, backward)
-    body = _Body(program, {name: name for name in program.inputs}, stem="_s")
+    body = _Body(program, {name: name for name in program.inputs}, part="sizes")
     names = tuple(lowerer.index_size(body, index) for index in indices)
     return _finish(body, tuple(dict.fromkeys(names)), {}), names
 

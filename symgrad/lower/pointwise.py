@@ -343,7 +343,7 @@ class Pointwise:
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
                 weights = body.bind(ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),)))
-                if logits.has(fn.NEG_INF) and body.stem == "_t":  # masked, in the backward
+                if logits.has(fn.NEG_INF) and body.part == "backward":  # masked
                     weights = self.empty_rows_weigh_nothing(body, operand, weights)
                 return self.align(body, ir.Var(weights), order, target)
         return None
