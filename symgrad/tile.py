@@ -32,8 +32,8 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
+from . import block_reads, ir, output_temps, patterns, sampled_temps, splits
 from . import functions as fn
-from . import ir, output_temps, patterns, sampled_temps, splits
 from .indexing import IOTA
 from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
@@ -64,9 +64,9 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     """Index sets of the tensors the program materializes that are larger than every input
     and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
     product of plain reads is an einsum and is never materialized; nor is a polynomial,
-    which lowering expands); and, at any size, the sets of sampled reads' corners
-    (`sampled_temps`) and of outputs larger than every input computed in several steps
-    (`output_temps`)."""
+    which lowering expands; nor a block read's gather, `block_reads`); and, at any size,
+    the sets of sampled reads' corners (`sampled_temps`) and of outputs larger than every
+    input computed in several steps (`output_temps`)."""
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
@@ -76,7 +76,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         return same_size(sizes, i, k)
 
     for level in levels:
-        if level.name in kernels:
+        if level.name in kernels or block_reads.no_larger(level, program):
             continue
         found.append(level.indices)
         for term in level.terms:

@@ -46,8 +46,9 @@ class MergedScatters:
     def merge_key(self, scatter: Scatter) -> tuple | None:
         """What scatters must share to be one: a plain scatter-add (no convolution, no
         blocks, no reshape) of the same source's same axes, its rows over the same
-        indices in the same order (so their rows and positions concatenate along the
-        first axis); None for a scatter that is lowered otherwise."""
+        inner indices and the same plain axes in the same order (so their rows and
+        positions concatenate along the first axis); None for a scatter that is lowered
+        otherwise."""
         if scatter.level in self.convolutions:
             return None
         level = self.levels[scatter.level]
@@ -57,7 +58,13 @@ class MergedScatters:
         inner = gather.inner(level.indices)
         if not inner:  # a single row: nothing to concatenate along
             return None
+        # The other indices by the source axes they read plainly: two reads of one input
+        # at the same positions (`x[t, b, c']` and `x[t, b, c'']`, one linear map written
+        # twice as a softmax's numerator and denominator) lay their rows out alike.
         rest = tuple(i for i in level.indices if i not in inner)
+        if not set(rest) <= set(gather.positions):
+            return None
+        rest = tuple(gather.positions.index(i) for i in rest)
         return (gather.source, gather.computed, inner, rest)
 
     def merged_scatter(self, body: _Body, group: list[Scatter]) -> ir.Expr:
