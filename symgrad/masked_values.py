@@ -192,34 +192,55 @@ def _is_zero(e: ir.Expr) -> bool:
 
 def _exact_signed(e: ir.Einsum, w: int, weights, values, keep) -> ir.Expr:
     """`einsum(W, v)` for weights W of either sign that are 0 where `keep` fails, as a
-    branch on whether v is all finite. The exact branch: the finite values' contraction,
-    plus, per output, +inf where a kept term is +inf (an inf at a weight of its sign),
-    -inf where one is -inf, nan where one is nan (a nan value, or an inf at a kept weight
-    of exactly 0); +inf and -inf together give nan as IEEE sums do."""
+    branch on whether v is all finite. The exact branch: the contraction of the finite
+    weights with the finite values, plus, per output, +inf where a kept term w * v is
+    +inf, -inf where one is -inf, nan where one is nan, as IEEE products give them (an
+    inf value at a weight of its sign, or of the other; an inf weight at a value of its
+    sign, or of the other; nan for a nan value or weight, an inf value at a kept weight
+    of exactly 0, an inf weight at a value of 0); +inf and -inf together give nan as IEEE
+    sums do. Masked weights are exactly 0 (a masked term is 0 whatever v)."""
     kept = ir.Call("broadcast_to", (keep, ir.Call("shape", (weights,))))
     zero = ir.Lit("0")
-    positive = _cast(ir.Binary(">", weights, zero))
-    negative = _cast(ir.Binary("<", weights, zero))
-    at_zero = _cast(ir.Call("logical_and", (kept, ir.Binary("==", weights, zero))))
-    plus = _cast(ir.Binary(">=", values, _constant("inf")))
-    minus = _cast(ir.Binary("<=", values, _constant("-inf")))
-    nan = _cast(ir.Call("is_nan", (values,)))
-    finite = ir.Call("is_finite", (values,))
-    slow = _contract(e, w, weights, ir.Call("where", (finite, values, zero)))
+
+    def count(*pairs):
+        total = None
+        for a, b in pairs:
+            term = _contract(e, w, _cast(a), _cast(b))
+            total = term if total is None else ir.Binary("+", total, term)
+        return total
+
+    w_pos, w_neg = ir.Binary(">", weights, zero), ir.Binary("<", weights, zero)
+    w_inf, w_minf = (
+        ir.Binary(">=", weights, _constant("inf")),
+        ir.Binary("<=", weights, _constant("-inf")),
+    )
+    v_pos, v_neg = ir.Binary(">", values, zero), ir.Binary("<", values, zero)
+    v_inf, v_minf = (
+        ir.Binary(">=", values, _constant("inf")),
+        ir.Binary("<=", values, _constant("-inf")),
+    )
+    w_zero = ir.Call("logical_and", (kept, ir.Binary("==", weights, zero)))
+    v_zero = ir.Binary("==", values, zero)
     counts = (
-        (ir.Binary("+", _contract(e, w, positive, plus), _contract(e, w, negative, minus)), "inf"),
-        (ir.Binary("+", _contract(e, w, positive, minus), _contract(e, w, negative, plus)), "-inf"),
+        (count((w_pos, v_inf), (w_neg, v_minf), (w_inf, v_pos), (w_minf, v_neg)), "inf"),
+        (count((w_pos, v_minf), (w_neg, v_inf), (w_inf, v_neg), (w_minf, v_pos)), "-inf"),
         (
-            ir.Binary(
-                "+",
-                _contract(e, w, _cast(kept), nan),
-                _contract(e, w, at_zero, ir.Binary("+", plus, minus)),
+            count(
+                (kept, ir.Call("is_nan", (values,))),
+                (ir.Call("is_nan", (weights,)), ir.Binary("==", values, values)),
+                (w_zero, v_inf),
+                (w_zero, v_minf),
+                (w_inf, v_zero),
+                (w_minf, v_zero),
             ),
             "nan",
         ),
     )
-    for count, text in counts:
-        hit = ir.Binary(">=", count, ir.Lit("1"))
+    finite_weights = ir.Call("where", (ir.Call("is_finite", (weights,)), weights, zero))
+    finite_values = ir.Call("where", (ir.Call("is_finite", (values,)), values, zero))
+    slow = _contract(e, w, finite_weights, finite_values)
+    for total, text in counts:
+        hit = ir.Binary(">=", total, ir.Lit("1"))
         slow = ir.Binary("+", slow, ir.Call("where", (hit, _constant(text), zero)))
     return ir.Cond(_all_finite(values), e, slow, kept=True)
 
