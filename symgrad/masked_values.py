@@ -23,6 +23,13 @@ So, after lowering, each such contraction becomes a branch (`ir.Cond`, `kept`: T
   contractions of the same shape as the op's own, so the chunks that bound the op
   bound them too.
 
+Weights that vanish under a mask without a softmax (Mamba-2's decay `exp(where(s <= t,
+segsum, -inf))` times its masked `B * C`, contracted with an unmasked `X`: no [b,s,h,p,t]
+masked copy of X) have either sign: the exact branch counts an inf at a positive weight
+as itself, at a negative one as its opposite, and at a kept weight of exactly 0 as nan
+(`_exact_signed`). The kept positions come from the mask in the weights' own layout
+(`_vanishing`, through the views and products that built them).
+
 In the gradient, where the backward contracts the values into a tensor of the weights'
 shape (`einsum(grad_y, v)`), and the gradient of the masked logits (a sum of products of
 a factor that is 0 under the mask), are set to 0 under the mask (`where`, one
@@ -117,8 +124,13 @@ def _exact_contraction(e: ir.Einsum, steps, inputs) -> ir.Expr | None:
         weights, values = e.operands[w], e.operands[1 - w]
         if not (isinstance(weights, ir.Var) and isinstance(values, ir.Var)):
             continue
-        keep = _weights_mask(weights.name, steps) if values.name in inputs else None
+        if values.name not in inputs:
+            continue
+        keep = _weights_mask(weights.name, steps)
         if keep is None:
+            keep = _vanishing(weights, steps)
+            if keep is not None:
+                return _exact_signed(e, w, weights, values, keep)
             continue
         # The kept positions, as the weights' shape: each term there is exp(s) * v[..]
         # with exp(s) > 0 (a weight that rounds to 0 still counts: the formula's inf).
@@ -135,6 +147,102 @@ def _exact_contraction(e: ir.Einsum, steps, inputs) -> ir.Expr | None:
             slow = ir.Binary("+", slow, ir.Call("where", (hit, _constant(text), ir.Lit("0"))))
         return ir.Cond(_all_finite(values), e, slow, kept=True)
     return None
+
+
+def _vanishing(e: ir.Expr, steps) -> ir.Expr | None:
+    """Where `e` is kept, as a condition that broadcasts to `e`'s shape from the right,
+    when `e` is 0 elsewhere by a mask: `exp(where(c, u, -inf))`, `where(c, x, 0)`, a
+    product with such a factor, a step or a view of one (Mamba-2's decay times its masked
+    `B * C`); else None."""
+    if isinstance(e, ir.Var):
+        value = steps.get(e.name)
+        return None if value is None else _vanishing(value, steps)
+    if isinstance(e, ir.View) and isinstance(e.operand, ir.Var):
+        inner = _vanishing(e.operand, steps)
+        if inner is None:
+            return None
+        whole = ir.Call("broadcast_to", (inner, ir.Call("shape", (e.operand,))))
+        return ir.View(whole, e.perm, e.slots)
+    if isinstance(e, ir.Binary) and e.op == "*":
+        found = _vanishing(e.left, steps)
+        return found if found is not None else _vanishing(e.right, steps)
+    if isinstance(e, ir.Call) and e.function == "exp":
+        (operand,) = e.args
+        if isinstance(operand, ir.Call) and operand.function in _MASK:
+            cond, then, otherwise = operand.args
+            if _is_neg_inf(otherwise):
+                return cond
+            if _is_neg_inf(then):
+                return ir.Call("logical_not", (cond,))
+        return None
+    if isinstance(e, ir.Call) and e.function in _MASK:
+        cond, then, otherwise = e.args
+        if _is_zero(otherwise):
+            return cond
+        if _is_zero(then):
+            return ir.Call("logical_not", (cond,))
+    return None
+
+
+def _is_zero(e: ir.Expr) -> bool:
+    return e == ir.Lit("0") or (
+        isinstance(e, ir.Call) and e.function == "cast" and e.args[0] == ir.Lit("0")
+    )
+
+
+def _exact_signed(e: ir.Einsum, w: int, weights, values, keep) -> ir.Expr:
+    """`einsum(W, v)` for weights W of either sign that are 0 where `keep` fails, as a
+    branch on whether v is all finite. The exact branch: the contraction of the finite
+    weights with the finite values, plus, per output, +inf where a kept term w * v is
+    +inf, -inf where one is -inf, nan where one is nan, as IEEE products give them (an
+    inf value at a weight of its sign, or of the other; an inf weight at a value of its
+    sign, or of the other; nan for a nan value or weight, an inf value at a kept weight
+    of exactly 0, an inf weight at a value of 0); +inf and -inf together give nan as IEEE
+    sums do. Masked weights are exactly 0 (a masked term is 0 whatever v)."""
+    kept = ir.Call("broadcast_to", (keep, ir.Call("shape", (weights,))))
+    zero = ir.Lit("0")
+
+    def count(*pairs):
+        total = None
+        for a, b in pairs:
+            term = _contract(e, w, _cast(a), _cast(b))
+            total = term if total is None else ir.Binary("+", total, term)
+        return total
+
+    w_pos, w_neg = ir.Binary(">", weights, zero), ir.Binary("<", weights, zero)
+    w_inf, w_minf = (
+        ir.Binary(">=", weights, _constant("inf")),
+        ir.Binary("<=", weights, _constant("-inf")),
+    )
+    v_pos, v_neg = ir.Binary(">", values, zero), ir.Binary("<", values, zero)
+    v_inf, v_minf = (
+        ir.Binary(">=", values, _constant("inf")),
+        ir.Binary("<=", values, _constant("-inf")),
+    )
+    w_zero = ir.Call("logical_and", (kept, ir.Binary("==", weights, zero)))
+    v_zero = ir.Binary("==", values, zero)
+    counts = (
+        (count((w_pos, v_inf), (w_neg, v_minf), (w_inf, v_pos), (w_minf, v_neg)), "inf"),
+        (count((w_pos, v_minf), (w_neg, v_inf), (w_inf, v_neg), (w_minf, v_pos)), "-inf"),
+        (
+            count(
+                (kept, ir.Call("is_nan", (values,))),
+                (ir.Call("is_nan", (weights,)), ir.Binary("==", values, values)),
+                (w_zero, v_inf),
+                (w_zero, v_minf),
+                (w_inf, v_zero),
+                (w_minf, v_zero),
+            ),
+            "nan",
+        ),
+    )
+    finite_weights = ir.Call("where", (ir.Call("is_finite", (weights,)), weights, zero))
+    finite_values = ir.Call("where", (ir.Call("is_finite", (values,)), values, zero))
+    slow = _contract(e, w, finite_weights, finite_values)
+    for total, text in counts:
+        hit = ir.Binary(">=", total, ir.Lit("1"))
+        slow = ir.Binary("+", slow, ir.Call("where", (hit, _constant(text), zero)))
+    return ir.Cond(_all_finite(values), e, slow, kept=True)
 
 
 def _all_finite(values: ir.Expr) -> ir.Expr:
@@ -162,6 +270,8 @@ def _backward(block: ir.Block, inputs: tuple[str, ...]) -> ir.Block:
             return masks.get(e.name) or _weights_mask(e.name, steps)
         if isinstance(e, ir.Binary) and e.op == "*":
             return vanishing(e.left) or vanishing(e.right)
+        if isinstance(e, ir.Call) and e.function == "exp":
+            return _vanishing(e, steps)
         if isinstance(e, ir.Binary) and e.op in "+-":
             left, right = vanishing(e.left), vanishing(e.right)
             return left if left is not None and left == right else None
@@ -201,6 +311,7 @@ def _backward(block: ir.Block, inputs: tuple[str, ...]) -> ir.Block:
     for check in checks[1:]:
         predicate = ir.Call("logical_and", (predicate, check))
     out = []
+    waiting: list[tuple[set[str], ir.Assign]] = []  # wrapped steps whose mask is not made yet
     for step in block.steps:
         value = step.value
         if step.target in wrapped:
@@ -210,7 +321,18 @@ def _backward(block: ir.Block, inputs: tuple[str, ...]) -> ir.Block:
             # tensor from outside it); only one runs.
             masked = ir.Call("where", (wrapped[step.target], value, ir.Lit("0")))
             value = ir.Cond(ir.Var(finite), value, masked, kept=True)
+            # A mask taken from a later product (a decay's `exp(where(s <= t, u, -inf))`)
+            # may read steps made after this one, and before that product: the step
+            # waits for them.
+            later = ir.names_in(wrapped[step.target]) & set(steps) - {s.target for s in out}
+            if later:
+                waiting.append((later, ir.Assign(step.target, value, step.comment)))
+                continue
         out.append(ir.Assign(step.target, value, step.comment))
+        for pending in [w for w in waiting if w[0] <= {s.target for s in out}]:
+            waiting.remove(pending)
+            out.append(pending[1])
+    assert not waiting, waiting
     return ir.Block(tuple(out), block.returns)
 
 

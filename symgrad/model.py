@@ -646,7 +646,7 @@ class _Builder:
             return sp.exp(fn.select(cond, then.args[0], fn.NEG_INF))
         if isinstance(otherwise, sp.exp) and then == 0:
             return sp.exp(fn.select(cond, fn.NEG_INF, otherwise.args[0]))
-        masked = _masked_exp_times_reads(cond, then, otherwise)
+        masked = _masked_exp_times_reads(cond, then, otherwise, set(self.internals))
         return fn.select(cond, then, otherwise) if masked is None else masked
 
     def condition(self, node: Condition, scope: dict[str, Index]) -> sp.Basic:
@@ -1385,7 +1385,9 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
     return Level(level.name, level.indices, level.terms, level.kind, gather, level.count)
 
 
-def _masked_exp_times_reads(cond, then: sp.Expr, otherwise: sp.Expr) -> sp.Expr | None:
+def _masked_exp_times_reads(
+    cond, then: sp.Expr, otherwise: sp.Expr, internal: set[str]
+) -> sp.Expr | None:
     """`where(c, exp(u) * v[..], 0)` as `exp(where(c, u, -inf)) * v[..]` (and the mirror
     form), when the other factors are plain reads: a causal attention's numerator
     `sum(where(j <= i, exp(s) * v[b,j,e], 0), j)` over its denominator is then
@@ -1404,10 +1406,10 @@ def _masked_exp_times_reads(cond, then: sp.Expr, otherwise: sp.Expr) -> sp.Expr 
         return None
     u = exps[0].args[0]
     masked = fn.select(cond, u, fn.NEG_INF) if sign == 1 else fn.select(cond, fn.NEG_INF, u)
-    return sp.exp(masked) * _masked_reads(cond, sp.Mul(*rest), sign, u)
+    return sp.exp(masked) * _masked_reads(cond, sp.Mul(*rest), sign, u, internal)
 
 
-def _masked_reads(cond, reads: sp.Expr, sign: int, u: sp.Expr) -> sp.Expr:
+def _masked_reads(cond, reads: sp.Expr, sign: int, u: sp.Expr, internal: set[str]) -> sp.Expr:
     """The reads of `_masked_exp_times_reads`, masked too when the mask varies only over
     their indices (a padding mask `m[b,j]` on `v[b,j,e]`: no larger tensor), or when the
     masked reads are no larger than the exponential (RWKV's `exp((t - 1 - i) * w[c] +
@@ -1427,11 +1429,32 @@ def _masked_reads(cond, reads: sp.Expr, sign: int, u: sp.Expr) -> sp.Expr:
     # contraction (`where(s <= t, B * C, 0)` summed over g, n before X comes in); the
     # whole product masked at once was one tensor over every index ([b,s,g,n,t,h,p]).
     # Every factor is 0 under the mask, so a masked position is still 0 for inf or nan
-    # reads.
+    # reads. A read of one input that the mask would make larger (X[b,s,h,p] under s <=
+    # t: [b,s,h,p,t], p times the decay's [b,s,h,t]) is left alone: the masked factors
+    # are contracted with it (`einsum(W, X)`), which `masked_values` makes exact where
+    # X is not finite (W of either sign), and its gradients mask after summing p.
     groups: dict[frozenset, list[sp.Expr]] = {}
     for factor in sp.Mul.make_args(reads):
         groups.setdefault(frozenset(_indices_of(factor) | mask), []).append(factor)
-    return sp.Mul(*(_select(cond, sp.Mul(*group), sign) for group in groups.values()))
+    return sp.Mul(
+        *(
+            group[0]
+            if _larger_input_read(group, mask, internal)
+            else _select(cond, sp.Mul(*group), sign)
+            for group in groups.values()
+        )
+    )
+
+
+def _larger_input_read(group: list[sp.Expr], mask: set, internal: set[str]) -> bool:
+    """Whether `group` is one read of an input that does not have every index of the mask."""
+    (read, *others) = group
+    return (
+        not others
+        and isinstance(read, sp.Indexed)
+        and str(read.base.label) not in internal
+        and not mask <= _indices_of(read)
+    )
 
 
 def _select(cond, reads: sp.Expr, sign: int) -> sp.Expr:

@@ -459,9 +459,10 @@ def test_far_from_the_origin_in_float32_chunks(name, target, tmp_path):
 def test_mamba2_inf_and_nan_at_masked_steps_leave_earlier_outputs_exact(target, tmp_path):
     """X at the last step +inf and -inf, B there nan: every earlier output masks them
     (s <= t), so it equals the output with them 0, untiled and in chunks of a 1-byte
-    budget; the last output is not finite. Each read is masked over its own indices and
-    the mask's (`where(s <= t, B * C, 0)`, `where(s <= t, X, 0)`): the exponential's 0
-    times an unmasked inf would be nan at every step."""
+    budget; the last output is not finite. B * C is masked over its own indices and the
+    mask's (`where(s <= t, B * C, 0)`) and X contracted with the masked weights in a
+    branch exact for non-finite X (masked_values): the exponential's 0 times an unmasked
+    inf would be nan at every step."""
     module = generate(REAL["mamba2_ssd"], tmp_path, prefix="Inf5", target=target)
     named, _ = _kernel_inputs("mamba2_ssd", np.random.default_rng(8))
     zeroed = {n: a.copy() for n, a in named.items()}
@@ -476,6 +477,51 @@ def test_mamba2_inf_and_nan_at_masked_steps_leave_earlier_outputs_exact(target, 
         )
         np.testing.assert_allclose(got[:, :-1], want[:, :-1], rtol=1e-14, atol=1e-14)
         assert not np.isfinite(got[:, -1]).any()
+
+
+def _ssd_terms(X, A, B, C):
+    """Mamba-2's quadratic form in NumPy, each kept term C * B * exp(segsum) * X[s] in IEEE
+    arithmetic (masked terms are not formed): Y [b, t, h, p]."""
+    Y = np.zeros(X.shape)
+    with np.errstate(invalid="ignore"):
+        for t in range(X.shape[1]):
+            for s in range(t + 1):
+                decay = np.exp(A[:, s + 1 : t + 1].sum(1))  # [b, h]
+                cb = np.einsum("bgn,bgn->b", C[:, t], B[:, s])
+                Y[:, t] += (cb[:, None] * decay)[..., None] * X[:, s]
+    return Y
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_mamba2_signed_weights_times_inf_and_nan_are_exact(target, tmp_path):
+    """X is contracted with the masked decay and B * C (no [b,s,h,p,t] masked copy of X),
+    whose weights have either sign: +inf at a step whose weight is negative gives -inf,
+    +inf at a weight of exactly 0 (B 0 there) gives nan, +inf and -inf reaching one
+    output give nan, nan gives nan, an infinite weight (B inf) at a value of 0 gives nan
+    and at a finite or an infinite one the inf of their signs; outputs before those
+    steps are finite. Untiled and in
+    chunks of a 1-byte budget, every output equal to the kept terms summed in NumPy (the
+    non-finite ones exactly)."""
+    module = generate(REAL["mamba2_ssd"], tmp_path, prefix="Signed5", target=target)
+    named, _ = _kernel_inputs("mamba2_ssd", np.random.default_rng(9))
+    X, B = named["X"], named["B"]
+    X[0, 3, 0, 0] = np.inf  # batch 0, head 0: signed weights of the steps after 3
+    B[1, 5] = 0.0  # batch 1: step 5's weights are all exactly 0
+    X[1, 5, 1, 1] = np.inf
+    X[0, 6, 2, 1] = -np.inf  # batch 0, head 2: -inf alone
+    X[0, 6, 0, 0] = -np.inf  # batch 0, head 0: beside step 3's +inf
+    X[1, 2, 2, 0] = np.nan
+    B[0, 7, 0, 1] = np.inf  # batch 0, last step: weights of +-inf at every head
+    X[0, 7, 1, 0], X[0, 7, 1, 1], X[0, 7, 2, 0] = 0.0, -2.0, np.inf  # nan, -+inf, +-inf
+    want = _ssd_terms(X, named["A"], B, named["C"])
+    assert np.isneginf(want).any() and np.isposinf(want).any() and np.isnan(want).any()
+    for budget in (2**40, TINY):
+        module.MAX_TEMP_BYTES = budget
+        got = as_numpy(module.forward(*(_tensor(target, named[n]) for n in module.INPUTS)))
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(test(got), test(want), err_msg=(budget, test))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("name", ["sliding_sum", "cumsum_times_plain"])
@@ -629,10 +675,10 @@ def _ssd_peak_arrays(groups: int = 1):
 @pytest.mark.parametrize("name", ["mamba2_ssd", "mamba2_ssd_groups"])
 def test_pytorch_mamba2_ssd_step_stays_within_the_bound(name, tmp_path):
     """Mamba-2's SSD, float32 (`_ssd_peak_arrays`; two groups of heads sharing B and C in
-    `mamba2_ssd_groups`): untiled the step holds [b,r,h,s,t] segsums and [b,s,h,p,t]
-    masked values (one group: 873 KB, 15x the bound of 4x the inputs and outputs plus a
-    16 KiB budget; two: 968 KB). In chunks of one position of t (and of b, or h) it holds
-    41 KB (two groups: 41 KB, 0.60x). It held 467 KB in chunks of 4 (the plan counted
+    `mamba2_ssd_groups`): untiled the step holds [b,r,h,s,t] segsums (one group: 615 KB,
+    10x the bound of 4x the inputs and outputs plus a 16 KiB budget; two: 838 KB; 873 KB
+    and 968 KB with X masked over [b,s,h,p,t]). In chunks of one position of t (and of b,
+    or h) it holds 41 KB (two groups: 41 KB, 0.60x). It held 467 KB in chunks of 4 (the plan counted
     [b,h,s] a position, and the mask was broadcast to the product's every axis,
     [b,s,g,n,h,p]), untiled 5.0 MB; two groups 1.27 MB in chunks (18.8x)."""
     from adversarial import torch_step_peaks
@@ -662,7 +708,8 @@ print(json.dumps(tf_step_peaks(module, args, SSD_BUDGET)))
 
 def test_tensorflow_mamba2_ssd_step_stays_within_the_bound(tmp_path):
     """TensorFlow's allocator (BFC, a fresh process), the one-group inputs of the PyTorch test:
-    untiled 1.4 MB (24x the bound), in chunks 45 KB (0.75x). It held 1.07 MB in chunks
+    untiled 0.90 MB (15x the bound; 1.44 MB with X masked over [b,s,h,p,t]), in chunks
+    45 KB (0.75x). It held 1.07 MB in chunks
     (18x), 8.4 MB untiled, with the mask broadcast to the product's every axis."""
     from peaks import run_tensorflow
 
@@ -676,7 +723,8 @@ def test_tensorflow_mamba2_ssd_step_stays_within_the_bound(tmp_path):
 
 def test_jax_mamba2_ssd_step_stays_within_the_bound(tmp_path):
     """XLA's memory_analysis of the jitted step, the one-group inputs of the PyTorch test: untiled
-    905 KB of temporaries (15x the bound), in chunks 29 KB. They were 1.66 MB in chunks
+    774 KB of temporaries (13x the bound; 905 KB with X masked over [b,s,h,p,t]), in
+    chunks 42 KB (29 KB with X masked: XLA holds the exact branch's counts too). They were 1.66 MB in chunks
     (28x), 6.5 MB untiled, with the mask broadcast to the product's every axis."""
     jnp = pytest.importorskip("jax.numpy")
     from peaks import jax_step_memory
