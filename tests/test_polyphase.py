@@ -328,7 +328,9 @@ def test_a_bias_added_before_the_filter_reads_zero_past_the_input(tmp_path):
         ("jax", jnp.asarray),
     ):
         stem = f"symgrad_bias_first_{target}"
-        module = load_module(module_text(op, "test.toml", target), tmp_path, stem)
+        text = module_text(op, "test.toml", target)
+        assert "one per kn; f is then read at kn, kept where 0 <= (i) - kn < size_n" in text
+        module = load_module(text, tmp_path, stem)
         got = module.forward(tensor(x), tensor(c), tensor(f))
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
 
