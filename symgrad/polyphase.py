@@ -22,7 +22,7 @@ The new reads are a window of x (gathered over [i, k]) and a small gather of f: 
 of the real kernel.
 
 The rule (sizes are unknown when a module is generated, so it is read off the formula):
-in `sum(body, ..., n, ...)`, a summed index n without a range of its own is rewritten when
+in `sum(body, ..., n, ...)`, a summed index n (not an int attr or let) is rewritten when
 
 - exactly one read in the body has n inside a computed position, on one axis, as
   `a*n + E` or `E - a*n` with a a positive int literal, int attr or let and E free of n (an
@@ -32,13 +32,22 @@ in `sum(body, ..., n, ...)`, a summed index n without a range of its own is rewr
 - every index in E has a range of its own (`ranges`): sized by this read, it would be
   sized by f after the rewrite;
 - the tensor read at the computed position (the filter f) reads no plain index at all
-  (each of its axes is a computed position), and the plain readers read an output index f
-  does not (a batch or channel that the filter is shared across);
-- the filter read and a plain read of n are factors of the body (a product, or the
-  numerator of a quotient): the body is zero where either reads outside its tensor, the
-  positions the rewrite adds or drops. In `(x[b,c,n] + bias[c]) * f[..]` (StyleGAN3's
-  filtered_lrelu adds its bias before upsampling) the bias term is not zero where n
-  leaves x: rewritten, it was summed over the whole filter at the borders.
+  (each of its axes is a computed position, or an index an earlier rewrite made: `fd[kp,
+  2*j - q]` once p is done), and the plain readers read an output index f does not (a
+  batch or channel that the filter is shared across);
+- the filter read is a factor of the body (a product, or the numerator of a quotient):
+  the body is zero where f is read outside, the positions the rewrite adds.
+
+The positions it drops are those where n leaves its own range [0, N). Where a plain read
+of n is a factor and reads zero there, nothing more is needed: n without a range of its
+own is sized by that read's axis, and an internal tensor's axis that its equation
+computes along n has n's range (StyleGAN3's filtered_lrelu downsamples `Z[b,c,p,q]`
+summed over p, which has a range since Z is internal). Otherwise the body is kept where
+`0 <= substitute < N` (a `where` around it; N is n's range, or a let for the axis of a
+plain input read): in `(x[b,c,n] + bias[c]) * f[..]` (filtered_lrelu adds its bias
+before upsampling) the bias term is not zero where n leaves x, and summed over the whole
+filter at the borders it was wrong. An index no formula reads after the rewrite loses
+its range.
 
 The last condition tells the filter from the data: in a convolution written with its
 window on the data, `x[b, s*i + d*k, c] * w[k,c,o]` or without a batch `x[i + k, c] *
@@ -72,14 +81,24 @@ class Rewrite:
     substitute: str  # n in terms of k
     new_position: str  # f's position after the rewrite
     range: str  # k's range
+    # n's own range [0, size) kept as a condition on the substitute (None: the reads
+    # outside the plain readers already zero the body there), and a let naming that size
+    # when it is an input's axis
+    size: str | None = None
+    let: tuple[str, str] | None = None
 
     def note(self) -> str:
+        kept = f", kept where 0 <= {self.substitute} < {self.size}" if self.size is not None else ""
         return (
             f"{self.index} = {self.substitute}, {self.fresh} in [0, {self.range}): the only "
             f"{self.index} that add anything have {self.position} in [0, "
             f"{self.tensor}.shape[{self.axis}]), one per {self.fresh}; {self.tensor} is then "
-            f"read at {self.new_position}"
+            f"read at {self.new_position}{kept}"
         )
+
+    def condition(self) -> str:
+        """The substitute within n's own range."""
+        return f"0 <= {self.substitute} and {self.substitute} < {self.size}"
 
 
 def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
@@ -89,8 +108,8 @@ def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
     int_names = {n for n, kind in op.attrs if kind == "int"} | {n for n, _ in op.lets}
     # float and bool attrs: a position holding one is a sampled read, never rewritten
     others = {n for n, kind in op.attrs if kind != "int"}
-    ranged = {n for n, _ in op.ranges}
-    defined = set()
+    ranged = dict(op.ranges)
+    defined = {}  # internal tensor -> the index its equation computes along, per axis
     trees = []
     for text in op.formulas:
         try:
@@ -102,11 +121,13 @@ def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
             return op, ()
         target = statement.targets[0]
         if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
-            defined.add(target.value.id)
+            defined[target.value.id] = [
+                el.id if isinstance(el, ast.Name) else None for el in _elements(target)
+            ]
         trees.append((text.strip(" "), statement))
     taken = {node.id for _, s in trees for node in ast.walk(s) if isinstance(node, ast.Name)}
-    taken |= int_names | ranged | {n for n, _ in op.attrs}
-    formulas, ranges, done = [], list(op.ranges), []
+    taken |= int_names | set(ranged) | {n for n, _ in op.attrs}
+    formulas, ranges, lets, done = [], list(op.ranges), list(op.lets), []
     for text, statement in trees:
         right = text[statement.value.col_offset :]
         if "[(" in right.replace(" ", ""):  # a composite read: ast.unparse would lose it
@@ -114,13 +135,34 @@ def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
             continue
         found = []
         for call in [n for n in ast.walk(statement.value) if _is_sum(n)]:
+            kept = []
             for position, name in enumerate(call.args[1:], start=1):
+                made = {r.fresh for r in (*done, *found)}
                 done_here = _rewrite_index(
-                    call, position, name.id, statement, (int_names, others), ranged, defined, taken
+                    call,
+                    position,
+                    name.id,
+                    statement,
+                    (int_names, others, made),
+                    ranged,
+                    defined,
+                    taken,
                 )
                 if done_here is not None:
                     taken.add(done_here.fresh)
                     found.append(done_here)
+                    if done_here.let is not None:
+                        taken.add(done_here.let[0])
+                        lets.append(done_here.let)
+                    if done_here.size is not None:
+                        kept.append(done_here)
+            if kept:  # the body where every substitute lies in its index's own range
+                condition = ast.parse(" and ".join(r.condition() for r in kept), mode="eval")
+                call.args[0] = ast.Call(
+                    ast.Name("where", ast.Load()),
+                    [condition.body, call.args[0], ast.Constant(0)],
+                    [],
+                )
         if not found:
             formulas.append(text)
             continue
@@ -129,7 +171,11 @@ def rewrite(op: OpSpec) -> tuple[OpSpec, tuple[Rewrite, ...]]:
         formulas.append(text[: statement.value.col_offset] + ast.unparse(statement.value))
     if not done:
         return op, ()
-    rewritten = replace(op, formulas=tuple(formulas), ranges=tuple(ranges))
+    # a summed index with a range of its own that no formula reads any more
+    used = {x.id for f in formulas for x in ast.walk(ast.parse(f)) if isinstance(x, ast.Name)}
+    gone = {r.index for r in done} - used
+    ranges = [(name, size) for name, size in ranges if name not in gone]
+    rewritten = replace(op, formulas=tuple(formulas), ranges=tuple(ranges), lets=tuple(lets))
     try:  # an op the parser refuses keeps its own formulas, for its own error
         build(rewritten)
     except SymgradError:
@@ -150,9 +196,10 @@ def _is_sum(node: ast.AST) -> bool:
 
 def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
     """Rewrite summed index `n` of `call` in place and return what was done, or None.
-    `names`: the int attrs and lets, and the other attrs."""
-    int_names, others = names
-    if n in ranged or n in int_names:
+    `names`: the int attrs and lets, the other attrs, and the indices earlier rewrites
+    made (a filter read at one, `f[kn, 2*j - m]`, is still a filter)."""
+    int_names, others, made = names
+    if n in int_names:
         return None
     outside = [x for x in ast.walk(statement) if isinstance(x, ast.Name) and x.id == n]
     inside = [x for x in ast.walk(call.args[0]) if isinstance(x, ast.Name) and x.id == n]
@@ -165,7 +212,7 @@ def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
             if not uses:
                 continue
             if isinstance(element, ast.Name):
-                plain.append(read)
+                plain.append((read, axis))
             else:
                 strided.append((read, axis, element))
     in_reads = sum(
@@ -179,16 +226,20 @@ def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
         return None
     read, axis, element = strided[0]
     factors = _factors(call.args[0])
-    if not any(read is x for x in factors) or not any(r is x for r in plain for x in factors):
-        return None  # a term the out-of-range reads do not zero, as `(x[n] + c) * f[..]`
+    if not any(read is x for x in factors):
+        return None  # f read where its position leaves f must zero the body
     f = read.value.id
-    if f in defined or any(r.value.id == f for r in plain):
+    if f in defined or any(r.value.id == f for r, _ in plain):
         return None
+    kept = _own_range(n, plain, factors, ranged, defined, taken)
+    if kept is None:
+        return None
+    size, let = kept
     linear = _linear(element, n, int_names, others)
     if linear is None:
         return None
     sign, a, rest = linear
-    if not _filter_is_shared(read, plain, statement, n):
+    if not _filter_is_shared(read, [r for r, _ in plain], statement, made):
         return None
     indices = {x.id for x in ast.walk(rest) if isinstance(x, ast.Name)} if rest else set()
     if indices - set(int_names) - set(others) - set(ranged):
@@ -198,20 +249,47 @@ def _rewrite_index(call, position, n, statement, names, ranged, defined, taken):
     if a == "1":
         substitute = f"{fresh} - ({e})" if sign > 0 else f"({e}) - {fresh}"
         new_position = fresh
-        size = f"{f}.shape[{axis}]"
+        range_ = f"{f}.shape[{axis}]"
     else:
         substitute = f"{fresh} - ({e}) // {a}" if sign > 0 else f"({e}) // {a} - {fresh}"
         new_position = f"{a}*{fresh} + ({e}) % {a}"
         minus_one = f"{int(a) - 1}" if a.isdigit() else f"{a} - 1"
-        size = f"({f}.shape[{axis}] + {minus_one}) // {a}"
+        range_ = f"({f}.shape[{axis}] + {minus_one}) // {a}"
     original = ast.unparse(element)
     _replace_element(read, axis, ast.parse(new_position, mode="eval").body)
-    for other in plain:
+    for other, _ in plain:
         for k, el in enumerate(_elements(other)):
             if isinstance(el, ast.Name) and el.id == n:
                 _replace_element(other, k, ast.parse(substitute, mode="eval").body)
     call.args[position] = ast.Name(fresh, ast.Load())
-    return Rewrite(n, fresh, f, axis, original, substitute, new_position, size)
+    return Rewrite(n, fresh, f, axis, original, substitute, new_position, range_, size, let)
+
+
+def _own_range(n, plain, factors, ranged, defined, taken):
+    """(None, None) when the body is zero wherever n leaves its own range [0, N) (a plain
+    read of n is a factor, and reads zero there: the axis that sizes an n without a range,
+    or an internal tensor's axis its equation computes along n, whose size is n's range);
+    else (N, the let naming it or None) for a condition that keeps [0, N): the bias in
+    `(x[b,c,n] + bias[c]) * f[..]` is not zero past x, and summed over every filter tap
+    it was wrong at the borders. None when N has no name to write (an unranged n read
+    plainly by internal tensors only)."""
+    for read, axis in plain:
+        if not any(read is x for x in factors):
+            continue
+        name = read.value.id
+        if n not in ranged or name in defined and defined[name][axis] == n:
+            return None, None
+    if n in ranged:
+        size = ranged[n]
+        if size.isidentifier():  # an int attr or a let
+            return size, None
+    else:
+        inputs = [(r.value.id, axis) for r, axis in plain if r.value.id not in defined]
+        if not inputs:
+            return None
+        size = f"{inputs[0][0]}.shape[{inputs[0][1]}]"
+    let = _fresh_name(f"size_{n}", taken)
+    return let, (let, size)
 
 
 def _factors(node: ast.AST) -> list[ast.AST]:
@@ -336,9 +414,9 @@ def _is_int_expression(node, others=frozenset()) -> bool:
     return True
 
 
-def _filter_is_shared(read, plain, statement, n) -> bool:
-    """f reads no plain index (a filter: every axis a computed position), and the plain
-    readers read an output index f lacks."""
+def _filter_is_shared(read, plain, statement, made) -> bool:
+    """f reads no plain index (a filter: every axis a computed position, or an index an
+    earlier rewrite made), and the plain readers read an output index f lacks."""
 
     def names(r):
         return {x.id for el in _elements(r) for x in ast.walk(el) if isinstance(x, ast.Name)}
@@ -352,14 +430,17 @@ def _filter_is_shared(read, plain, statement, n) -> bool:
         if isinstance(target, ast.Subscript)
         else set()
     )
-    if plain_names(read):
+    if plain_names(read) - made:
         return False  # `x[i + k, c]`: data read along a window, not a filter
     f_names = names(read)
     return all((plain_names(r) & outputs) - f_names for r in plain)
 
 
 def _fresh(n: str, taken: set[str]) -> str:
-    base = f"k{n}"
+    return _fresh_name(f"k{n}", taken)
+
+
+def _fresh_name(base: str, taken: set[str]) -> str:
     name, count = base, 1
     while name in taken:
         count += 1

@@ -15,8 +15,9 @@ import pytest
 import tensorflow as tf
 import torch
 import torch.nn.functional as F
-from harness import load_module
+from harness import Case, check, generate, load_module, op_spec
 from peaks import run_tensorflow
+from target_harness import check_target, frameworks
 
 from symgrad import polyphase
 from symgrad.pipeline import module_text
@@ -294,10 +295,8 @@ def test_upfirdn2d_sums_over_the_filter_taps_only():
         # n at two computed positions, or times an index
         ("y[b,i] = sum(x[b,n] * f[2*n - i] * f[n + i], n)", (), (("i", "x.shape[1]"),)),
         ("y[b,i] = sum(x[b,n] * f[i*n], n)", (), (("i", "x.shape[1]"),)),
-        # a term that the reads outside x or f do not zero (StyleGAN3's filtered_lrelu adds
-        # its bias before upsampling): rewritten, the bias was summed over the whole filter
-        # at the borders, and exp(0) = 1 was added for the taps past the filter's end
-        ("y[b,i] = sum((x[b,n] + c[b]) * f[i - 2*n], n)", (), (("i", "2*x.shape[1]"),)),
+        # f not a factor: the reads past f do not zero the body (rewritten, exp(0) = 1 was
+        # added for the taps past the filter's end)
         ("y[b,i] = sum(x[b,n] * exp(f[i - 2*n]), n)", (), (("i", "2*x.shape[1]"),)),
         ("y[b,i] = sum(x[b,n] / f[i - 2*n], n)", (), (("i", "2*x.shape[1]"),)),
     ],
@@ -310,8 +309,9 @@ def test_other_reads_at_strided_positions_are_not_rewritten(formula, attrs, rang
 def test_a_bias_added_before_the_filter_reads_zero_past_the_input(tmp_path):
     """`y[b,i] = sum((x[b,n] + c[b]) * f[i - n], n)`, the full convolution of x plus a bias
     (StyleGAN3's filtered_lrelu adds its bias before it upsamples): only the n inside x
-    add anything. Rewritten as a polyphase sum, the bias was added for every tap of the
-    filter at the borders (0.71 off at i = 0 on these inputs), in every target."""
+    add anything. Rewritten as a polyphase sum without a condition, the bias was added
+    for every tap of the filter at the borders (0.71 off at i = 0 on these inputs); the
+    rewrite keeps n's own range, 0 <= i - kn < x.shape[1], in every target."""
     rng = np.random.default_rng(21)
     x, c, f = rng.standard_normal((2, 5)), rng.standard_normal(2), rng.standard_normal(3)
     want = np.stack([np.convolve(x[b] + c[b], f) for b in range(2)])
@@ -319,11 +319,78 @@ def test_a_bias_added_before_the_filter_reads_zero_past_the_input(tmp_path):
         "y[b,i] = sum((x[b,n] + c[b]) * f[i - n], n)",
         ranges=(("i", "x.shape[1] + f.shape[0] - 1"),),
     )
-    for target, tensor in (("tensorflow", tf.constant), ("pytorch", torch.tensor)):
+    rewritten, (rewrite,) = polyphase.rewrite(op)
+    assert (rewrite.size, rewrite.let) == ("size_n", ("size_n", "x.shape[1]"))
+    assert "where(0 <= i - kn and i - kn < size_n, " in rewritten.formulas[0]
+    for target, tensor in (
+        ("tensorflow", tf.constant),
+        ("pytorch", torch.tensor),
+        ("jax", jnp.asarray),
+    ):
         stem = f"symgrad_bias_first_{target}"
-        module = load_module(module_text(op, "test.toml", target), tmp_path, stem)
+        text = module_text(op, "test.toml", target)
+        assert "one per kn; f is then read at kn, kept where 0 <= (i) - kn < size_n" in text
+        module = load_module(text, tmp_path, stem)
         got = module.forward(tensor(x), tensor(c), tensor(f))
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+# Sums whose index keeps its own range through the rewrite (a condition on its substitute)
+# or needs not (an internal tensor computed along it reads zero past its axis), each with
+# that range: (the case, the size the condition keeps or None, the target besides
+# TensorFlow it runs in; each target is run by some case, one per case keeps the suite fast).
+KEPT = {
+    # a bias added before upsampling by 2 (StyleGAN3's filtered_lrelu), odd padding
+    "bias_up": (
+        Case(
+            "y[b,i] = sum((x[b,n] + c[b]) * f[i + 1 - 2*n], n)",
+            {"x": (2, 5), "c": (2,), "f": (4,)},
+            ranges={"i": "2*x.shape[1] + 1"},
+            sizes={"i": 11},
+        ),
+        "x.shape[1]",
+        "pytorch",
+    ),
+    # a range shorter than x's axis: only its first positions, as the sum written reads
+    "short_range": (
+        Case(
+            "y[b,i] = sum(x[b,n] * f[i - 2*n], n)",
+            {"x": (2, 6), "f": (3,)},
+            ranges={"n": "x.shape[1] - 2", "i": "2*x.shape[1]"},
+            sizes={"n": 4, "i": 12},
+        ),
+        "x.shape[1] - 2",
+        "jax",
+    ),
+    # downsampling an internal tensor computed along p, 1 past x (h = 1 there): read
+    # zero past its own axis, so nothing is kept
+    "internal": (
+        Case(
+            ("h[b,p] = x[b,p] * x[b,p] + 1", "y[b,i] = sum(h[b,p] * f[2*i + 2 - p], p)"),
+            {"x": (2, 7), "f": (3,)},
+            ranges={"p": "x.shape[1] + 1", "i": "(x.shape[1] + 3) // 2"},
+            sizes={"p": 8, "i": 5},
+            outputs=("y",),
+        ),
+        None,
+        "pytorch",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT))
+def test_a_summed_index_keeps_its_own_range(name, tmp_path):
+    """Rewritten, with n's own range kept where the body is not zero past it, and equal
+    in float64 to TF autodiff over the reference evaluator of the sum as written (and
+    finite differences): forward, vjp, the registered gradient and autodiff, in
+    TensorFlow and the case's other target."""
+    case, size, target = KEPT[name]
+    _, (rewrite,) = polyphase.rewrite(op_spec(case, "Kept"))
+    assert (rewrite.let[1] if rewrite.let else None) == size
+    assert (rewrite.size is None) == (size is None)
+    check(case, generate(case, tmp_path, prefix="Kept"))
+    module = generate(case, tmp_path, prefix="Kept", target=target)
+    check_target(case, module, frameworks()[target])
 
 
 def test_no_other_op_of_the_repo_is_rewritten():
