@@ -20,6 +20,7 @@ without ties here.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -486,3 +487,41 @@ def test_an_attr_no_formula_or_range_uses_is_still_refused(tmp_path, capsys):
     )
     assert code == 2
     assert "attr 'W' is declared but no formula uses it" in err.splitlines()[0]
+
+
+def test_check_compares_a_mean_over_empty_segments_where_it_is_defined(tmp_path, capsys):
+    """dynamic_scatter's mean written as mmcv computes it, sum / count: `symgrad check`
+    (no library) draws 2 points for 2-3 voxels, so some voxels are empty and 0/0 is nan
+    in the op and the formula alike. It reported the forward as failed ("op nan, formula
+    nan", error inf) and the gradient as passed with error 0 (a nan made every norm nan,
+    so any gradient passed). Now nan where both are nan agrees, and the gradient is
+    tested on the outputs that are finite. scatter_softmax, which reads its internal
+    tensor s at index[n], stopped the check with "internal error in symgrad (KeyError:
+    's')" (the index tensor's value range read the size of s among the inputs)."""
+    from symgrad.cli import main
+
+    spec = tmp_path / "symgrad.toml"
+    spec.write_text(
+        'out = "gen"\n\n[ops.DynamicScatterMean]\n'
+        'formula = "y[v,f] = sum(where(coors_map[n] == v, feats[n,f], 0), n) '
+        '/ sum(where(coors_map[n] == v, 1, 0), n)"\n'
+        'attrs = { V = "int" }\nranges = { v = "V" }\n\n[ops.ScatterSoftmax]\n'
+        'formula = ["s[v,h] = log(sum(where(index[n] == v, exp(src[n,h]), 0), n))", '
+        '"y[n,h] = exp(src[n,h] - s[index[n], h])"]\n'
+        'outputs = ["y"]\nattrs = { V = "int" }\nranges = { v = "V" }\n',
+        encoding="utf-8",
+    )
+    assert main(["generate", str(spec)]) == 0
+    capsys.readouterr()
+    assert main(["check", str(spec), "--json"]) == 0, capsys.readouterr()
+    found = json.loads(capsys.readouterr().out)
+    errors = {
+        (op["op"], op["setting"]): r["error"]
+        for op in found["ops"]
+        for r in op["checks"]
+        if r["check"] == "gradient"
+    }
+    assert {op for op, _ in errors} == {"DynamicScatterMean", "ScatterSoftmax"}
+    assert len(errors) == 4 and all(e < 1e-6 for e in errors.values()), errors
+    # the mean's gradient was compared (an error of rounding, not the 0 of a nan norm)
+    assert all(e > 0 for (op, _), e in errors.items() if op == "DynamicScatterMean"), errors
