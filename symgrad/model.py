@@ -1157,9 +1157,6 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     used_symbols |= {builder.attrs[n] for n in lets.attrs_read(op)}
     used_symbols |= {builder.attrs[n] for n, s in builder.int_attrs.items() if s in used_symbols}
 
-    unused = [a for a in builder.attrs if builder.attrs[a] not in used_symbols]
-    if unused:
-        raise fail(f"attr {unused[0]!r} is declared but no formula uses it")
     ranks = tuple(
         (n, builder.ranks[n]) for n in (*inputs, *(l.name for l in builder.intermediates))
     )
@@ -1171,7 +1168,13 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     if index_inputs and all(n in builder.index_inputs for n in inputs):
         raise fail("every input is an index tensor; the op needs a value input")
     let_values = lets.definitions(builder, _range_expr)
-    extents = _extents(builder, outputs, fail)
+    # A range that does not parse, or one missing, is the error to report, not the attr
+    # it would have used (`attrs = { V = "int" }` without `ranges = { v = "V" }`).
+    unused = [a for a in builder.attrs if builder.attrs[a] not in used_symbols]
+    spare = tuple(a for a in unused if a in builder.int_attrs)
+    extents = _extents(builder, outputs, fail, spare)
+    if unused:
+        raise fail(f"attr {unused[0]!r} is declared but no formula uses it")
     intermediates = tuple(_bounded(level, extents, builder) for level in builder.intermediates)
     no_gradient = (*op.no_gradient, *(n for n in index_inputs if n not in op.no_gradient))
     return Program(
@@ -1254,9 +1257,12 @@ def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
     raise AssertionError(f"unexpected range node {node!r}")
 
 
-def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.Expr]:
+def _extents(
+    builder: _Builder, outputs: list[Output], fail, spare: tuple[str, ...] = ()
+) -> dict[Index, sp.Expr]:
     """Sizes of the indices that no plain input axis gives: from `ranges`, else inferred
-    (output indices only) as the largest range whose reads stay in bounds at the top."""
+    (output indices only) as the largest range whose reads stay in bounds at the top.
+    `spare`: int attrs no formula or range uses, suggested for an index without one."""
     op = builder.op
     int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     symbols = _all_indices(builder, outputs)
@@ -1341,6 +1347,12 @@ def _extents(builder: _Builder, outputs: list[Output], fail) -> dict[Index, sp.E
             f"`ranges`, "
             + (
                 splits.unsized_hint(symbol, builder.reads)
+                or (
+                    f'e.g. ranges = {{ {_base(symbol)} = "{spare[0]}" }} (int attr '
+                    f"{spare[0]!r} is declared but nothing uses it)"
+                    if spare
+                    else None
+                )
                 or range_example(
                     symbol, _base(symbol), builder.moving, sized, list(builder.value_inputs)
                 )

@@ -52,6 +52,27 @@ CASES = {
         sizes={"v": 3},
         index_inputs={"seg": ((12,), -1, 4)},
     ),
+    # mmcv's roiaware_pool3d max with the voxel id flattened: ids per roi r over points'
+    # features without r (the gradient of f summed over r, read at row r*V + vox[r,n];
+    # it was an [f,r,v,n] mask), an empty voxel 0
+    "roiaware_max": Case(
+        "y[r,v,c] = where(sum(where(vox[r,n] == v, 1, 0), n) > 0, "
+        "max(where(vox[r,n] == v, f[n,c], -inf), n), 0)",
+        {"f": (9, 3)},
+        attrs={"V": 5},
+        ranges={"v": "V"},
+        sizes={"v": 5},
+        index_inputs={"vox": ((2, 9), -1, 6)},
+    ),
+    # a segment logsumexp per (r, v) of rows shared by every r
+    "batched_ids_shared_logsumexp": Case(
+        "y[r,v,c] = log(sum(where(vox[r,n] == v, exp(f[n,c]), 0), n))",
+        {"f": (12, 2)},
+        attrs={"V": 3},
+        ranges={"v": "V"},
+        sizes={"v": 3},
+        index_inputs={"vox": ((2, 12), 0, 3)},
+    ),
 }
 
 

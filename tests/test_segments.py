@@ -58,6 +58,26 @@ CASES = {
         sizes={"v": 5},
         index_inputs={"seg": ((6, 3), 0, 6)},
     ),
+    # batched ids over values without the batch index (mmcv's roiaware_pool3d: a voxel
+    # per roi r and point n, the points' features shared by the rois): the gradient of f
+    # is summed over r, read at row r*V + vox[r,n] first (it was an [r,n,v] mask)
+    "batched_ids_shared_values": Case(
+        "y[r,v,c] = sum(where(vox[r,n] == v, f[n,c], 0), n)",
+        {"f": (7, 3)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"vox": ((3, 7), -1, 6)},
+    ),
+    # a weight's gradient summed over the batch index of the ids
+    "batched_segment_sum_weight": Case(
+        "y[b,v,f] = sum(where(seg[b,n] == v, x[b,n,f] * w[f], 0), n)",
+        {"x": (2, 7, 3), "w": (3,)},
+        attrs={"V": 4},
+        ranges={"v": "V"},
+        sizes={"v": 4},
+        index_inputs={"seg": ((2, 7), -1, 6)},
+    ),
 }
 
 

@@ -100,8 +100,6 @@ class SegmentExtrema:
         )
         if v in summed:
             batch = tuple(i for i in n if any(i in a.indices for a in reads))
-            if set(batch) & set(summed):
-                return None
         else:
             batch = tuple(i for i in n if i in out)
         flat = valid = None

@@ -156,10 +156,12 @@ class Segments:
         batch = tuple(i for i in n if i in _index_set(table_expr))  # rows per (b, v)
         if batch and rows is not None:
             return None  # rows computed otherwise (intervals.py) are not per (b, v)
-        if set(batch) & set(summed) or len(batch) == len(n):
+        if len(batch) == len(n):
             return None  # a table over every ids index: as large as the mask
-        if any(set(summed) & _index_set(f) - {v} for f in table):
+        if any(set(summed) & _index_set(f) - {v, *batch} for f in table):
             return None  # the table would be summed over an index the local part has
+        # A batch index summed (the gradient of values that lack it, `f[n,c]` under
+        # `vox[r,n] == v`) is read at its rows like one kept, then summed with the rest.
         others = tuple(i for i in _index_set(table_expr) if i != v and i not in batch)
         others = tuple(sorted(dict.fromkeys(others), key=sp.default_sort_key))
         value, axes = self.contract(body, table_expr, (), (*batch, v, *others), ())
