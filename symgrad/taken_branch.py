@@ -4,16 +4,16 @@
 intermediate `_s1[c,r]`; the select passes `_s1` its cotangent as `grad_y * where(A > 0,
 1, 0)`, a 0/1 factor, and the chain then multiplies it by `∂_s1/∂x = w / A`: 0 · inf =
 nan where A = 0, for every x the sum reads, even where that output's cotangent is 0
-(mmcv's prroi_pool beside an empty roi). The formula's guard says the user asked for 0
-there, as the kernels give and as TF's autodiff of `tf.where` does.
+(mmcv's prroi_pool beside an empty roi; TF's autodiff of the same `tf.where` too). The
+formula's guard says the user asked for 0 there, as the kernels give.
 
 So an intermediate whose every incoming contribution has such a mask factor gets the
 mask's condition (on its own indices) as a guard, and its partials carry it: the
-factors that may be non-finite (anything but a polynomial in the reads, or a select of
-such) become `where(cond, factors, 0)`, exactly 0 outside the taken branch and unchanged
-inside it, so a nan or inf in the branch that IS taken still reaches the gradient. The
-finite factors stay outside the select (a guarded `1 / A[r]` is a vector over r, not a
-tensor over every index of the partial), and an op with no guarded intermediate derives
+factors that may be non-finite (a division, a root, a log: `_finite`) become
+`where(cond, factors, 0)`, exactly 0 outside the taken branch and unchanged inside it,
+so a nan or inf in the branch that IS taken still reaches the gradient. The finite
+factors stay outside the select (a guarded `1 / A[r]` is a vector over r, not a tensor
+over every index of the partial), and an op with no guarded intermediate derives
 exactly as before.
 """
 
@@ -23,6 +23,8 @@ import sympy as sp
 
 from . import functions as fn
 from .indexing import index_symbols
+from .interpolation import lerp
+from .logaddexp import logaddexp, nonempty
 from .model import Level, accesses
 
 
@@ -85,18 +87,43 @@ def _loose_indices(cond: sp.Expr, own: set) -> bool:
 
 
 def _finite(factor: sp.Expr) -> bool:
-    """Whether `factor` is finite wherever the reads are: a polynomial in them, a 0/1
-    step, or a select of such."""
-    if factor.has(fn.NEG_INF):
-        return False
-    if isinstance(factor, fn._Step):
-        return True
-    if isinstance(factor, fn.select):
-        return _finite(factor.args[1]) and _finite(factor.args[2])
-    if isinstance(factor, sp.Pow) and factor.exp.is_Integer and factor.exp > 0:
-        return _finite(factor.base)
-    # reads and index values (RWKV's `t - 1 - i`) as plain variables: a polynomial in
-    # them, the attrs and numbers is finite
-    leaves = [*accesses(factor), *sorted(factor.atoms(fn.index_value), key=sp.default_sort_key)]
-    plain = factor.xreplace({leaf: sp.Dummy() for leaf in leaves})
-    return plain.is_polynomial()
+    """Whether `factor` is finite wherever the reads are finite: no division, root or
+    log, only functions without a pole (an exponential that overflows is left as it
+    is: a masked softmax's weights are already exact, `exp(where(c, u, -inf))`)."""
+    factor = factor.xreplace({a: sp.Dummy() for a in accesses(factor)})  # reads are finite
+    if factor.replace(sp.exp, lambda _: sp.S.One).has(fn.NEG_INF):
+        return False  # -inf outside an exponential (inside one it is a masked 0)
+    for power in factor.atoms(sp.Pow):
+        if not (power.exp.is_Integer and power.exp >= 0):
+            return False
+    return all(isinstance(f, _ENTIRE) for f in factor.atoms(sp.Function))
+
+
+_ENTIRE = (
+    sp.exp,
+    sp.sin,
+    sp.cos,
+    sp.sinh,
+    sp.cosh,
+    sp.tanh,
+    sp.erf,
+    sp.Abs,
+    sp.sign,
+    fn.sigmoid,
+    fn.softplus,
+    fn.silu,
+    fn.gelu,
+    fn.gelu_tanh,
+    fn.elu,
+    fn.relu,
+    fn.floor,
+    fn.floor_index,
+    fn.index_value,
+    fn.select,
+    fn._Step,
+    fn.maximum,
+    fn.minimum,
+    logaddexp,
+    nonempty,
+    lerp,
+)
