@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import functions as fn
+from . import taken_branch
 from .model import Index, Level, Program, accesses, read
 
 P_PREFIX = "_p"
@@ -246,6 +247,7 @@ def derive(program: Program) -> Backward:
     partials: list[Partial] = []
     order: list[str] = []
     reached = {o.level.name for o in program.outputs}
+    outputs = set(reached)
     for level in levels:
         if level.name not in reached:
             continue  # no gradient flows into this intermediate
@@ -256,6 +258,8 @@ def derive(program: Program) -> Backward:
                 scatters.append(Scatter(level.gather.source, level.name))
                 reached.add(level.gather.source)
             continue
+        into = [c for c in contributions if c.target == level.name]
+        cond = taken_branch.guard(level, into) if level.name not in outputs else None
         for term in level.terms:
             for access in accesses(term.expr):
                 target = access.base.label.name
@@ -264,6 +268,7 @@ def derive(program: Program) -> Backward:
                 partial = partial_derivative(level, term.expr, access)
                 if partial == 0:
                     continue
+                partial = taken_branch.guarded(partial, cond)
                 indices = fresh_indices(target, len(access.indices))
                 deltas = list(zip(access.indices, indices, strict=True))
                 partials.append(

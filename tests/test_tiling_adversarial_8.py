@@ -22,11 +22,13 @@ and the read took the forward difference with the zero outside the image; FlowNe
 kernel (and either one-sided derivative but this) gives 0 and x[W-1] - x[W-2]. A clamp
 inside a float position now takes its right derivative (sampling._right_sided_clamps).
 
-Found, not fixed (a strict xfail): mmcv's prroi_pool (a bin's integral of the bilinear
-interpolation over its area, 0 for an empty bin: `where(AR > 0, sum(...) / AR, 0)`) has
-nan gradients for x and the roi beside an empty roi, where the kernel has 0: the select
-masks the quotient's cotangent with a 0/1 factor, and the chain multiplies it by 1 / AR
-= inf. Its forward is the kernel's.
+Found: mmcv's prroi_pool (a bin's integral of the bilinear interpolation over its area,
+0 for an empty bin: `where(AR > 0, sum(...) / AR, 0)`) had nan gradients for x and the
+roi beside an empty roi, where the kernel has 0: the select masked the quotient's
+cotangent with a 0/1 factor, and the chain multiplied it by 1 / AR = inf. The partials
+of an intermediate inside a where's branch now select their non-finite factors away
+outside it (taken_branch.py); x's gradient is the kernel's backward. Its forward is the
+kernel's.
 
 Refused, clearly, at the call: the clamped warp written with integer bounds only
 (`min(max(j + f[b,0,i,j], 0), W - 1)` is an integer position, `f` an index tensor):
@@ -373,6 +375,37 @@ def prroi_pool(x, rois, scale, PH, PW):
                 y1_, x1_ = min(by2, by + 1.0), min(bx2, bx + 1.0)
                 total += cell(x[int(batch), c], by, bx, y0, x0, y1_, x1_)
         out[n, c, ph, pw] = total / (bin_w * bin_h)
+    return out
+
+
+def prroi_pool_x_gradient(x, rois, grad, scale, PH, PW):
+    """prroi_pool_backward_cuda_kernel's gradient of the image: each bin's cotangent over
+    its area (0 for an empty bin: `win_size == 0 ? 0 : grad / win_size`) distributed to
+    the four corners of every unit cell it overlaps (PrRoIPoolingMatDistributeDiff, the
+    forward's coefficients; corners outside the image take nothing)."""
+
+    def part(a, lim):
+        return lim - 0.5 * lim * lim - a + 0.5 * a * a
+
+    out = np.zeros_like(x)
+    for n, c, ph, pw in np.ndindex(grad.shape):
+        batch, x1, y1, x2, y2 = rois[n] * [1, scale, scale, scale, scale]
+        bin_h, bin_w = max(y2 - y1, 0) / PH, max(x2 - x1, 0) / PW
+        bx1, by1 = x1 + bin_w * pw, y1 + bin_h * ph
+        bx2, by2 = bx1 + bin_w, by1 + bin_h
+        area = max(0.0, bin_w * bin_h)
+        diff = 0.0 if area == 0 else grad[n, c, ph, pw] / area
+        img = out[int(batch), c]
+        for bx in range(int(np.floor(bx1)), int(np.ceil(bx2))):
+            for by in range(int(np.floor(by1)), int(np.ceil(by2))):
+                y0, x0 = max(by1, by), max(bx1, bx)
+                y1_, x1_ = min(by2, by + 1.0), min(bx2, bx + 1.0)
+                rows = (part(y0 - by, y1_ - by), part(by + 1 - y1_, by + 1 - y0))
+                cols = (part(x0 - bx, x1_ - bx), part(bx + 1 - x1_, bx + 1 - x0))
+                for m, h in enumerate((by, by + 1)):
+                    for k, w in enumerate((bx, bx + 1)):
+                        if 0 <= h < img.shape[0] and 0 <= w < img.shape[1]:
+                            img[h, w] += diff * rows[m] * cols[k]
     return out
 
 
@@ -751,28 +784,24 @@ def test_prroi_pool_is_mmcvs_kernel(tmp_path):
     assert np.isfinite(untiled[2][kept]).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="where(AR > 0, sum(...) / AR, 0): the quotient is an intermediate, the select "
-    "masks its cotangent to 0 (a 0/1 factor) and the chain multiplies that 0 by 1 / AR = "
-    "inf: with one roi of zero width, nan in 126 of 252 gradients of x (all of its "
-    "image) and in its 4 coordinates' gradients, even at a zero cotangent for it; "
-    "mmcv's kernel gives 0. Reduced: y[r,c] = where(A[r] > 0, sum(x[c,a] * w[r,a], a) "
-    "/ A[r], 0) with A[1] = 0 gives nan in 12 of 12 gradients of x; without the sum, 0",
-)
-def test_prroi_pool_gradient_beside_an_empty_roi_is_finite(tmp_path):
+@pytest.mark.parametrize(("target", "budget"), [("tensorflow", BIG), ("pytorch", TINY)])
+def test_prroi_pool_gradient_beside_an_empty_roi_is_finite(target, budget, tmp_path):
     """An empty roi (no width: every bin 0, the kernel's `continue`) has no effect on
-    any gradient: x's and the other rois' gradients stay finite and equal those without
-    it."""
-    module = generate(PRROI, tmp_path, prefix="PrRoiNan8")
+    any gradient: x's gradient is prroi_pool_backward_cuda_kernel's, and equals the
+    one without that roi, and the roi's own is 0, at a nonzero cotangent for it;
+    untiled (TF) and at a 1-byte budget (PyTorch). The quotient by the bins' area is an
+    intermediate inside `where(AR > 0, .., 0)`: its partials were 1 / AR = inf there,
+    times the select's 0 = nan in 126 of 252 gradients of x and in the roi's 4."""
+    module = generate(PRROI, tmp_path, prefix="PrRoiNan8", target=target)
     rng = np.random.default_rng(13)
     x = rng.standard_normal(PRROI.shapes["x"])
     cotangent = rng.standard_normal((4, 3, 2, 3))
-    grads = module.vjp(
-        tf.constant(x), tf.constant(PRROI_ROIS), tf.constant(cotangent), **PRROI.attrs
-    )
-    fewer = module.vjp(
-        tf.constant(x), tf.constant(PRROI_ROIS[:3]), tf.constant(cotangent[:3]), **PRROI.attrs
-    )
-    np.testing.assert_allclose(grads[0].numpy(), fewer[0].numpy(), rtol=1e-12, atol=1e-14)
-    np.testing.assert_array_equal(grads[1].numpy()[3], 0.0)
+    named = {"x": x, "rois": PRROI_ROIS}
+    grads = _run(module, target, named, cotangent, PRROI.attrs, np.float64, budget)[1:]
+    fewer = {"x": x, "rois": PRROI_ROIS[:3]}
+    fewer = _run(module, target, fewer, cotangent[:3], PRROI.attrs, np.float64, budget)[1:]
+    want = prroi_pool_x_gradient(x, PRROI_ROIS, cotangent, **PRROI.attrs)
+    np.testing.assert_allclose(grads[0], want, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(grads[0], fewer[0], rtol=1e-12, atol=1e-14)
+    np.testing.assert_array_equal(grads[1][3], 0.0)
+    np.testing.assert_allclose(grads[1][:3], fewer[1], rtol=1e-12, atol=1e-14)
