@@ -2,7 +2,7 @@
 
 `sum(where(j <= i, exp(s[b,i,j]) * v[b,j,e], 0), j)` (over its denominator: causal
 attention) is lowered as the contraction `einsum(P, v)` with `P = softmax(where(j <= i,
-s, -inf))` (`model._masked_exp_times_reads`): stable at logits in the hundreds, and no
+s, -inf))` (`masked_exp.masked_exp_times_reads`): stable at logits in the hundreds, and no
 [b,i,j,e] product. A masked position then multiplies P = 0 by v[b,j,e]; where that value
 is inf or nan, 0 * inf is nan at every query, where the formula's masked branch gives 0.
 A padding mask (over the values' own indices) masks the values themselves; a causal
