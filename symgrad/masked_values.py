@@ -2,7 +2,7 @@
 
 `sum(where(j <= i, exp(s[b,i,j]) * v[b,j,e], 0), j)` (over its denominator: causal
 attention) is lowered as the contraction `einsum(P, v)` with `P = softmax(where(j <= i,
-s, -inf))` (`model._masked_exp_times_reads`): stable at logits in the hundreds, and no
+s, -inf))` (`masked_exp.masked_exp_times_reads`): stable at logits in the hundreds, and no
 [b,i,j,e] product. A masked position then multiplies P = 0 by v[b,j,e]; where that value
 is inf or nan, 0 * inf is nan at every query, where the formula's masked branch gives 0.
 A padding mask (over the values' own indices) masks the values themselves; a causal
@@ -169,18 +169,21 @@ def _vanishing(e: ir.Expr, steps) -> ir.Expr | None:
     if isinstance(e, ir.Call) and e.function == "exp":
         (operand,) = e.args
         if isinstance(operand, ir.Call) and operand.function in _MASK:
-            cond, then, otherwise = operand.args
-            if _is_neg_inf(otherwise):
-                return cond
-            if _is_neg_inf(then):
-                return ir.Call("logical_not", (cond,))
+            return _kept_where(operand, _is_neg_inf)
         return None
     if isinstance(e, ir.Call) and e.function in _MASK:
-        cond, then, otherwise = e.args
-        if _is_zero(otherwise):
-            return cond
-        if _is_zero(then):
-            return ir.Call("logical_not", (cond,))
+        return _kept_where(e, _is_zero)
+    return None
+
+
+def _kept_where(select: ir.Call, neutral) -> ir.Expr | None:
+    """Where `where(c, a, b)` keeps the branch that is not `neutral` (-inf under an exp,
+    0 otherwise): c when b is, not c when a is; else None."""
+    cond, then, otherwise = select.args
+    if neutral(otherwise):
+        return cond
+    if neutral(then):
+        return ir.Call("logical_not", (cond,))
     return None
 
 

@@ -525,3 +525,13 @@ def test_check_compares_a_mean_over_empty_segments_where_it_is_defined(tmp_path,
     assert len(errors) == 4 and all(e < 1e-6 for e in errors.values()), errors
     # the mean's gradient was compared (an error of rounding, not the 0 of a nan norm)
     assert all(e > 0 for (op, _), e in errors.items() if op == "DynamicScatterMean"), errors
+    # and a gradient edited by hand still fails beside the nan outputs: 0.1% off, or nan
+    module = tmp_path / "gen" / "dynamic_scatter_mean.py"
+    text = module.read_text(encoding="utf-8")
+    assert text.count("    return (None, grad_feats)") == 1
+    for wrong in ("grad_feats * 1.001", 'grad_feats * float("nan")'):
+        module.write_text(text.replace("(None, grad_feats)", f"(None, {wrong})"), "utf-8")
+        assert main(["check", str(spec), "--op", "DynamicScatterMean", "--json"]) == 1, wrong
+        report = json.loads(capsys.readouterr().out)
+        passed = [(r["check"], r["passed"]) for op in report["ops"] for r in op["checks"]]
+        assert passed and set(passed) == {("forward", True), ("gradient", False)}, wrong
