@@ -29,9 +29,15 @@ class Gathers:
         or int64 when index tensors take part."""
         return self.expr(body, indexing.index_values(e), axes)
 
-    def gather_plan(self, body: _Body, level: Level):
+    def gather_plan(self, body: _Body, level: Level, outside: str | None = None):
         """The positions of a gather: (flat position P over the inner indices, the mask of
-        reads in bounds or None, the inner indices)."""
+        reads in bounds or None, the inner indices).
+
+        `outside` (a literal): P already holds it where a read is out of bounds, and the
+        mask keeps the shape its tests broadcast to when the gather's other axes follow
+        the inner ones (a broadcast operand of `where` then reads it as it is): one
+        `where` and one `broadcast_to` per read, not a `broadcast_to` of the positions, one
+        of the mask and a `where` of both (a sampled read's 2^k corners each save one)."""
         gather = level.gather
         computed = gather.computed
         inner = gather.inner(level.indices)
@@ -65,13 +71,28 @@ class Gathers:
                 size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
                 if not _is_simple(flat):
                     flat = ir.Var(body.bind(flat))
-                flat = ir.Binary("+", ir.Binary("*", flat, size), position)
+                # The product is a step of its own, shared like the tests: a bilinear
+                # read's two columns add to one row offset, not two.
+                flat = ir.Binary("+", ir.Var(body.bind(ir.Binary("*", flat, size))), position)
         positions = [gather.positions[n] for n in computed]
         spans = (
             len(positions) == 1
             and isinstance(positions[0], sp.Indexed)
             and tuple(positions[0].indices) == inner
         )
+        lean = (
+            outside is not None
+            and valid is not None
+            and tuple(level.indices[: len(inner)]) == tuple(inner)
+            and len(level.indices) <= MAX_BROADCAST_RANK
+        )
+        if lean:
+            valid = ir.Var(body.bind(valid))
+            flat = ir.Call("where", (valid, flat, ir.Lit(outside)))
+            if not spans:
+                shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
+                flat = ir.Call("broadcast_to", (flat, shape))
+            return flat, valid, inner  # unnamed: freed once read, like the gather's index
         if not spans:  # an index tensor read at exactly the inner indices has their shape
             shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
             flat = ir.Var(body.bind(ir.Call("broadcast_to", (flat, shape))))
@@ -79,6 +100,8 @@ class Gathers:
                 valid = ir.Var(body.bind(ir.Call("broadcast_to", (valid, shape))))
         elif valid is not None:
             valid = ir.Var(body.bind(valid))
+        if outside is not None and valid is not None:
+            flat = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit(outside)))))
         return flat, valid, inner
 
     def rows(self, body: _Body, gather) -> tuple[str, ...]:
@@ -128,7 +151,8 @@ class Gathers:
         computed = gather.computed
         rank = self.program.rank(gather.source)
         plain = [n for n in range(rank) if n not in computed]
-        flat, valid, inner = self.gather_plan(body, level)
+        looks_up = self.looks_up(gather)
+        flat, valid, inner = self.gather_plan(body, level, None if looks_up else "0")
         source: ir.Expr = ir.Var(body.tensors[gather.source])
         if len(computed) == 1:
             axis = computed[0]
@@ -154,7 +178,7 @@ class Gathers:
 
         if valid is None:
             return read(flat)
-        if self.looks_up(gather):
+        if looks_up:
             if not _is_simple(source):  # read by both branches
                 source = ir.Var(body.bind(source))
             # Positions from index tensors are nearly always in bounds: mask only when
@@ -163,8 +187,7 @@ class Gathers:
                 body, read(self.clipped(flat, valid)), valid, inner, level.indices
             )
             return ir.Cond(self.all_in_bounds(body, valid), read(flat), masked)
-        index = ir.Var(body.bind(self.clipped(flat, valid)))
-        return self.zero_outside(body, ir.Var(body.bind(read(index))), valid, inner, level.indices)
+        return self.zero_outside(body, read(flat), valid, inner, level.indices)
 
     @staticmethod
     def looks_up(gather) -> bool:
@@ -283,11 +306,10 @@ class Gathers:
         source, -1 for reads out of bounds): the gradient over (*inner, *rest) indices,
         positions over the inner ones."""
         gather = level.gather
-        flat, valid, inner = self.gather_plan(body, level)
+        ids, _, inner = self.gather_plan(body, level, "-1")  # -1: dropped by the segment sum
+        if not _is_simple(ids):
+            ids = ir.Var(body.bind(ids))
         self.rows(body, gather)
-        ids = flat
-        if valid is not None:  # dropped by unsorted_segment_sum
-            ids = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
         grad = ir.Var(body.tensors[grad_name(level.name)])
         rest = tuple(i for i in level.indices if i not in inner)
         grad = align(grad, level.indices, (*inner, *rest))

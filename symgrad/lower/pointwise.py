@@ -165,8 +165,10 @@ class Pointwise:
                 ),
             )
         if isinstance(e, fn.floor_index):  # a sampled read's lower neighbour (sampling.py)
+            # Steps of their own, shared: a sampled coordinate's fraction takes its floor,
+            # and its two neighbours (floor, floor + 1) the same integer floor.
             floor = ir.Call("floor", (_tensor_argument(body, self.expr(body, e.args[0], target)),))
-            return ir.Call("to_int64", (floor,))
+            return ir.Var(body.bind(ir.Call("to_int64", (ir.Var(body.bind(floor)),))))
         if isinstance(e, fn.index_value):  # 0, 1, ... in the inputs' float dtype
             body.uses_dtype = True
             return ir.Call("cast", (self.expr(body, e.args[0], target), ir.Var("dtype")))
@@ -175,6 +177,8 @@ class Pointwise:
             args = tuple(self.expr(body, a, target) for a in e.args)
             if func in UNARY or func in BINARY:
                 args = tuple(_tensor_argument(body, a) for a in args)
+            if func is fn.floor:  # shared with the sampled read's neighbours (above)
+                return ir.Var(body.bind(ir.Call(UNARY[func], args)))
             if func in UNARY:
                 return ir.Call(UNARY[func], args)
             if func in BINARY:

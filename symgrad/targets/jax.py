@@ -165,6 +165,9 @@ class JaxPrinter(Printer):
         if None not in e.slots:
             return inner
         index = ["None" if slot is None else ":" for slot in e.slots]
+        first_new = index.index("None")
+        if first_new > 0 and all(item == "None" for item in index[first_new:]):
+            index = ["...", *index[first_new:]]  # new trailing axes: right at any rank
         while index[-1] == ":":  # x[:, None] leaves the axes after the last new one
             index.pop()
         return f"{inner}[{', '.join(index)}]"

@@ -203,9 +203,13 @@ class TensorFlowPrinter(Printer):
             inner = f"tf.transpose({inner}, {list(e.perm)})"
         # New axes by tf.expand_dims, left to right: in eager mode `x[:, tf.newaxis]`
         # costs several times as much (it builds begin/end/stride tensors each call).
+        kept = [n for n, slot in enumerate(e.slots) if slot is not None]
         for position, slot in enumerate(e.slots):
             if slot is None:
-                inner = f"tf.expand_dims({inner}, {position})"
+                # New trailing axes counted from the end: right at any rank (a mask that
+                # broadcasts over leading axes, `gather_plan`'s `outside`).
+                at = -1 if not kept or position > kept[-1] else position
+                inner = f"tf.expand_dims({inner}, {at})"
         if e.perm is None and None not in e.slots and precedence(e.operand) < ATOM:
             inner = f"({inner})"  # nothing to do; never made by `lower.align`
         return inner
