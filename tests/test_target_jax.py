@@ -566,7 +566,7 @@ N = ir.Var("_n_i")
         (ir.Einsum("bii->bi", (A,)), 'jnp.einsum("bii->bi", A, optimize=[(0,)])'),
         (ir.View(A, (1, 0), (None, 0, 1)), "jnp.transpose(A, (1, 0))[None]"),
         (ir.View(A, None, (0, None, 1, None)), "A[:, None, :, None]"),
-        (ir.View(ir.Binary("+", A, B), None, (0, None)), "(A + B)[:, None]"),
+        (ir.View(ir.Binary("+", A, B), None, (0, None)), "(A + B)[..., None]"),
         (ir.AxisSize("x", 2), "x.shape[2]"),
         (ir.FloatSize("_n_k"), "jnp.asarray(_n_k, dtype)"),
         # size arithmetic stays Python (static under jit); tensors use jnp

@@ -98,7 +98,7 @@ def test_the_ties_of_a_max_compare_the_tensor_the_max_reduces(setup):
     reduced = re.findall(r"(_(?:max|min)\d+) = tf\.reduce_(?:max|min)\(_whole\((\w+)\)", source)
     assert len(reduced) == 4
     for extremum, operand in reduced:
-        assert f"tf.cast({operand} == tf.expand_dims({extremum}, 2), dtype)" in source
+        assert f"tf.cast({operand} == tf.expand_dims({extremum}, -1), dtype)" in source
 
 
 XLA_STEP = """
