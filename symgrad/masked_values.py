@@ -70,12 +70,7 @@ def _weights_mask(name: str, steps: dict[str, ir.Expr]) -> ir.Expr | None:
         operand = steps.get(operand.name)
     if not (isinstance(operand, ir.Call) and operand.function in _MASK):
         return None
-    cond, then, otherwise = operand.args
-    if _is_neg_inf(otherwise):
-        return cond
-    if _is_neg_inf(then):
-        return ir.Call("logical_not", (cond,))
-    return None
+    return _kept_where(operand, _is_neg_inf)
 
 
 def _guarded(value: ir.Expr | None) -> bool:
