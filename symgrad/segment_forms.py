@@ -87,6 +87,21 @@ def segment_extremum(kind: str, indices, expr: sp.Expr, summed, ids: object):
     return ids_access, v, value, batch
 
 
+def sum_rows(select: fn.select) -> sp.Expr:
+    """A segment sum's rows, `where(seg[r,n] == v, f[n,c], 0)`: the value at every index
+    of the ids, [r,n,c] (lower/segments.py broadcasts it there: larger than f and than
+    the output [r,v,c] when the ids have an index the value lacks)."""
+    (read,) = [a for a in select.args[0].args if isinstance(a, sp.Indexed) and not _iota(a)]
+    return sp.Mul(read, select.args[1], evaluate=False)
+
+
+def extremum_rows(ids_access: sp.Indexed, value: sp.Expr, indices) -> tuple:
+    """A segment extremum's rows (lower/segment_extrema.py): the value over the ids'
+    indices and the level's other indices."""
+    rows = set(ids_access.indices) | (value.free_symbols & set(indices))
+    return tuple(sorted(rows, key=sp.default_sort_key))
+
+
 def segment_ties(expr: sp.Expr, ids: object):
     """The ties count of a segment max/min, `[where(seg[n] == v, value, ±inf) == m[..v..]]`:
     the same bracket under the mask, `where(seg[n] == v, [value == m], 0)`; None for any

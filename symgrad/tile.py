@@ -38,7 +38,7 @@ from .indexing import IOTA
 from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
-from .segment_forms import segment_extremum, ties_at_rows
+from .segment_forms import extremum_rows, segment_extremum, sum_rows, ties_at_rows
 from .spec import OpSpec
 
 START = "tile_start"  # the chunk's first position along the tiled index
@@ -86,7 +86,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
                 if segment is None:
                     found.append((*level.indices, *term.summed))
                 else:  # a segment kernel's rows: over the ids' indices and the value's
-                    found.append(_segment_rows(segment[0], segment[2], level.indices))
+                    found.append(extremum_rows(segment[0], segment[2], level.indices))
                 continue
             allowed = {*level.indices, *term.summed}
             prefix = prefix_sum_form(term.expr, term.summed, level.indices, same) is not None
@@ -206,27 +206,12 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> 
             if _on_indices(factor.args[0]) and not prefix:
                 found.append(factor)
             elif not _on_indices(factor.args[0]):
-                found.append(_segment_rows_expr(factor))
+                found.append(sum_rows(factor))
             continue
         if factor.is_polynomial(*accesses(factor)):
             continue
         found.append(factor)
     return found
-
-
-def _segment_rows_expr(factor: fn.select) -> sp.Expr:
-    """A segment sum's rows, `where(seg[r,n] == v, f[n,c], 0)`: the value at every index
-    of the ids, [r,n,c] (segments.py broadcasts it there: larger than f and than the
-    output [r,v,c] when the ids have an index the value lacks)."""
-    (read,) = [a for a in factor.args[0].args if not _on_indices(a)]
-    return sp.Mul(read, factor.args[1], evaluate=False)
-
-
-def _segment_rows(ids: sp.Indexed, value: sp.Expr, indices) -> tuple[Index, ...]:
-    """A segment extremum's rows (segment_extrema.py): the value over the ids' indices
-    and the level's other indices."""
-    rows = set(ids.indices) | (value.free_symbols & set(indices))
-    return tuple(sorted(rows, key=sp.default_sort_key))
 
 
 def _segment(condition: sp.Expr, ids: tuple[str, ...]) -> bool:
