@@ -38,6 +38,7 @@ from .indexing import IOTA
 from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
+from .segment_cells import flat_term, unflatten
 from .segment_forms import extremum_rows, segment_extremum, sum_rows, ties_at_rows
 from .spec import OpSpec
 
@@ -80,19 +81,21 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
             continue
         found.append(level.indices)
         for term in level.terms:
+            # a mask over several coordinates (segment_cells.py): a segment by one id
+            expr, indices, summed, ids, cell = flat_term(
+                term.expr, level.indices, term.summed, program.index_inputs
+            )
             if level.kind in ("max", "min", "logsumexp"):
-                ids = program.index_inputs
-                segment = segment_extremum(level.kind, level.indices, term.expr, term.summed, ids)
+                segment = segment_extremum(level.kind, indices, expr, summed, ids)
                 if segment is None:
                     found.append((*level.indices, *term.summed))
                 else:  # a segment kernel's rows: over the ids' indices and the value's
-                    found.append(extremum_rows(segment[0], segment[2], level.indices))
+                    found.append(unflatten(extremum_rows(segment[0], segment[2], indices), cell))
                 continue
-            allowed = {*level.indices, *term.summed}
-            prefix = prefix_sum_form(term.expr, term.summed, level.indices, same) is not None
+            allowed = {*indices, *summed}
+            prefix = prefix_sum_form(expr, summed, indices, same) is not None
             found += [
-                _indices_of(f, allowed)
-                for f in _materialized(term.expr, program.index_inputs, prefix)
+                unflatten(_indices_of(f, allowed), cell) for f in _materialized(expr, ids, prefix)
             ]
     sampled = sampled_temps.sets(program)
     found += sampled

@@ -29,6 +29,7 @@ from .lookups import Lookups
 from .merged_scatters import MergedScatters
 from .pointwise import Pointwise
 from .row_reads import inline_once
+from .segment_cells import SegmentCells
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
 
@@ -41,6 +42,7 @@ class Lowerer(
     MergedScatters,
     Segments,
     SegmentExtrema,
+    SegmentCells,
     Lookups,
     Intervals,
 ):
@@ -67,6 +69,10 @@ class Lowerer(
         self.is_output: set[str] = {o.level.name for o in program.outputs}
         # Tables read at the rows of segment ids (row_reads.py): written into their one use.
         self.row_reads: set[str] = set()
+        # Segments over several coordinates (segment_cells.py): their ids' names, and
+        # each composite key's coordinates.
+        self.cell_names: list[str] = []
+        self.cell_keys: dict[Index, tuple[Index, ...]] = {}
         # Logsumexp levels, by their name and by the name of an output equal to one.
         self.logsumexp_of: dict[str, Level] = {
             lv.name: lv for lv in program.intermediates if lv.kind == "logsumexp"
@@ -80,6 +86,8 @@ class Lowerer(
                     self.is_output.add(source.name)
 
     def index_size(self, body: _Body, index: Index) -> str:
+        if index in self.cell_keys:
+            return self.cell_size(body, index)
         source = self.size_of.get(index)
         if source is None:
             raise AssertionError(f"no size known for index {index}")

@@ -36,11 +36,14 @@ class SegmentExtrema:
     def segment_level(self, body: _Body, level: Level) -> ir.Expr | None:
         """A segment max/min/logsumexp level, or the ties count of a segment max/min, by
         segment kernels; None for any other level."""
+        cell = self.cell_level(body, level)  # a segment over several coordinates
+        if cell is not None:
+            return cell
         if level.kind == "sum":
             if len(level.terms) != 1:
                 return None
             (term,) = level.terms
-            masked = segment_ties(term.expr, self.program.index_inputs)
+            masked = segment_ties(term.expr, self.segment_ids())
             if masked is None:
                 return None
             return self.level(body, replace(level, terms=(replace(term, expr=masked),)))
@@ -48,7 +51,7 @@ class SegmentExtrema:
             return None
         (term,) = level.terms
         found = segment_extremum(
-            level.kind, level.indices, term.expr, term.summed, self.program.index_inputs
+            level.kind, level.indices, term.expr, term.summed, self.segment_ids()
         )
         if found is None:
             return None

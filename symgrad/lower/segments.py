@@ -31,7 +31,10 @@ class Segments:
         n.. summed) or a read at the ids (v summed, n.. free); None for any other term."""
         if eyes:
             return None
-        e = eq_form(e, self.program.index_inputs)  # `where(seg[n] != v, 0, ..)` as ==
+        cell = self.cell_term(body, e, summed, out, eyes)  # several coordinates
+        if cell is not None:
+            return cell
+        e = eq_form(e, self.segment_ids())  # `where(seg[n] != v, 0, ..)` as ==
         found = self._segment_mask(e)
         if found is None:
             return None
@@ -67,7 +70,7 @@ class Segments:
             left, right = right, left
         if not _iota(right) or not isinstance(left, sp.Indexed):
             return None
-        if left.base.label.name not in self.program.index_inputs:
+        if left.base.label.name not in self.segment_ids():
             return None
         positions = tuple(left.indices)
         if not all(isinstance(p, sp.Symbol) for p in positions) or len(set(positions)) != len(
