@@ -139,6 +139,10 @@ OPS = {
     # reads at computed positions and their transposes
     "gather": "gather(x, positions, axis=k): positions (any shape) replace axis k",
     "segment_sum": "segment_sum(data, ids, n): rows of data added at ids < n; ids < 0 dropped",
+    "segment_sum_in": "segment_sum_in(data, ids, n): as segment_sum, every id in [0, n) or "
+    "dropped_id(n)",
+    "dropped_id": "dropped_id(n): the id segment_sum_in drops, -1 or n (the row past the end "
+    "a target adds into and cuts off)",
     "segment_max": "segment_max(data, ids, n): as segment_sum, the max; -inf where no row",
     "segment_min": "segment_min(data, ids, n): as segment_sum, the min; +inf where no row",
     "sparse_rows": "sparse_rows(values, rows, shape): a gradient as rows (IndexedSlices)",

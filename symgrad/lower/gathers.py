@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sympy as sp
 
+from .. import functions as fn
 from .. import indexing, ir, splits
 from ..derive import Scatter, grad_name
 from ..model import Index, Level
@@ -37,7 +38,9 @@ class Gathers:
         mask keeps the shape its tests broadcast to when the gather's other axes follow
         the inner ones (a broadcast operand of `where` then reads it as it is): one
         `where` and one `broadcast_to` per read, not a `broadcast_to` of the positions, one
-        of the mask and a `where` of both (a sampled read's 2^k corners each save one)."""
+        of the mask and a `where` of both (a sampled read's 2^k corners each save one).
+        `outside` may also be an expression: the row count of a sampled read's source
+        (`outside_row`)."""
         gather = level.gather
         computed = gather.computed
         inner = gather.inner(level.indices)
@@ -88,7 +91,7 @@ class Gathers:
         )
         if lean:
             valid = ir.Var(body.bind(valid))
-            flat = ir.Call("where", (valid, flat, ir.Lit(outside)))
+            flat = ir.Call("where", (valid, flat, _outside(outside)))
             if not spans:
                 shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
                 flat = ir.Call("broadcast_to", (flat, shape))
@@ -101,7 +104,7 @@ class Gathers:
         elif valid is not None:
             valid = ir.Var(body.bind(valid))
         if outside is not None and valid is not None:
-            flat = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit(outside)))))
+            flat = ir.Var(body.bind(ir.Call("where", (valid, flat, _outside(outside)))))
         return flat, valid, inner
 
     def rows(self, body: _Body, gather) -> tuple[str, ...]:
@@ -188,6 +191,20 @@ class Gathers:
             )
             return ir.Cond(self.all_in_bounds(body, valid), read(flat), masked)
         return self.zero_outside(body, read(flat), valid, inner, level.indices)
+
+    @staticmethod
+    def outside_row(level: Level) -> bool:
+        """Whether a scatter sends the rows of reads outside the source to the id
+        `dropped_id` and adds them with `segment_sum_in`: a sampled read's 2^k corners
+        (bilinear, trilinear), whose positions fall outside at borders. PyTorch then adds
+        every row into one row more than the result and cuts it off, with no bounds test of
+        the ids (four ops a corner fewer); TensorFlow and JAX drop the id -1 as before."""
+        gather = level.gather
+        return any(gather.positions[n].has(fn.floor_index) for n in gather.computed)
+
+    def past_the_end(self, body: _Body, level: Level) -> ir.Expr:
+        """The id of a scatter's rows read outside the source (`outside_row`)."""
+        return ir.Call("dropped_id", (self.row_count(body, level),))
 
     @staticmethod
     def looks_up(gather) -> bool:
@@ -298,7 +315,9 @@ class Gathers:
             grad = ir.Var(body.tensors[grad_name(level.name)])
             return splits.reshape_back(self, body, level, grad)
         grad, ids = self.scatter_rows(body, level)
-        total = ir.Var(body.bind(ir.Call("segment_sum", (grad, ids, self.row_count(body, level)))))
+        total = ir.Var(
+            body.bind(ir.Call(self.scatter_kernel(level), (grad, ids, self.row_count(body, level))))
+        )
         return self.scatter_layout(body, level, total)
 
     def scatter_rows(self, body: _Body, level: Level) -> tuple[ir.Expr, ir.Expr]:
@@ -306,7 +325,9 @@ class Gathers:
         source, -1 for reads out of bounds): the gradient over (*inner, *rest) indices,
         positions over the inner ones."""
         gather = level.gather
-        ids, _, inner = self.gather_plan(body, level, "-1")  # -1: dropped by the segment sum
+        # -1 (or one past the end, `outside_row`): dropped by the segment sum
+        outside = self.past_the_end(body, level) if self.outside_row(level) else "-1"
+        ids, _, inner = self.gather_plan(body, level, outside)
         if not _is_simple(ids):
             ids = ir.Var(body.bind(ids))
         self.rows(body, gather)
@@ -316,6 +337,11 @@ class Gathers:
         if not _is_simple(grad):
             grad = ir.Var(body.bind(grad))
         return grad, ids
+
+    def scatter_kernel(self, level: Level) -> str:
+        """The segment sum of a scatter's rows: `segment_sum_in` when its ids are all
+        within the rows or one past them (`outside_row`), else `segment_sum`."""
+        return "segment_sum_in" if self.outside_row(level) else "segment_sum"
 
     def row_count(self, body: _Body, level: Level) -> ir.Expr:
         """The number of rows a scatter adds into: the product of the computed axes."""
@@ -343,3 +369,8 @@ class Gathers:
             inverse = [order.index(n) for n in range(rank)]
             value = ir.Call("transpose", (value, ir.Lit(repr(inverse))))
         return value
+
+
+def _outside(outside: str | ir.Expr) -> ir.Expr:
+    """The position of a read outside its source: a literal, or an expression."""
+    return outside if isinstance(outside, ir.Expr) else ir.Lit(outside)

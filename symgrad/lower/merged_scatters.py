@@ -47,7 +47,8 @@ class MergedScatters:
         """What scatters must share to be one: a plain scatter-add (no convolution, no
         blocks, no reshape) of the same source's same axes, its rows over the same
         inner indices and the same plain axes in the same order (so their rows and
-        positions concatenate along the first axis); None for a scatter that is lowered
+        positions concatenate along the first axis), reads outside dropped alike
+        (`outside_row`); None for a scatter that is lowered
         otherwise."""
         if scatter.level in self.convolutions:
             return None
@@ -65,7 +66,7 @@ class MergedScatters:
         if not set(rest) <= set(gather.positions):
             return None
         rest = tuple(gather.positions.index(i) for i in rest)
-        return (gather.source, gather.computed, inner, rest)
+        return (gather.source, gather.computed, inner, rest, self.outside_row(level))
 
     def merged_scatter(self, body: _Body, group: list[Scatter]) -> ir.Expr:
         """One segment sum of the group's rows and positions, concatenated."""
@@ -77,5 +78,6 @@ class MergedScatters:
         rows = ir.Call("concat", (ir.List(tuple(g for g, _ in parts)),), axis)
         ids = ir.Call("concat", (ir.List(tuple(i for _, i in parts)),), axis)
         count = self.row_count(body, levels[0])
-        total = ir.Var(body.bind(ir.Call("segment_sum", (rows, ids, count))))
+        kernel = self.scatter_kernel(levels[0])  # one for the group (`merge_key`)
+        total = ir.Var(body.bind(ir.Call(kernel, (rows, ids, count))))
         return self.scatter_layout(body, levels[0], total)

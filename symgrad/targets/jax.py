@@ -238,6 +238,12 @@ class JaxPrinter(Printer):
         # The module's `_gather`: jnp.take, never from an empty axis.
         return f"_gather({self.arguments(e)})"
 
+    def call_segment_sum_in(self, e: ir.Call) -> str:
+        return f"_segment_sum({self.arguments(e)})"  # drops the id -1 (`dropped_id`)
+
+    def call_dropped_id(self, e: ir.Call) -> str:
+        return "-1"
+
     def call_sparse_rows(self, e: ir.Call) -> str:
         # A gradient given as rows (tf.IndexedSlices) is dense in JAX: the rows added up.
         if len(e.args) != 3:

@@ -110,6 +110,8 @@ PARAMETERS = {
     "range": ("n",),
     "reshape": ("x", "shape"),
     "segment_sum": ("data", "ids", "n"),
+    "segment_sum_in": ("data", "ids", "n"),
+    "dropped_id": ("n",),
     "segment_max": ("data", "ids", "n"),
     "segment_min": ("data", "ids", "n"),
     "shape": ("x",),
@@ -633,6 +635,18 @@ class PyTorchPrinter(Printer):
             return f"_segment_sums({', '.join(parts)})"
         parts = (self.code(data), self.code(ids), self.code(args["n"]))
         return f"_segment_sum({', '.join(parts)})"
+
+    def call_segment_sum_in(self, args: dict) -> str:
+        data, ids = args["data"], args["ids"]
+        if _concat(data) and _concat(ids):  # merged scatters: added in turn, not joined
+            parts = (self.code(data.args[0]), self.code(ids.args[0]), self.code(args["n"]))
+            return f"_segment_sums_in({', '.join(parts)})"
+        parts = (self.code(data), self.code(ids), self.code(args["n"]))
+        return f"_segment_sum_in({', '.join(parts)})"
+
+    def call_dropped_id(self, args: dict) -> str:
+        # The row past the end `_segment_sum_in` adds into and cuts off.
+        return self.code(args["n"])
 
     def call_segment_max(self, args: dict) -> str:
         parts = (self.code(args["data"]), self.code(args["ids"]), self.code(args["n"]))

@@ -182,6 +182,10 @@ class TensorFlowPrinter(Printer):
             return f"{NAMES[e.function]}({self.arguments(whole)})"
         if e.function in ("gelu", "gelu_tanh"):
             return self.gelu(e)
+        if e.function == "dropped_id":  # unsorted_segment_sum drops negative ids
+            return "-1"
+        if e.function == "segment_sum_in":
+            return self.call(replace(e, function="segment_sum"))
         if self.in_module and e.function in KERNELS:
             # The module's helper: zeros, never the kernel, when an axis is empty.
             helper, *kernel = KERNELS[e.function]
