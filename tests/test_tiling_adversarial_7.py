@@ -599,7 +599,7 @@ def _tokens(module, length, grad):
 @pytest.mark.xfail(
     strict=True,
     reason="a chunk holds one query: the window is read as gathered copies [b, i, 2w + 1, h, "
-    "d] (kk twice, v once, and their gradients), d = 16 times the query's scores, so at "
+    "d] (kk and v, once each, and their gradients), d = 16 times the query's scores, so at "
     "1,024 tokens, w = 256 and a 16 KiB budget the plan is 1,024 chunks of one query, each "
     "about 2,200 aten calls: a PyTorch step takes 4.3 s CPU against 1.5 s untiled (2.8x; "
     "at 256 tokens, w = 32: 0.62 s against 0.03 s). Forced to 2, 4, 8 queries a chunk it "
