@@ -25,6 +25,7 @@ from . import indexing, internals, lets, logaddexp, masked_exp, sampling, splits
 from . import lookups as lookups_
 from .compared import compared_only
 from .errors import SymgradError
+from .gather_key import gather_key
 from .indexing import Gather
 from .parse import (
     MAX_INDICES,
@@ -618,8 +619,8 @@ class _Builder:
                     # Ranges are inferred from reads of inputs only: an internal tensor's
                     # size is known only once it is computed.
                     self.reads.append((position, name, axis))
-        key = ("gather", name, tuple(sp.srepr(p) for p in positions), tuple(map(str, grid)))
-        found = self.by_key.get(repr(key))
+        key = gather_key(name, positions, grid, frozenset(dict(self.op.ranges)))
+        found = self.by_key.get(key)
         if found is not None:
             return tensor(found[0].name)[grid]
         level = Level(
@@ -631,7 +632,7 @@ class _Builder:
         )
         self.intermediates.append(level)
         self.ranks[level.name] = len(grid)
-        self.by_key[repr(key)] = (level, grid)
+        self.by_key[key] = (level, grid)
         return tensor(level.name)[grid]
 
     # -- conditions and extrema -------------------------------------------------------

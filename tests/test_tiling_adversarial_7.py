@@ -599,11 +599,15 @@ def _tokens(module, length, grad):
 @pytest.mark.xfail(
     strict=True,
     reason="a chunk holds one query: the window is read as gathered copies [b, i, 2w + 1, h, "
-    "d] (kk twice, v once, and their gradients), d = 16 times the query's scores, so at "
+    "d] (kk and v, once each, and their gradients), d = 16 times the query's scores, so at "
     "1,024 tokens, w = 256 and a 16 KiB budget the plan is 1,024 chunks of one query, each "
     "about 2,200 aten calls: a PyTorch step takes 4.3 s CPU against 1.5 s untiled (2.8x; "
     "at 256 tokens, w = 32: 0.62 s against 0.03 s). Forced to 2, 4, 8 queries a chunk it "
-    "takes 2.7, 1.9, 1.5 s at 0.79, 1.14, 1.85x the bound (3.70 MB)",
+    "takes 2.7, 1.9, 1.5 s at 0.79, 1.14, 1.85x the bound (3.70 MB). A window read as a "
+    "banded product over a slab of c + 2w rows (no copy) would not reach 8 alone: the plan "
+    "would hold 7 queries a chunk with no window temporary at all, 5 beside three [b, i, "
+    "h, 2w + 1] window scores, bounded by four [b, i, h, N] global-key temporaries (q with "
+    "every key, masked to g > 0 after; qg with kg for every row, kept for global rows only)",
 )
 def test_pytorch_longformer_chunks_hold_several_queries(tmp_path):
     """Longformer's window in chunks (PyTorch, float32, `_tokens`, w = 256 at 1,024 tokens,
