@@ -584,14 +584,20 @@ EMPTY = {  # name -> its float inputs with one axis of size 0
 }
 
 
-@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-@pytest.mark.parametrize("name", sorted(EMPTY))
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [
+        (name, target)
+        for name in sorted(EMPTY)
+        for target in ("tensorflow", "pytorch", "jax")
+        # eager JAX compiles every op: the masked sum and the scan are enough there
+        if target != "jax" or name in ("causal_product", "wkv7")
+    ],
+)
 def test_empty_axes_at_a_one_byte_budget(name, target, tmp_path):
     """No frames, no output planes, no channels, no positions, no steps: at a 1-byte
     budget the output has its shape (empty, or zeros where the empty axis was summed:
     correlation's channels) and every gradient is zero, shaped like its input."""
-    if target == "jax" and name not in ("causal_product", "wkv7"):
-        pytest.skip("eager JAX compiles every op: the masked sum and the scan are enough")
     case = REAL.get(name, WKV7)
     module = generate(case, tmp_path, prefix="Empty10", target=target)
     rng = np.random.default_rng(8)
