@@ -1,0 +1,73 @@
+"""A new user's trial of custom ops in their published layouts (PointNet++'s
+three_interpolate, FlowNet2's correlation, Mamba's causal_conv1d): what broke, pinned.
+
+A C++ op registered without a shape function (as the README's own example is) has
+outputs of unknown rank in a graph, and so have the gradients TensorFlow hands its
+registered gradient; the generated gradient must still run, in chunks too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from harness import Case, FakeOp, generate
+
+# PointNet++ three_interpolate: points (b, c, m), idx (b, n, 3), weight (b, n, 3) -> (b, c, n)
+THREE_INTERPOLATE = Case(
+    "out[b,c,n] = sum(points[b, c, idx[b,n,k]] * weight[b,n,k], k)",
+    {"points": (2, 4, 9), "weight": (2, 6, 3)},
+    index_inputs={"idx": ((2, 6, 3), 0, 9)},
+    inputs=("points", "idx", "weight"),
+)
+
+
+def _three_interpolate_inputs(rng):
+    points = tf.constant(rng.standard_normal((2, 4, 9)))
+    idx = tf.constant(rng.integers(0, 9, (2, 6, 3)), tf.int32)
+    weight = tf.constant(rng.random((2, 6, 3)))
+    return points, idx, weight
+
+
+def _autodiff(points, idx, weight, grad_out):
+    """TF float64 autodiff of the kernel's loop written with tf.gather."""
+    with tf.GradientTape() as tape:
+        tape.watch([points, weight])
+        rows = tf.gather(points, tf.broadcast_to(idx[:, None], [2, 4, 6, 3]), axis=2, batch_dims=2)
+        out = tf.reduce_sum(rows * weight[:, None], -1)
+    return tape.gradient(out, [points, weight], output_gradients=grad_out)
+
+
+@pytest.mark.parametrize("budget", [None, 64], ids=["whole", "in-chunks"])
+def test_registered_gradient_of_an_op_without_a_shape_function(tmp_path, budget):
+    """Under tf.function with unknown dims, the op's output and its gradient have unknown
+    rank (no shape function); the gradient in chunks sliced them by rank and raised
+    `TypeError: 'NoneType' object cannot be interpreted as an integer`."""
+    module = generate(THREE_INTERPOLATE, tmp_path, prefix="ThreeInterpolate")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    rng = np.random.default_rng(0)
+    points, idx, weight = _three_interpolate_inputs(rng)
+    out = module.forward(points, idx, weight)
+    grad_out = tf.constant(rng.standard_normal(out.shape))
+    unknown = tf.TensorSpec(None, tf.float64)
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None, None, None], tf.float64),
+            tf.TensorSpec([None, None, 3], tf.int32),
+            tf.TensorSpec([None, None, 3], tf.float64),
+            unknown,
+            unknown,
+        ]
+    )
+    def registered(points, idx, weight, out, grad_out):
+        return module.gradient(FakeOp([points, idx, weight], [out], {}, module), grad_out)
+
+    grad_points, grad_idx, grad_weight = registered(points, idx, weight, out, grad_out)
+    want_points, want_weight = _autodiff(points, idx, weight, grad_out)
+    assert grad_idx is None
+    np.testing.assert_allclose(grad_points.numpy(), want_points.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad_weight.numpy(), want_weight.numpy(), rtol=1e-12, atol=1e-12)
