@@ -8,6 +8,9 @@ registered gradient; the generated gradient must still run, in chunks too.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -71,3 +74,37 @@ def test_registered_gradient_of_an_op_without_a_shape_function(tmp_path, budget)
     assert grad_idx is None
     np.testing.assert_allclose(grad_points.numpy(), want_points.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad_weight.numpy(), want_weight.numpy(), rtol=1e-12, atol=1e-12)
+
+
+# FlowNet2's correlation (kernel_size 1) in its layout: (b, c, h, w) -> (b, (2R+1)^2, oh, ow)
+FLOWNET2_SPEC = """\
+[ops.Flownet2Correlation]
+formula = "out[b,(u,v),i,j] = mean(input1[b, c, s1*i + md - pad, s1*j + md - pad] * input2[b, c, s1*i + md - pad + s2*(u - R), s1*j + md - pad + s2*(v - R)], c)"
+inputs = ["input1", "input2"]
+attrs = { pad = "int", md = "int", s1 = "int", s2 = "int" }
+let = { R = "md // s2" }
+ranges = { u = "2*R + 1", v = "2*R + 1", i = "(input1.shape[2] + 2*pad - 2*md + s1 - 1) // s1", j = "(input1.shape[3] + 2*pad - 2*md + s1 - 1) // s1" }
+"""
+
+
+@pytest.mark.parametrize("attr", ["s1", "s2"])
+def test_check_names_a_zero_stride_attr_that_divides_a_range(tmp_path, attr):
+    """`--attr s2=0` divides the let R = md // s2 by zero, `--attr s1=0` the ranges of i
+    and j: check said `internal error in symgrad (TypeError: Cannot convert complex to
+    int)`; it names the op and the attr, as the module does when called."""
+    (tmp_path / "symgrad.toml").write_text(FLOWNET2_SPEC, encoding="utf-8")
+    run = [sys.executable, "-m", "symgrad"]
+    subprocess.run([*run, "generate"], cwd=tmp_path, check=True, capture_output=True)
+    result = subprocess.run(
+        [*run, "check", "--attr", f"{attr}=0"],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        f"error: symgrad.toml [ops.Flownet2Correlation]: attr {attr} is 0; it scales an "
+        "index or divides a range, and must be positive"
+    )
