@@ -88,6 +88,13 @@ def plan_sizes(
     free to fail on others)."""
     shapes = shapes or {}
     sizes = sizes or {}
+    for name in program.positive_attrs:  # as the module refuses them when called
+        if name in attrs and attrs[name] <= 0:
+            raise SymgradError(
+                f"attr {name} is {attrs[name]}; it scales an index or divides a range, "
+                "and must be positive",
+                where=program.source,
+            )
     groups = _axis_groups(program)
     ranks = dict(program.ranks)
     plain_axes = {axis for members in groups for axis in members if isinstance(axis, tuple)}

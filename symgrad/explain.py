@@ -77,6 +77,10 @@ class _TextMath:
     def group(self, text: str) -> str:
         return f"({text})"
 
+    def note(self, text: str) -> str:
+        """A remark after an equation, in words."""
+        return f" {text}"
+
     def logsumexp(self, indices: list[str], body: str) -> str:
         return f"log Σ_{','.join(indices)} exp({body})"
 
@@ -183,6 +187,10 @@ class _TexMath:
     def group(self, text: str) -> str:
         return rf"\left({text}\right)"
 
+    def note(self, text: str) -> str:
+        """A remark after an equation, in words: text, not math."""
+        return rf" \quad \text{{{_tex_text(text)}}}"
+
     def logsumexp(self, indices: list[str], body: str) -> str:
         return rf"\log \sum_{{{','.join(indices)}}} \exp\left({body}\right)"
 
@@ -270,7 +278,7 @@ class _Explainer:
         if level.gather is not None:
             gather = level.gather
             right = self.p.tensor(gather.source, [self.p.expr(q) for q in gather.positions])
-            right += f" (0 outside {gather.source}{lookups_note(gather.positions)})"
+            right += self.p.note(f"(0 outside {gather.source}{lookups_note(gather.positions)})")
         return Equation(self.level_access(level.name), right)
 
     def primed(self, target: str, partials: list[Partial]) -> tuple[sp.Symbol, ...]:

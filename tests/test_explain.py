@@ -498,3 +498,18 @@ def test_declarations_go_with_a_formula_not_with_an_op(capsys):
     code = main(["explain", "--op", "BatchedMatMul", "--spec", str(spec), "--attr", "s=int"])
     err = capsys.readouterr().err
     assert code == 2 and "--attr declares a FORMULA's names" in err
+
+
+def test_latex_writes_the_gather_note_as_text_not_math(capsys):
+    """`(0 outside points, ...)` after a gather sat in align* as math: LaTeX set it as
+    one italic run of letters without spaces. It is \\text, its underscores escaped."""
+    text = explain(
+        capsys,
+        "out[b,c,n] = sum(points_xyz[b, c, idx[b,n,k]] * weight[b,n,k], k)",
+        "--format",
+        "latex",
+    )
+    (block,) = re.findall(r"\\begin\{align\*\}\n(.*?)\n\\end\{align\*\}", text, re.DOTALL)[:1]
+    notes = re.findall(r"\\text\{([^{}]*)\}", block)
+    assert r"(0 outside points\_xyz, or where idx is read outside)" in notes
+    assert "outside" not in re.sub(r"\\text\{[^{}]*\}", "", block)
