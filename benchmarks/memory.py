@@ -14,6 +14,8 @@ before tiling. Each subprocess reports:
   call). PyTorch: the CPU allocator keeps no statistics, so the peak of the running sum of
   the allocations and frees `torch.profiler` records (`profile_memory=True`, its
   "[memory]" events, in order) over one step after a warm-up step.
+  A TensorFlow peak of 0, or below the outputs and gradients the step itself holds at
+  once, is refused (the row reads "failed"): it was not measured on the step.
 - io: the bytes of the op's inputs and outputs; the bound is 4 x io + MAX_TEMP_BYTES.
 - time: the median of 5 steps after one warm-up (TensorFlow eager; PyTorch eager; JAX
   under `jax.jit`), and the ratio new / baseline.
@@ -117,8 +119,13 @@ if target == "tensorflow":
     io += sum(o.numpy().nbytes for o in y)
     tf.config.experimental.reset_memory_stats("CPU:0")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    step()
+    grads, y = step()
     result["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    # the step makes its outputs and gradients and holds them at once: a peak below them
+    # (or 0) was not measured on this step (its work done before the reset, or elsewhere)
+    held = sum(g.nbytes for g in grads) + sum(o.numpy().nbytes for o in y)
+    if result["peak"] <= 0 or result["peak"] < held:
+        raise SystemExit(f"TF peak {{result['peak']}} B below the step's own {{held}} B: not measured")
 elif target == "pytorch":
     import torch
     torch.set_num_threads(int(os.environ["SYMGRAD_BENCH_THREADS"]))

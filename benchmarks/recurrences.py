@@ -182,8 +182,13 @@ if target == "tensorflow":
     io += y.numpy().nbytes
     tf.config.experimental.reset_memory_stats("CPU:0")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    step()
+    grads, y = step()
     result["peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    # the step makes its outputs and gradients and holds them at once: a peak below them
+    # (or 0) was not measured on this step (its work done before the reset, or elsewhere)
+    held = sum(g.nbytes for g in grads) + y.numpy().nbytes
+    if result["peak"] <= 0 or result["peak"] < held:
+        raise SystemExit(f"TF peak {{result['peak']}} B below the step's own {{held}} B: not measured")
 elif target == "pytorch":
     import torch
     torch.set_num_threads(2)

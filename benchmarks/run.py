@@ -365,6 +365,17 @@ def peak_bytes(tf, f, args, repeats=3):
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         out = f(*args)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+        # f made `out` and holds it at its end: a peak below its bytes (or 0) was not
+        # measured on the call (its work done before the reset, or elsewhere)
+        held = sum(
+            t.shape.num_elements() * t.dtype.size
+            for t in tf.nest.flatten(out)
+            if isinstance(t, tf.Tensor)
+        )
+        if peak <= 0 or peak < held:
+            raise RuntimeError(
+                f"TF peak {peak} B below the {held} B the call returns: not measured"
+            )
         del out
         best = peak if best is None else min(best, peak)
     return best

@@ -18,16 +18,57 @@ import sys
 from pathlib import Path
 
 
+def held_bytes(result) -> int:
+    """The bytes of the tensors and arrays in `result` (nested in lists, tuples and dicts;
+    an IndexedSlices by its values and indices): what a step that returns them holds at
+    once at its end."""
+    import numpy as np
+
+    if result is None or isinstance(result, (bool, int, float, str)):
+        return 0
+    if isinstance(result, dict):
+        return sum(held_bytes(r) for r in result.values())
+    if isinstance(result, (list, tuple)):
+        return sum(held_bytes(r) for r in result)
+    if hasattr(result, "indices") and hasattr(result, "values"):  # tf.IndexedSlices
+        return held_bytes(result.values) + held_bytes(result.indices)
+    if hasattr(result, "numpy"):  # a TF tensor: its shape, no copy
+        return int(np.prod(result.shape, dtype=np.int64)) * result.dtype.size
+    return int(np.asarray(result).nbytes)
+
+
+def real_peak(measured: int, held: int, what: str = "step") -> int:
+    """`measured` (peak bytes above the level before a step), refused unless it can be
+    the step's: a step that makes `held` bytes it holds at once (its outputs and
+    gradients) cannot peak at 0 or below them. Such a figure comes from a step whose work
+    was done before the statistics were reset (a result computed earlier, a cached one)
+    or elsewhere; a bound test would pass on it without measuring anything."""
+    if measured <= 0 or measured < held:
+        raise AssertionError(
+            f"TensorFlow's peak for the {what} reads {measured} bytes, below the {held} "
+            "bytes of outputs and gradients the step itself makes and holds at once: "
+            "not a measurement of the step (its work done before reset_memory_stats, or "
+            "outside the CPU:0 allocator)"
+        )
+    return measured
+
+
 def peak(run) -> int:
     """TensorFlow's peak bytes for `run()` (once to warm up, then measured); in a process
-    started by `run_tensorflow`."""
+    started by `run_tensorflow`. `run` returns what the step made and holds at once at its
+    end (its gradients, as tensors or as arrays, and any outputs): a peak below their
+    bytes (`held_bytes`), or 0, is refused (`real_peak`)."""
+    import gc
+
     import tensorflow as tf
 
     run()
+    gc.collect()  # the warm-up's garbage freed now, not during the measured step
     tf.config.experimental.reset_memory_stats("CPU:0")
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    run()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    result = run()
+    measured = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    return real_peak(measured, held_bytes(result))
 
 
 def tf_step_peaks(module, args, budget, attrs=None, watched=None) -> dict:
@@ -52,8 +93,11 @@ def tf_step_peaks(module, args, budget, attrs=None, watched=None) -> dict:
                 loss = tf.add_n([tf.reduce_sum(tf.sin(o)) for o in out])
             else:
                 loss = tf.reduce_sum(tf.sin(out[0]))
+        grads = tape.gradient(loss, watched)
         # tf.convert_to_tensor: a gathered input's gradient may be IndexedSlices
-        return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, watched)]
+        for g in grads:
+            tf.convert_to_tensor(g).numpy()
+        return out, grads  # made by the step, held at once when the gradient returns
 
     io = sum(a.numpy().nbytes for a in args) + sum(o.numpy().nbytes for o in outputs())
     module.MAX_TEMP_BYTES = 2**40
