@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from .errors import SymgradError
-from .parse import AttrRef, BinOp, Neg, Node, parse_range
+from .parse import AttrRef, BinOp, Neg, Node, ShapeRef, parse_range
 
 if TYPE_CHECKING:
     from .model import _Builder
@@ -39,6 +39,14 @@ def value_symbol(name: str) -> sp.Symbol:
 
 def names(op: OpSpec) -> frozenset[str]:
     return frozenset(name for name, _ in op.lets)
+
+
+def is_size(op: OpSpec, name: str) -> bool:
+    """Whether let `name` is an input's size (`x.shape[2]`): never negative."""
+    try:
+        return isinstance(parse_range(dict(op.lets)[name], frozenset()), ShapeRef)
+    except SymgradError:  # it reads an int attr or another let
+        return False
 
 
 def parse(op: OpSpec) -> dict[str, Node]:

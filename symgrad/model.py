@@ -1348,14 +1348,13 @@ def _extents(
             f"`ranges`, "
             + (
                 splits.unsized_hint(symbol, builder.reads)
-                or (
-                    f'e.g. ranges = {{ {_base(symbol)} = "{spare[0]}" }} (int attr '
-                    f"{spare[0]!r} is declared but nothing uses it)"
-                    if spare
-                    else None
-                )
                 or range_example(
-                    symbol, _base(symbol), builder.moving, sized, list(builder.value_inputs)
+                    symbol,
+                    _base(symbol),
+                    builder.moving,
+                    sized,
+                    list(builder.value_inputs),
+                    spare,
                 )
             ),
             where=op.source,

@@ -1,4 +1,5 @@
-"""The example in the error for an index without a range, taken from the formula itself.
+"""The example in the error for an index without a range, taken from the formula itself
+(or from an int attr declared and not used: the range the user meant to write).
 
 An index that no input axis reads plainly needs a `ranges` entry. The example names an
 input the formula reads at that index: the range that keeps every such read inside the
@@ -17,9 +18,21 @@ Read = tuple[sp.Expr, str, int]
 
 
 def range_example(
-    symbol: sp.Symbol, name: str, reads: list[Read], sized: dict, inputs: list[str]
+    symbol: sp.Symbol,
+    name: str,
+    reads: list[Read],
+    sized: dict,
+    inputs: list[str],
+    spare: tuple[str, ...] = (),
 ) -> str:
-    """`e.g. ranges = { u = "..." }` and why, for index `symbol` (spelled `name`)."""
+    """`e.g. ranges = { u = "..." }` and why, for index `symbol` (spelled `name`);
+    `spare`: int attrs no formula or range uses, the first one suggested before all
+    else (`attrs = { V = "int" }` declared for the range the user forgot)."""
+    if spare:
+        return (
+            f'e.g. ranges = {{ {name} = "{spare[0]}" }} (int attr {spare[0]!r} is declared '
+            "but nothing uses it)"
+        )
     moving = [(p, s, a) for p, s, a in reads if symbol in p.free_symbols]
     for position, source, axis in moving:
         text = _bound_text(position, symbol, source, axis, sized)

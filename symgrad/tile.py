@@ -39,7 +39,13 @@ from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
 from .segment_cells import flat_term, unflatten
-from .segment_forms import extremum_rows, segment_extremum, sum_rows, ties_at_rows
+from .segment_forms import (
+    extremum_rows,
+    segment_condition,
+    segment_extremum,
+    sum_rows,
+    ties_at_rows,
+)
 from .spec import OpSpec
 
 START = "tile_start"  # the chunk's first position along the tiled index
@@ -203,7 +209,7 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> 
         if (
             isinstance(factor, fn.select)
             and factor.args[2] == 0
-            and (_on_indices(factor.args[0]) or _segment(factor.args[0], ids))
+            and (_on_indices(factor.args[0]) or segment_condition(factor.args[0], ids) is not None)
         ):
             found += _materialized(factor.args[1], ids)
             if _on_indices(factor.args[0]) and not prefix:
@@ -215,20 +221,6 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> 
             continue
         found.append(factor)
     return found
-
-
-def _segment(condition: sp.Expr, ids: tuple[str, ...]) -> bool:
-    """`seg[n] == v`: an index tensor at plain indices equal to an index."""
-    if not isinstance(condition, sp.Eq):
-        return False
-    sides = sorted(condition.args, key=lambda a: _on_indices(a))
-    read, iota = sides
-    return (
-        _on_indices(iota)
-        and isinstance(read, sp.Indexed)
-        and read.base.label.name in ids
-        and all(isinstance(p, sp.Symbol) for p in read.indices)
-    )
 
 
 def _on_indices(condition: sp.Expr) -> bool:

@@ -63,3 +63,11 @@ def test_the_window_example_says_which_axis_the_index_moves_along():
         'e.g. ranges = { u = "x.shape[1]" } (u moves along axis 1 of x; for a window of '
         'fixed length, a number or an int attr: u = "3")'
     )
+
+
+def test_an_int_attr_declared_and_unused_is_the_range_suggested():
+    """`attrs = { V = "int" }` with no formula or range reading V: the range the user
+    meant to write, ahead of the one the reads would give."""
+    message, index, example = missing_range("y[b] = sum(x[b, u + 1], u)", (("V", "int"),))
+    assert (index, example) == ("u", "V")
+    assert "int attr 'V' is declared but nothing uses it" in message

@@ -91,7 +91,7 @@ class Gathers:
         )
         if lean:
             valid = ir.Var(body.bind(valid))
-            flat = ir.Call("where", (valid, flat, _outside(outside)))
+            flat = _filled(valid, flat, outside)
             if not spans:
                 shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
                 flat = ir.Call("broadcast_to", (flat, shape))
@@ -104,7 +104,7 @@ class Gathers:
         elif valid is not None:
             valid = ir.Var(body.bind(valid))
         if outside is not None and valid is not None:
-            flat = ir.Var(body.bind(ir.Call("where", (valid, flat, _outside(outside)))))
+            flat = ir.Var(body.bind(_filled(valid, flat, outside)))
         return flat, valid, inner
 
     def rows(self, body: _Body, gather) -> tuple[str, ...]:
@@ -369,6 +369,12 @@ class Gathers:
             inverse = [order.index(n) for n in range(rank)]
             value = ir.Call("transpose", (value, ir.Lit(repr(inverse))))
         return value
+
+
+def _filled(valid, flat, outside: str | ir.Expr) -> ir.Call:
+    """The flat positions where the read is in bounds, `outside` elsewhere: a literal,
+    or an expression (the one where-step of both layouts of a gather's positions)."""
+    return ir.Call("where", (valid, flat, _outside(outside)))
 
 
 def _outside(outside: str | ir.Expr) -> ir.Expr:
