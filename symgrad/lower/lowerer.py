@@ -31,6 +31,7 @@ from .pointwise import Pointwise
 from .row_reads import inline_once
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
+from .separable import SeparableGathers
 
 
 class Lowerer(
@@ -39,6 +40,7 @@ class Lowerer(
     Kernels,
     Gathers,
     MergedScatters,
+    SeparableGathers,
     Segments,
     SegmentExtrema,
     Lookups,
