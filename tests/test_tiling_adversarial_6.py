@@ -710,11 +710,10 @@ def test_pytorch_border_align_step_stays_within_the_bound(tmp_path):
     strict=True,
     reason="filtered_lrelu is tiled along its channels only (no plan cuts the rows of y "
     "and computes T and Z over their halo): a PyTorch step at 4 channels of 16 x 16 holds "
-    "418 KB in chunks of one channel against a bound of 98.8 KB (4.2x; untiled 704 KB, "
-    "16.1 MB before its filters were polyphase sums). At its peak: 4 int64 positions "
-    "over [p, kn, q, km] (37 KB each, the same for every channel) and 2 over "
-    "[i, kp, j, kq] (18 KB), and 7 float32 windows of the one channel over "
-    "[p, kn, q, km] (18.5 KB each, 129 KB: above the bound without any position)",
+    "191 KB in chunks of one channel against a bound of 98.8 KB (1.9x; 303 KB, 3.1x, "
+    "while its windows were read at int64 positions over [p, kn, q, km], 37 KB each; "
+    "untiled 381 KB). Its 7 float32 windows of the one channel over [p, kn, q, km] "
+    "(18.5 KB each, 129 KB) are above the bound without any position",
 )
 def test_pytorch_filtered_lrelu_step_stays_within_the_bound(tmp_path):
     """filtered_lrelu, float32, 4 channels of 16 x 16, a 64 KiB budget."""
@@ -746,13 +745,27 @@ def _flrelu_peak_arrays(channels, side=32, per_channel=2**15):
 def test_pytorch_filtered_lrelu_step_of_32_channels_stays_within_the_bound(tmp_path):
     """filtered_lrelu at 32 channels of 32 x 32 and a 1 MiB budget, its filters polyphase
     sums (symgrad/polyphase.py; the bias kept to the rows and columns of x) and the op
-    tiled along its channels: untiled 15.2 MB (7.2x the bound), in chunks 1.79 MB
-    (0.85x); at 16 channels and 512 KiB 1.73 MB (1.65x: the positions of the windows,
-    the same for every channel, are built by each chunk). Its filters gathered over
-    [p, n, q, m] and [i, p, j, q], 8 channels of 32 x 32 held 242 MB (460x)."""
+    tiled along its channels: untiled 10.9 MB (5.2x the bound), in chunks 1.08 MB
+    (0.52x; 15.2 MB and 1.79 MB while its windows were read at positions over
+    [p, kn, q, km]). Its filters gathered over [p, n, q, m] and [i, p, j, q], 8 channels of
+    32 x 32 held 242 MB (460x)."""
     case = REAL["filtered_lrelu"]
     module = generate(case, tmp_path, prefix="FlreluPeak32", target="pytorch")
     arrays, budget = _flrelu_peak_arrays(32)
+    xs = [_float32(arrays[n]) for n in module.INPUTS]
+    untiled, tiled, bound = torch_step_peaks(module, xs, case.attrs, budget)
+    assert untiled > 3 * bound, (untiled, bound)
+    assert tiled <= bound, (tiled, bound)
+
+
+def test_pytorch_filtered_lrelu_step_of_16_channels_stays_within_the_bound(tmp_path):
+    """16 channels of 32 x 32 and a 512 KiB budget: each chunk reads its windows one axis
+    at a time (symgrad/lower/separable.py), at positions over [p, kn] and [q, km]: 818 KB
+    (0.78x the bound). Read at one int64 position over [p, kn, q, km] each, the same for
+    every channel and built by each chunk, 1.25 MB (1.19x)."""
+    case = REAL["filtered_lrelu"]
+    module = generate(case, tmp_path, prefix="FlreluPeak16", target="pytorch")
+    arrays, budget = _flrelu_peak_arrays(16)
     xs = [_float32(arrays[n]) for n in module.INPUTS]
     untiled, tiled, bound = torch_step_peaks(module, xs, case.attrs, budget)
     assert untiled > 3 * bound, (untiled, bound)

@@ -150,6 +150,9 @@ class Gathers:
             return self.gather_blocks(body, level, blocks)
         if splits.reshape_grid(level):  # x[b, (h, r), t]: a reshape
             return splits.reshape_read(self, body, level)
+        parts = self.separable(level)
+        if parts is not None:  # one axis at a time (separable.py)
+            return self.separable_gather(body, level, parts)
         gather = level.gather
         computed = gather.computed
         rank = self.program.rank(gather.source)

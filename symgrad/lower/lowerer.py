@@ -32,6 +32,7 @@ from .row_reads import inline_once
 from .segment_cells import SegmentCells
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
+from .separable import SeparableGathers
 
 
 class Lowerer(
@@ -40,6 +41,7 @@ class Lowerer(
     Kernels,
     Gathers,
     MergedScatters,
+    SeparableGathers,
     Segments,
     SegmentExtrema,
     SegmentCells,
