@@ -314,6 +314,9 @@ class Tiling:
     # the outputs are the log-sum-exp of the chunks', each chunk's gradient scaled by its
     # softmax weight exp(L_chunk - L)).
     combine: str = "sum"
+    # The chunk's int attr holding the whole size of `index` (a mean's divisor, `tile_sum`),
+    # passed by the loop as its count (None: unused)
+    total: str | None = None
     untiled_reason: str = ""  # why a summed index could not be chosen (for the docstring)
     # The large temporaries are the outputs' own size: outputs larger than every input,
     # computed in several steps (`output_temps`; the docstring says so).

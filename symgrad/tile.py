@@ -65,6 +65,9 @@ class Choice:
     # How a summed index's chunks combine: "sum" (partial sums added, `tile_sum`) or
     # "logaddexp" (partial log-sum-exps, `tile_logsumexp`).
     combine: str = "sum"
+    # The chunk's int attr holding the whole size of the tiled index (a `mean`'s divisor,
+    # `tile_sum`): passed by the loop, so that no input has to stay uncut to give it.
+    total: str | None = None
 
 
 def big_sets(program: Program) -> list[tuple[Index, ...]]:
@@ -548,6 +551,7 @@ def tiling(
         max_temp_bytes=choice.chunk.max_temp_bytes,
         summed=summed,
         combine=choice.combine,
+        total=choice.total,
         output_sized=all(
             b in _output_sized(program) and sampled_temps.weight(b, program) == 1
             for b in choice.big

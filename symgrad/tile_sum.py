@@ -244,23 +244,26 @@ def _chunk(op, program, tree, reads, name, big, outer_of=None) -> Choice:
     outer = (outer_of or (lambda rhs: _outer_sum(rhs, _constants(op))))(assign.value)
     taken = _names(tree) | {a for a, _ in (*op.attrs, *op.lets)}
     lets = op.lets
-    if outer.func.id == "mean":
-        # A chunk's mean divides by its own length: scale it by length / total (a let of
-        # the whole size, read from an uncut input) to make it its share of the whole.
-        total = _fresh(TOTAL, taken)
-        lets += ((total, _size_of(op, program, name)),)
-        sliced = ()
-    else:
-        sliced = _sliced(name, reads, op)
+    sliced = _sliced(name, reads, op)
     start = _fresh(START, taken)
     length = None if sliced else _fresh(LENGTH, taken)
+    total = share = None
+    if outer.func.id == "mean":
+        # A chunk's mean divides by its own length: scale it by length / total to make it
+        # its share of the whole. The total is an int attr the loop passes (its count), not
+        # a let read from an input, which would keep that input whole in every chunk.
+        total = _fresh(TOTAL, taken)
+        share = length
+        if share is None:  # the chunk's length is its cut input's axis, a let of the chunk
+            share = _fresh(LENGTH, taken)
+            lets += ((share, "{}.shape[{}]".format(*sliced[0])),)
     # Only the body is moved: the outer sum's own index arguments stay (`_rebound`: no
     # reduction inside runs over `name` again).
     offset = _Offset(name, start, {n for n, _ in sliced})
     outer.args[0] = offset.visit(outer.args[0])
-    if outer.func.id == "mean":
-        share = ast.BinOp(ast.Name(length, ast.Load()), ast.Div(), ast.Name(total, ast.Load()))
-        assign.value = ast.BinOp(assign.value, ast.Mult(), share)
+    if total is not None:
+        ratio = ast.BinOp(ast.Name(share, ast.Load()), ast.Div(), ast.Name(total, ast.Load()))
+        assign.value = ast.BinOp(assign.value, ast.Mult(), ratio)
     formula = ast.unparse(tree)
     if not offset.count:
         start = None
@@ -271,21 +274,9 @@ def _chunk(op, program, tree, reads, name, big, outer_of=None) -> Choice:
     used = {n for text in texts for n in _names(ast.parse(text.strip(" ")))}
     attrs = (
         *((a, kind) for a, kind in op.attrs if a in used),
-        *((a, "int") for a in (start, length) if a),
+        *((a, "int") for a in (start, length, total) if a),
     )
     chunk = replace(
         op, formulas=(formula,), attrs=attrs, ranges=ranges, lets=lets, inputs=program.inputs
     )
-    return Choice(name, sliced, big, chunk, start, length)
-
-
-def _size_of(op: OpSpec, program: Program, name: str) -> str:
-    """The size of index `name` as a let's text: its range, else an input axis it reads."""
-    ranges = dict(op.ranges)
-    if name in ranges:
-        return ranges[name]
-    return next(
-        f"{sources[0][0]}.shape[{sources[0][1]}]"
-        for index, sources in program.dims
-        if index.name.replace("'", "") == name and sources
-    )
+    return Choice(name, sliced, big, chunk, start, length, total=total)
