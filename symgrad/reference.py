@@ -371,8 +371,11 @@ class Evaluator:
             then = self.value(node.then, free)
             otherwise = self.value(node.otherwise, free)
             labels = tuple(dict.fromkeys((*cond.labels, *then.labels, *otherwise.labels)))
+            # All three on the full grid: past rank 8 (tf.where's limit) the select of
+            # operands of one shape, which runs at any rank.
+            select = tf.where if len(labels) <= 8 else tf.compat.v1.where
             return Dense(
-                tf.where(
+                select(
                     self.grid(cond, labels), self.grid(then, labels), self.grid(otherwise, labels)
                 ),
                 labels,

@@ -50,10 +50,12 @@ def chunks_equal_the_untiled_module(case: Case, target: str, folder, prefix: str
     np.testing.assert_allclose([step["loss"], step["after"]], [want[1]["loss"], want[1]["after"]])
 
 
-def unknown_sizes_equal_eager(module, args, attrs, seed: int) -> None:
+def unknown_sizes_equal_eager(module, args, attrs, seed: int, autograph: bool = True) -> None:
     """TF: forward and vjp under tf.function with every size unknown, at a 1-byte budget
     (chunk counts known only when the graph runs), equal to the untiled module run
-    eagerly in float64 (a cotangent drawn with `seed`)."""
+    eagerly in float64 (a cotangent drawn with `seed`). `autograph=False` traces the
+    generated code as it is written (no Python branch on a tensor may remain): most of
+    a trace's time is AutoGraph rewriting the module's functions."""
     import tensorflow as tf
 
     module.MAX_TEMP_BYTES = 2**40
@@ -66,7 +68,7 @@ def unknown_sizes_equal_eager(module, args, attrs, seed: int) -> None:
     def run(*xs):
         return [module.forward(*xs[:-1], **attrs), *module.vjp(*xs, **attrs)]
 
-    got = tf.function(run, input_signature=spec)(*args, cotangent)
+    got = tf.function(run, input_signature=spec, autograph=autograph)(*args, cotangent)
     for g, w in zip(got, want, strict=True):
         assert (g is None) == (w is None)
         if w is not None:

@@ -12,6 +12,7 @@ from .. import functions as fn
 from .. import interpolation, ir, lets, logaddexp, splits
 from ..indexing import IOTA
 from ..model import Index, index_of_size
+from . import wide_select
 from .common import (
     BINARY,
     LOGIC,
@@ -153,6 +154,10 @@ class Pointwise:
                 return softmax
         if isinstance(e, fn.select):
             cond, then, otherwise = e.args
+            if len(target) > wide_select.MAX_SELECT_RANK:  # past tf.where's rank
+                wide = wide_select.lower(self, body, e, target)
+                if wide is not None:
+                    return wide
             if then == 1 and otherwise == 0:  # a mask
                 body.uses_dtype = True
                 return ir.Call("cast", (self.condition(body, cond, target), ir.Var("dtype")))
