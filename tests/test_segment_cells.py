@@ -305,3 +305,37 @@ def _weighted_step(target, module, coords, f, w, grad):
         lambda a, b: module.forward(*ids, a, b, **ATTRS), jnp.asarray(f), jnp.asarray(w)
     )
     return np.asarray(y), [np.asarray(g) for g in pullback(jnp.asarray(grad))]
+
+
+@pytest.mark.parametrize("kind", ["mean", "max", "weighted"])
+def test_segment_cells_in_a_graph_with_unknown_dims_and_in_chunks_at_one_byte(kind, tmp_path):
+    """TF: under tf.function with every dimension unknown, and in chunks at a 1-byte
+    budget (eagerly and in the graph), the cells' outputs and gradients equal the untiled
+    eager step."""
+    coords, f, grad = _data(1)
+    w = np.random.default_rng(2).standard_normal(SHAPE)
+    shapes = {"f": f.shape, "w": SHAPE} if kind == "weighted" else {"f": f.shape}
+    formula = WEIGHTED if kind == "weighted" else FORMULAS[kind]
+    case = _case(formula, shapes=shapes, ids=_ids(coords[0].shape, -2, 4))
+    module = generate(case, tmp_path, prefix="SegmentCellGraph")
+    xs = [tf.constant(c) for c in coords] + [tf.constant(f)]
+    xs += [tf.constant(w)] if kind == "weighted" else []
+
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs[3:])
+            y = module.forward(*xs, **ATTRS)
+            finite = tf.where(tf.math.is_inf(y), tf.zeros_like(y), y)  # empty max cells
+            loss = tf.reduce_sum(finite * tf.constant(grad))
+        return [y, *tape.gradient(loss, list(xs[3:]))]
+
+    signature = [tf.TensorSpec([None] * len(x.shape), x.dtype) for x in xs]
+    want = [a.numpy() for a in step(*xs)]
+    graph = [a.numpy() for a in tf.function(step, input_signature=signature)(*xs)]
+    module.MAX_TEMP_BYTES = 1
+    assert module._tile_plan(*xs, **ATTRS) is not None
+    chunks = [a.numpy() for a in step(*xs)]
+    graph_chunks = [a.numpy() for a in tf.function(step, input_signature=signature)(*xs)]
+    for got in (graph, chunks, graph_chunks):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
