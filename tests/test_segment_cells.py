@@ -233,3 +233,109 @@ def test_segment_cells_match_loops_with_ids_out_of_range_ties_and_empty_cells(
     y, dx = STEPS[target](module, coords, f, grad)
     np.testing.assert_allclose(y, want_y, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------- a weight read over the cell, and its gradient
+
+WEIGHTED = f"y[r,i,j,k,c] = sum(where({CELL}, f[n,c] * w[i,j,k], 0), n)"
+
+
+def _weighted_loops(coords, f, w, grad):
+    """y[r,cell,c] = Σ_n f[n,c]·w[cell]; dw[cell] = Σ_{r,n in cell,c} f[n,c]·grad[r,cell,c]
+    and df[n] = Σ_r w[cell]·grad[r,cell]: over the points, never over every cell."""
+    R, N = coords[0].shape
+    y = np.zeros((R, *SHAPE, f.shape[1]))
+    df, dw = np.zeros_like(f), np.zeros_like(w)
+    for r in range(R):
+        for n in range(N):
+            cell = tuple(int(c[r, n]) for c in coords)
+            if not all(0 <= x < s for x, s in zip(cell, SHAPE, strict=True)):
+                continue
+            y[(r, *cell)] += f[n] * w[cell]
+            dw[cell] += f[n] @ grad[(r, *cell)]
+            df[n] += w[cell] * grad[(r, *cell)]
+    return y, df, dw
+
+
+@pytest.mark.parametrize("target", sorted(STEPS))
+def test_a_weight_read_over_the_cell_takes_its_gradient_at_the_cell_ids(target, tmp_path):
+    """The gradient of w[i,j,k] is grad_y read at each point's cell and added into w's
+    flattened table by cell id, reshaped back: no [r,n,i,j,k] mask (before, the TF
+    gradient compared the ids with every cell); exact against loops (ids out of range,
+    empty cells) and TF float64 autodiff."""
+    pytest.importorskip({"pytorch": "torch", "jax": "jax"}.get(target, "tensorflow"))
+    coords, f, grad = _data(1)
+    w = np.random.default_rng(2).standard_normal(SHAPE)
+    want_y, want_df, want_dw = _weighted_loops(coords, f, w, grad)
+    assert (want_dw == 0).any() and (want_y == 0).any()  # an empty cell
+    case = _case(WEIGHTED, shapes={"f": f.shape, "w": SHAPE}, ids=_ids(coords[0].shape, -2, 4))
+    if target == "tensorflow":
+        _, backward = _bodies(module_text(op_spec(case, "WeightedCells"), "test.toml"))
+        assert " == " not in backward  # no comparison of the ids with every cell
+        assert "segment_sum(" in backward and "gather(" in backward
+        check(case, generate(case, tmp_path, prefix="WeightedCells"))
+    module = generate(case, tmp_path, prefix="WeightedCellLoops", target=target)
+    y, (df, dw) = _weighted_step(target, module, coords, f, w, grad)
+    np.testing.assert_allclose(y, want_y, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(df, want_df, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-12, atol=1e-12)
+
+
+def _weighted_step(target, module, coords, f, w, grad):
+    if target == "tensorflow":
+        f, w = tf.constant(f), tf.constant(w)
+        with tf.GradientTape() as tape:
+            tape.watch([f, w])
+            y = module.forward(*(tf.constant(c) for c in coords), f, w, **ATTRS)
+        got = tape.gradient(y, [f, w], output_gradients=tf.constant(grad))
+        return y.numpy(), [g.numpy() for g in got]
+    if target == "pytorch":
+        import torch
+
+        leaves = [torch.tensor(f, requires_grad=True), torch.tensor(w, requires_grad=True)]
+        y = module.forward(*(torch.tensor(c) for c in coords), *leaves, **ATTRS)
+        got = torch.autograd.grad(y, leaves, torch.tensor(grad))
+        return y.detach().numpy(), [g.numpy() for g in got]
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    ids = [jnp.asarray(c) for c in coords]
+    y, pullback = jax.vjp(
+        lambda a, b: module.forward(*ids, a, b, **ATTRS), jnp.asarray(f), jnp.asarray(w)
+    )
+    return np.asarray(y), [np.asarray(g) for g in pullback(jnp.asarray(grad))]
+
+
+@pytest.mark.parametrize("kind", ["mean", "max", "weighted"])
+def test_segment_cells_in_a_graph_with_unknown_dims_and_in_chunks_at_one_byte(kind, tmp_path):
+    """TF: under tf.function with every dimension unknown, and in chunks at a 1-byte
+    budget (eagerly and in the graph), the cells' outputs and gradients equal the untiled
+    eager step."""
+    coords, f, grad = _data(1)
+    w = np.random.default_rng(2).standard_normal(SHAPE)
+    shapes = {"f": f.shape, "w": SHAPE} if kind == "weighted" else {"f": f.shape}
+    formula = WEIGHTED if kind == "weighted" else FORMULAS[kind]
+    case = _case(formula, shapes=shapes, ids=_ids(coords[0].shape, -2, 4))
+    module = generate(case, tmp_path, prefix="SegmentCellGraph")
+    xs = [tf.constant(c) for c in coords] + [tf.constant(f)]
+    xs += [tf.constant(w)] if kind == "weighted" else []
+
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs[3:])
+            y = module.forward(*xs, **ATTRS)
+            finite = tf.where(tf.math.is_inf(y), tf.zeros_like(y), y)  # empty max cells
+            loss = tf.reduce_sum(finite * tf.constant(grad))
+        return [y, *tape.gradient(loss, list(xs[3:]))]
+
+    signature = [tf.TensorSpec([None] * len(x.shape), x.dtype) for x in xs]
+    want = [a.numpy() for a in step(*xs)]
+    graph = [a.numpy() for a in tf.function(step, input_signature=signature)(*xs)]
+    module.MAX_TEMP_BYTES = 1
+    assert module._tile_plan(*xs, **ATTRS) is not None
+    chunks = [a.numpy() for a in step(*xs)]
+    graph_chunks = [a.numpy() for a in tf.function(step, input_signature=signature)(*xs)]
+    for got in (graph, chunks, graph_chunks):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)

@@ -104,7 +104,10 @@ class SegmentExtrema:
         if v in summed:
             batch = tuple(i for i in n if any(i in a.indices for a in reads))
         else:
-            batch = tuple(i for i in n if i in out)
+            # rows per (b, v) for every ids index a read holds (`g[r,v,c]` under
+            # `seg[r,n] == v` with r summed: the gradient of a weight read at v), added
+            # over n by the segment sum's own ids (their free indices alone)
+            batch = tuple(i for i in n if i in out or any(i in a.indices for a in reads))
         flat = valid = None
         mapping = {}
         rest, reads, tables = _segment_table(rest, reads, n, v, batch)
