@@ -28,7 +28,7 @@ from __future__ import annotations
 import ast
 
 from .. import ir
-from . import torch_overwrite, torch_release
+from . import torch_overwrite, torch_release, torch_shared
 from .printer import ATOM, PRECEDENCE, Printer, precedence
 
 # Elementwise ops on tensors, and reductions (axis= -> dim=, keepdims= -> keepdim=).
@@ -248,6 +248,8 @@ class PyTorchPrinter(Printer):
                     bools.add(step.target)
         self.python_names = frozenset(numbers)
         self.bool_names = frozenset(bools)
+        if self.in_module and kind in ("forward", "recompute", "backward"):
+            block = torch_shared.shared_once(block, roots, skip, self.is_python)
         live = set(roots)
         kept: list[tuple[ir.Assign, str]] = []
         for step in reversed(block.steps):
