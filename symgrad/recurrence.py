@@ -692,6 +692,7 @@ def plan(op: OpSpec) -> Plan:
         ),
         no_gradient=op.no_gradient,
         outputs=tuple(outputs),
+        output_ranks=tuple({e.output: len(e.groups) for e in a.equations}[o] for o in outputs),
         state=a.state,
         internal=internal,
         state_axes=state_axes,
