@@ -127,3 +127,45 @@ def test_registered_gradient_of_a_recurrence_without_a_shape_function():
     got = registered(a, x, h, grad_h)
     for g, w in zip(got, module.vjp(a, x, grad_h), strict=True):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_tiled_module_traces_without_node_name_warnings(monkeypatch):
+    """The chunk loops are tf.functions whose arguments TF names graph nodes after; an
+    argument named `_n` logged "`_n` is not a valid node name" on every trace. They are
+    named tile_n, tile_c, ... (names the spec refuses for inputs)."""
+    import logging
+
+    from generated import chamfer_distance as module
+
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 64)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((2, 7, 3)))
+    z = tf.constant(rng.standard_normal((2, 5, 3)))
+    assert module._tile_plan(x, z) is not None  # in chunks
+    messages = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Handler()
+    tf.get_logger().addHandler(handler)
+    try:
+        spec = tf.TensorSpec([None, None, None], tf.float64)
+
+        @tf.function(input_signature=[spec, spec])
+        def traced(x, z):
+            outputs = module.forward(x, z)
+            return outputs, module.vjp(x, z, *[tf.ones_like(o) for o in tf.nest.flatten(outputs)])
+
+        (outputs, grads) = traced(x, z)
+    finally:
+        tf.get_logger().removeHandler(handler)
+    assert not [m for m in messages if "not a valid node name" in m], messages
+    eager = module.forward(x, z)
+    ones = [tf.ones_like(o) for o in tf.nest.flatten(eager)]
+    want = (*tf.nest.flatten(eager), *tf.nest.flatten(module.vjp(x, z, *ones)))
+    got = (*tf.nest.flatten(outputs), *tf.nest.flatten(grads))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
