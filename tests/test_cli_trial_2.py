@@ -169,3 +169,16 @@ def test_a_tiled_module_traces_without_node_name_warnings(monkeypatch):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("count, summary", [(1, "(1 op)"), (2, "(2 ops)")])
+def test_check_counts_its_ops_in_the_singular_and_plural(count, summary):
+    """`symgrad check` on a spec of one op said "all checks passed (1 ops)"."""
+    from symgrad.check import OpReport, Report, Result, render_table
+
+    ops = tuple(
+        OpReport(f"Op{k}", (Result("forward", True, 0.0, 1e-12),), {"i": 3}, {"x": (3,)}, ())
+        for k in range(count)
+    )
+    report = Report("symgrad.toml", None, "float64", 0, ops)
+    assert render_table(report).splitlines()[-1] == f"all checks passed {summary}"
