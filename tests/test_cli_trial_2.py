@@ -129,13 +129,16 @@ def test_registered_gradient_of_a_recurrence_without_a_shape_function():
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
 
 
-def test_a_tiled_module_traces_without_node_name_warnings(monkeypatch):
+@pytest.mark.parametrize("name", ["chamfer_distance", "chamfer_distance_both"])
+def test_a_tiled_module_traces_without_node_name_warnings(name, monkeypatch):
     """The chunk loops are tf.functions whose arguments TF names graph nodes after; an
     argument named `_n` logged "`_n` is not a valid node name" on every trace. They are
-    named tile_n, tile_c, ... (names the spec refuses for inputs)."""
+    named tile_n, tile_c, ... (names the spec refuses for inputs); chamfer_distance_both
+    is tiled in parts, whose backward also takes the earlier parts' gradients."""
+    import importlib
     import logging
 
-    from generated import chamfer_distance as module
+    module = importlib.import_module(f"generated.{name}")
 
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", 64)
     rng = np.random.default_rng(0)
