@@ -38,7 +38,7 @@ import sympy as sp
 
 from . import indexing, recurrence, splits
 from .emit import intact
-from .errors import SymgradError
+from .errors import SymgradError, counted
 from .folders import spec_source
 from .model import Program, build
 from .pipeline import module_text
@@ -380,7 +380,7 @@ def render_table(report: Report) -> str:
     if failed:
         lines.append(f"FAIL: {', '.join(failed)}")
     else:
-        lines.append(f"all checks passed ({len(report.ops)} ops)")
+        lines.append(f"all checks passed ({counted(len(report.ops), 'op')})")
     return "\n".join(lines) + "\n"
 
 

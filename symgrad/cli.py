@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import __version__, polyphase, recurrence
 from .emit import diff, plan, write
-from .errors import SymgradError
+from .errors import SymgradError, counted
 from .explain import FORMATS, explain
 from .folders import distinct_folders, flag_folder, output_folder, spec_source
 from .model import build
@@ -259,7 +259,7 @@ def _generate(args) -> int:
         for change in changes.changes:
             print(f"{ACTIONS[change.action]:>7} {out / change.name}")
         if not changes.changes:
-            print(f"{out}: up to date ({len(files)} files)")
+            print(f"{out}: up to date ({counted(len(files), 'file')})")
     return EXIT_OK
 
 
@@ -297,7 +297,7 @@ def _report(changes, out: Path, count: int, *, show_diff: bool) -> int:
             f"{len(changes.changes)} file(s) out of date; run `symgrad generate`", file=sys.stderr
         )
         return EXIT_STALE
-    print(f"{out}: up to date ({count} files)")
+    print(f"{out}: up to date ({counted(count, 'file')})")
     return EXIT_OK
 
 

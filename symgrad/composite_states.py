@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 from dataclasses import replace
 
-from .errors import SymgradError
+from .errors import SymgradError, counted
 from .parse import Access, Equation, Group, shape_read
 from .spec import OpSpec
 
@@ -84,7 +84,7 @@ def split_states(op: OpSpec) -> OpSpec:
             if len(access.positions) != len(groups):
                 raise SymgradError(
                     f"{access.tensor!r} has {len(groups)} axes but is read with "
-                    f"{len(access.positions)} indices here",
+                    f"{counted(len(access.positions), 'index', 'indices')} here",
                     where=op.source,
                     formula=e.text,
                     column=access.col,

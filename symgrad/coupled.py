@@ -461,6 +461,7 @@ def plan(op: OpSpec) -> CoupledPlan:
         ),
         no_gradient=op.no_gradient,
         outputs=tuple(outputs),
+        output_ranks=tuple(len(c.defined[o].groups) for o in outputs),
         state=stack,
         internal=True,
         # several states are stacked along a last axis of the carry, its size their number;

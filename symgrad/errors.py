@@ -66,3 +66,8 @@ def _visible(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(char if char.isprintable() else f"\\u{ord(char):04x}" for char in text)
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """`n noun` with the noun in the plural unless n is 1: "1 op", "3 ops", "1 index"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import sympy as sp
 
+from .errors import counted
 from .parse import Access, Equation
 
 if TYPE_CHECKING:  # the builder owns the bookkeeping; this room only reads and extends it
@@ -67,7 +68,7 @@ def read(builder: _Builder, node: Access, scope: dict[str, Index]) -> sp.Expr:
     if len(node.positions) != len(level.indices):
         raise builder.fail(
             f"internal tensor {name!r} has {len(level.indices)} axes but is read with "
-            f"{len(node.positions)} indices here",
+            f"{counted(len(node.positions), 'index', 'indices')} here",
             node.col,
         )
     builder.internal_reads.add(name)

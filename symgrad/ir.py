@@ -629,6 +629,7 @@ class Scan:
     attrs: tuple[Attr, ...]
     no_gradient: tuple[str, ...]
     outputs: tuple[str, ...]  # the op's outputs, in order
+    output_ranks: tuple[int, ...]  # per output, its number of axes
     state: str
     internal: bool  # the state is not an output
     # per state axis, an input axis of its size; (None, n): an axis of n (coupled states)

@@ -397,7 +397,9 @@ def check_name(name: str, what: str) -> str | None:
             f"{what} name {name!r} must be a plain ASCII identifier "
             "(a letter, then letters, digits or '_')"
         )
-    if keyword.iskeyword(name) or name in RESERVED or name.startswith("grad_"):
+    # grad_*: the gradients' names; tile_*: a chunk's position and length, and the chunk
+    # count and length the tiled TF loops take (names TF accepts as graph node names)
+    if keyword.iskeyword(name) or name in RESERVED or name.startswith(("grad_", "tile_")):
         return f"{what} name {name!r} is reserved"
     return None
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import sympy as sp
 
 from . import composite_states, ir
-from .errors import SymgradError
+from .errors import SymgradError, counted
 from .lagged_reads import find_recent, lagged_source, length_source, recent_text
 from .parse import (
     Access,
@@ -270,7 +270,7 @@ class _Analysis:
             if len(access.positions) != len(lhs):
                 raise self.fail(
                     f"{self.state!r} has {len(lhs)} axes but is read with "
-                    f"{len(access.positions)} indices here",
+                    f"{counted(len(access.positions), 'index', 'indices')} here",
                     access.col,
                 )
             differ = [
@@ -692,6 +692,7 @@ def plan(op: OpSpec) -> Plan:
         ),
         no_gradient=op.no_gradient,
         outputs=tuple(outputs),
+        output_ranks=tuple({e.output: len(e.groups) for e in a.equations}[o] for o in outputs),
         state=a.state,
         internal=internal,
         state_axes=state_axes,

@@ -356,6 +356,12 @@ CASES = [
     ),
     Case("tensor-tf", op("y[b,i] = tf[b,i] * A[b,i]"), "tensor name 'tf' is reserved", at="tf["),
     Case(
+        "tensor-tile",
+        op("y[b,i] = tile_n[b,i] * A[b,i]"),
+        "tensor name 'tile_n' is reserved",
+        at="tile_n[",
+    ),
+    Case(
         "tensor-keyword-in-inputs",
         op("y[b] = A[b]", 'inputs = ["A", "import"]'),
         "tensor name 'import' is reserved",

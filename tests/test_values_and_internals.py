@@ -216,7 +216,7 @@ def test_internal_tensors_are_refused_where_they_cannot_be_read():
     output = _refused(["y[b,i] = x[b,i]", "z[b,i] = y[b,i]"], outputs=("y", "z"))
     assert "output 'y' is also used as an input" in str(output)
     rank = _refused(["h[b,i] = x[b,i]", "y[b] = h[b]"], outputs=("y",))
-    assert "has 2 axes but is read with 1 indices" in str(rank)
+    assert "has 2 axes but is read with 1 index" in str(rank)
     _caret_at(rank, "h[b]")
 
 
