@@ -110,3 +110,19 @@ def test_rank_10_merged_axes_in_graphs(name, how, tmp_path):
     y, gx = run(tf.constant(x), tf.constant(cotangent))
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(gx.numpy(), backward(cotangent), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=tf.errors.UnimplementedError,
+    reason="a log-sum-exp over the last of ten axes: its peak's where(is_finite(peak), "
+    "peak, 0) (and tf.reduce_logsumexp, which selects the same way) is a SelectV2 past "
+    "rank 8, which raises 'Broadcast ... is not supported yet' even between one shape",
+)
+def test_rank_10_log_sum_exp(tmp_path):
+    """log Σ_j exp(X[.., j]) over ten axes equals NumPy."""
+    case = Case(f"y[{L}] = log(sum(exp(X[{L},j]), j))", {"X": SHAPE})
+    module = generate(case, tmp_path, prefix="Rank10Lse")
+    x = np.random.default_rng(5).standard_normal(SHAPE)
+    got = module.forward(tf.constant(x)).numpy()
+    np.testing.assert_allclose(got, np.log(np.exp(x).sum(-1)), rtol=1e-12, atol=1e-12)
