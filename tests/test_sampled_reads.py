@@ -554,6 +554,39 @@ def test_grid_sample_runs_in_chunks_of_output_rows_and_is_still_torchs(tmp_path,
         np.testing.assert_allclose(got, want, atol=1e-12)
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_a_nan_or_infinite_position_reads_outside_in_every_target(tmp_path, target, bad):
+    """A position that is NaN or ±inf has no neighbours: its corners read zero, the forward
+    and its grid gradient are NaN (weights NaN times zero), and x's gradient gets nothing from
+    it, as torch's grid_sample, untiled and in chunks (and for JAX under jit too). XLA casts
+    NaN to 0: JAX read x[..., 0:2, 0:2] and scattered NaN into x's gradient there."""
+    spec = parse_op("GridBad", GRID_SAMPLE, "test.toml")
+    m = load_module(module_text(spec, "test.toml", target), tmp_path, f"grid_bad_{target}")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 4, 3))
+    g = rng.uniform(-1.2, 1.2, (1, 3, 2, 2))
+    g[0, 0, 0, :] = bad  # both coordinates
+    g[0, 1, 1, 1] = bad  # the row only
+    g[0, 2, 0, 0] = bad  # the column only
+    grad = rng.standard_normal((1, 2, 3, 2))
+    want = grid_sample_torch(x, g, grad)
+    assert np.isnan(want[0]).any() and not np.isnan(want[1]).any()  # the case at issue
+    args = [to(target, a) for a in (x, g)]
+    runs = [(m.forward, m.vjp)]
+    if target == "jax":
+        runs.append((jax.jit(m.forward), jax.jit(m.vjp)))
+    for budget in (None, 1):
+        if budget is not None:
+            m.MAX_TEMP_BYTES = budget
+            assert m._tile_plan(*args) is not None
+        for forward, vjp in runs:
+            y = numpy(forward(*args))
+            grads = [numpy(t) for t in vjp(*args, to(target, grad))]
+            for got, expected in zip([y, *grads], want, strict=True):
+                np.testing.assert_allclose(got, expected, atol=1e-12, err_msg=f"{budget}")
+
+
 def test_non_integer_coefficients_in_brackets_interpolate(folder):
     """`A[b, 0.5*i]` and `A[b, i + 0.5]` were refused as non-integer index expressions;
     they are sampled reads: halfway between neighbours, the last one past the end."""

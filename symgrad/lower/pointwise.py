@@ -173,7 +173,7 @@ class Pointwise:
             # Steps of their own, shared: a sampled coordinate's fraction takes its floor,
             # and its two neighbours (floor, floor + 1) the same integer floor.
             floor = ir.Call("floor", (_tensor_argument(body, self.expr(body, e.args[0], target)),))
-            return ir.Var(body.bind(ir.Call("to_int64", (ir.Var(body.bind(floor)),))))
+            return ir.Var(body.bind(ir.Call("floor_position", (ir.Var(body.bind(floor)),))))
         if isinstance(e, fn.index_value):  # 0, 1, ... in the inputs' float dtype
             body.uses_dtype = True
             return ir.Call("cast", (self.expr(body, e.args[0], target), ir.Var("dtype")))

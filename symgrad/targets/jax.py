@@ -224,6 +224,14 @@ class JaxPrinter(Printer):
         # int32 (JAX has no int64 then; asking for jnp.int64 would warn on every call).
         return f"jnp.asarray({self.arguments(e)}, int)"
 
+    def call_floor_position(self, e: ir.Call) -> str:
+        # XLA casts NaN to 0: a NaN position would read (and scatter its gradient into)
+        # row 0. As -inf it casts to the least integer, outside like every position past
+        # the borders (its neighbour + 1 too), as TF's and PyTorch's casts give on CPU.
+        (f,) = e.args
+        code = self.code(f)
+        return f"jnp.asarray(jnp.where(jnp.isnan({code}), -jnp.inf, {code}), int)"
+
     def call_maximum(self, e: ir.Call) -> str:
         if is_integer(e):
             return f"max({self.arguments(e)})"

@@ -124,6 +124,7 @@ PARAMETERS = {
     "tile": ("x", "multiples"),
     "broadcast_tile": ("x", "multiples"),
     "to_int64": ("x",),
+    "floor_position": ("x",),
     "transpose": ("x", "perm"),
     "where": ("condition", "x", "y"),
     "select": ("condition", "x", "y"),
@@ -506,6 +507,9 @@ class PyTorchPrinter(Printer):
             if not self.is_python(x.left):
                 return f"_compare({COMPARISONS[x.op]}, {left}, {right}, {dtype})"
         return f"{self.atom(x)}.to({dtype})"
+
+    def call_floor_position(self, args: dict) -> str:  # NaN: int64's least value on CPU
+        return f"{self.atom(args['x'])}.to(torch.int64)"
 
     def call_to_int64(self, args: dict) -> str:
         x = args["x"]
