@@ -102,8 +102,9 @@ OPS = {
     "cast": "cast(x, dtype): to the computation dtype (the variable `dtype`)",
     "to_int64": "to_int64(x): positions in int64 (an int64 id must not wrap in int32)",
     "floor_position": "floor_position(f): a sampled read's floored position f as to_int64; a "
-    "NaN position is no position, outside every input (TF's and PyTorch's casts on CPU give "
-    "int64's least value; XLA's gives 0, a read of row 0)",
+    "NaN position is no position, outside every input: each target takes NaN as -inf before "
+    "its cast (a cast of NaN is int64's least value on CPU, but 0, a read of row 0, in XLA "
+    "and on CUDA)",
     # shapes and layout
     "broadcast_to": "broadcast_to(x, shape)",
     "concat": "concat(values, axis=k): the tensors of the list `values` joined along axis k",

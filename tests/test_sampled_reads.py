@@ -587,6 +587,71 @@ def test_a_nan_or_infinite_position_reads_outside_in_every_target(tmp_path, targ
                 np.testing.assert_allclose(got, expected, atol=1e-12, err_msg=f"{budget}")
 
 
+class _CastsNanToZero:
+    """TensorFlow as it runs on CUDA for a cast of a float to an integer: NaN gives 0 (the
+    CPU gives int64's least value, outside every input, so a test on CPU alone cannot tell a
+    module that relies on that cast from one that does not)."""
+
+    def __init__(self):
+        self._tf = tf
+
+    def __getattr__(self, name):
+        return getattr(self._tf, name)
+
+    def cast(self, x, dtype, name=None):
+        x = tf.convert_to_tensor(x)
+        if x.dtype.is_floating and tf.as_dtype(dtype).is_integer:
+            x = tf.where(tf.math.is_nan(x), tf.zeros_like(x), x)
+        return tf.cast(x, dtype, name=name)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
+def test_a_nan_position_reads_outside_where_a_cast_of_nan_gives_zero(tmp_path, target):
+    """A NaN position reads outside in TF and PyTorch whatever their cast of NaN gives: on
+    CUDA it gives 0 (XLA's does too), which read x[..., 0:2, 0:2] and scattered NaN into
+    x's gradient there; every target now takes NaN as -inf before its cast."""
+    spec = parse_op("GridNan", GRID_SAMPLE, "test.toml")
+    m = load_module(module_text(spec, "test.toml", target), tmp_path, f"grid_nan_{target}")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 2, 4, 3))
+    g = rng.uniform(-1.2, 1.2, (1, 3, 2, 2))
+    g[0, 0, 0, :] = math.nan
+    g[0, 2, 0, 0] = math.nan
+    grad = rng.standard_normal((1, 2, 3, 2))
+    want = grid_sample_torch(x, g, grad)
+    assert not np.isnan(want[1]).any()
+    args = [to(target, a) for a in (x, g)]
+    if target == "tensorflow":
+        m.tf = _CastsNanToZero()
+
+        def runs():
+            return [m.forward(*args), *m.vjp(*args, to(target, grad))]
+
+    else:
+        from torch.overrides import TorchFunctionMode
+
+        class CastsNanToZero(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is torch.Tensor.to and args[0].is_floating_point():
+                    dtypes = [
+                        a for a in (*args[1:], kwargs.get("dtype")) if isinstance(a, torch.dtype)
+                    ]
+                    if torch.int64 in dtypes:
+                        args = (torch.where(args[0].isnan(), 0.0, args[0]), *args[1:])
+                return func(*args, **kwargs)
+
+        def runs():
+            with CastsNanToZero():
+                return [m.forward(*args), *m.vjp(*args, to(target, grad))]
+
+    for budget in (None, 1):
+        if budget is not None:
+            m.MAX_TEMP_BYTES = budget
+        for got, expected in zip([numpy(t) for t in runs()], want, strict=True):
+            np.testing.assert_allclose(got, expected, atol=1e-12, err_msg=f"{budget}")
+
+
 def test_non_integer_coefficients_in_brackets_interpolate(folder):
     """`A[b, 0.5*i]` and `A[b, i + 0.5]` were refused as non-integer index expressions;
     they are sampled reads: halfway between neighbours, the last one past the end."""

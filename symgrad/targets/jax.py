@@ -227,7 +227,8 @@ class JaxPrinter(Printer):
     def call_floor_position(self, e: ir.Call) -> str:
         # XLA casts NaN to 0: a NaN position would read (and scatter its gradient into)
         # row 0. As -inf it casts to the least integer, outside like every position past
-        # the borders (its neighbour + 1 too), as TF's and PyTorch's casts give on CPU.
+        # the borders (its neighbour + 1 too), as TF and PyTorch print it (their casts
+        # of NaN give that value on CPU, but 0 on CUDA).
         (f,) = e.args
         code = self.code(f)
         return f"jnp.asarray(jnp.where(jnp.isnan({code}), -jnp.inf, {code}), int)"

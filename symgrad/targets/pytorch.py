@@ -508,8 +508,10 @@ class PyTorchPrinter(Printer):
                 return f"_compare({COMPARISONS[x.op]}, {left}, {right}, {dtype})"
         return f"{self.atom(x)}.to({dtype})"
 
-    def call_floor_position(self, args: dict) -> str:  # NaN: int64's least value on CPU
-        return f"{self.atom(args['x'])}.to(torch.int64)"
+    def call_floor_position(self, args: dict) -> str:
+        # NaN as -inf (infinities kept): on CUDA a cast of NaN is 0, a read of row 0
+        f = self.atom(args["x"])
+        return f"{f}.nan_to_num(-torch.inf, torch.inf, -torch.inf).to(torch.int64)"
 
     def call_to_int64(self, args: dict) -> str:
         x = args["x"]

@@ -160,8 +160,12 @@ class TensorFlowPrinter(Printer):
     def call(self, e: ir.Call) -> str:
         if e.function == "whole":  # the module's helper, not a neutral op (EXTREMA)
             return f"_whole({self.arguments(e)})"
-        if e.function in ("to_int64", "floor_position"):  # NaN: int64's least value on CPU
+        if e.function == "to_int64":
             return f"tf.cast({self.arguments(e)}, tf.int64)"
+        if e.function == "floor_position":  # NaN as -inf: on CUDA a cast of NaN is 0, row 0
+            f = self.arguments(e)
+            least = f"tf.constant(-float('inf'), {f}.dtype)"
+            return f"tf.cast(tf.where(tf.math.is_nan({f}), {least}, {f}), tf.int64)"
         if e.function == "cast" and _inexact_number(self.code(e.args[0])):
             # tf.cast(2 / 3, tf.float64) goes through float32 (1.5e-8 off): a literal
             # that is no integer becomes a constant of the dtype directly
