@@ -30,6 +30,11 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+# Ops a target may spell without their argument, and the one spelling each may take there:
+# TF's and JAX's segment sums drop the id -1 whatever the row count (ir.OPS["dropped_id"]).
+CONSTANT_IN = {("dropped_id", "tensorflow"): "-1", ("dropped_id", "jax"): "-1"}
+
+
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_every_printer_spells_every_neutral_op(name):
     printer = TARGETS[name].printer()
@@ -37,7 +42,10 @@ def test_every_printer_spells_every_neutral_op(name):
         args = (ir.Var("x"), ir.Var("y"), ir.Var("z"))[: 3 if op.endswith("_input") else 2]
         text = printer.code(ir.Call(op, args))
         compile(text, op, "eval")  # a Python expression
-        assert "x" in text, (op, text)
+        if (op, name) in CONSTANT_IN:
+            assert text == CONSTANT_IN[op, name], (op, text)
+        else:
+            assert "x" in text, (op, text)
 
 
 def test_a_targets_table_names_the_folder(tmp_path, capsys):

@@ -229,8 +229,7 @@ class JaxPrinter(Printer):
         # row 0. As -inf it casts to the least integer, outside like every position past
         # the borders (its neighbour + 1 too), as TF and PyTorch print it (their casts
         # of NaN give that value on CPU, but 0 on CUDA).
-        (f,) = e.args
-        code = self.code(f)
+        code = self.code(e.args[0])
         return f"jnp.asarray(jnp.where(jnp.isnan({code}), -jnp.inf, {code}), int)"
 
     def call_maximum(self, e: ir.Call) -> str:
