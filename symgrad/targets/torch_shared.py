@@ -26,7 +26,8 @@ def shared_once(block: ir.Block, roots, skip, is_python, stem: str = "_c") -> ir
     """`block` with each tensor sub-expression its live steps (those `roots` read, not in
     `skip`) write more than once bound once, as `stem`1, `stem`2, .."""
     steps = list(block.steps)
-    live = _live(steps, set(roots), skip)
+    wanted = tuple(r for r in roots if r not in skip)
+    live = {s.target for s in ir.prune(block, wanted, set(skip)).steps}
     taken = {s.target for s in steps}
     counter = 0
     while True:
@@ -58,14 +59,6 @@ def shared_once(block: ir.Block, roots, skip, is_python, stem: str = "_c") -> ir
         ]
         steps.insert(first, ir.Assign(name, chosen))
         live.add(name)
-
-
-def _live(steps: list[ir.Assign], roots: set[str], skip) -> set[str]:
-    live = set(roots)
-    for step in reversed(steps):
-        if step.target in live and step.target not in skip:
-            live |= ir.names_in(step.value)
-    return {s.target for s in steps if s.target in live and s.target not in skip}
 
 
 def _eligible(e: ir.Expr, is_python) -> bool:
