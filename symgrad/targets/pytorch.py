@@ -637,20 +637,19 @@ class PyTorchPrinter(Printer):
         return f"_gather({x}, {positions}, {self.code(args.get('axis', ir.Lit('0')))})"
 
     def call_segment_sum(self, args: dict) -> str:
-        data, ids = args["data"], args["ids"]
-        if _concat(data) and _concat(ids):  # merged scatters: added in turn, not joined
-            parts = (self.code(data.args[0]), self.code(ids.args[0]), self.code(args["n"]))
-            return f"_segment_sums({', '.join(parts)})"
-        parts = (self.code(data), self.code(ids), self.code(args["n"]))
-        return f"_segment_sum({', '.join(parts)})"
+        return self._segment_sums(args, "_segment_sum", "_segment_sums")
 
     def call_segment_sum_in(self, args: dict) -> str:
+        # Ids within [0, n] (`dropped_id` for reads outside): no bounds test.
+        return self._segment_sums(args, "_segment_sum_in", "_segment_sums_in")
+
+    def _segment_sums(self, args: dict, one: str, merged: str) -> str:
         data, ids = args["data"], args["ids"]
         if _concat(data) and _concat(ids):  # merged scatters: added in turn, not joined
             parts = (self.code(data.args[0]), self.code(ids.args[0]), self.code(args["n"]))
-            return f"_segment_sums_in({', '.join(parts)})"
+            return f"{merged}({', '.join(parts)})"
         parts = (self.code(data), self.code(ids), self.code(args["n"]))
-        return f"_segment_sum_in({', '.join(parts)})"
+        return f"{one}({', '.join(parts)})"
 
     def call_dropped_id(self, args: dict) -> str:
         # The row past the end `_segment_sum_in` adds into and cuts off.
