@@ -27,10 +27,6 @@ from . import indexing
 _MAX_ORDERS = 24
 
 
-def _base(symbol: sp.Symbol) -> str:
-    return symbol.name.rstrip("'")
-
-
 def gather_key(source: str, positions: tuple, grid: tuple, ranged: frozenset[str]) -> str:
     """A name-independent key for `source[positions]` laid out over `grid`; `ranged`:
     the index names with a `ranges` entry. The key includes the renamed grid in order,
@@ -44,8 +40,8 @@ def gather_key(source: str, positions: tuple, grid: tuple, ranged: frozenset[str
             mapping[position] = sp.Symbol(f"_p{axis}")
     groups: dict[str, list[sp.Symbol]] = {}
     for symbol in symbols:
-        if symbol not in mapping and _base(symbol) in ranged:
-            groups.setdefault(_base(symbol), []).append(symbol)
+        if symbol not in mapping and indexing.written_name(symbol) in ranged:
+            groups.setdefault(indexing.written_name(symbol), []).append(symbol)
     names = sorted(groups)
     choices = [list(itertools.permutations(groups[n])) for n in names]
     best = None

@@ -25,6 +25,16 @@ Index = sp.Symbol
 IOTA = "_iota"  # `_iota[i]` is the value of index i (0, 1, ...) in a condition
 
 
+def written_name(symbol: Index) -> str:
+    """The name the user wrote for an index symbol (bound copies are primed)."""
+    return symbol.name.rstrip("'")
+
+
+def is_iota(e: sp.Expr) -> bool:
+    """Whether `e` is `_iota[i]`, an index's value in a condition."""
+    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA
+
+
 def read_indices(
     positions: tuple[sp.Expr, ...], computed: tuple[int, ...], order
 ) -> tuple[Index, ...]:

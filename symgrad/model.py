@@ -26,7 +26,7 @@ from . import lookups as lookups_
 from .compared import compared_only
 from .errors import SymgradError
 from .gather_key import gather_key
-from .indexing import Gather
+from .indexing import Gather, written_name
 from .parse import (
     MAX_INDICES,
     REDUCTIONS,
@@ -271,9 +271,9 @@ class _Builder:
             for symbol in bound:
                 if not self.dims.get(symbol) and not self.sized_elsewhere(symbol):
                     raise self.fail(
-                        f"index {_base(symbol)!r} is summed over this term, but no tensor in it reads "
+                        f"index {written_name(symbol)!r} is summed over this term, but no tensor in it reads "
                         "it, so its size is unknown",
-                        _value_col(part, _base(symbol)),
+                        _value_col(part, written_name(symbol)),
                     )
             for term in terms:
                 summed = _ordered_union(term.summed, bound)
@@ -507,7 +507,7 @@ class _Builder:
     def sized_elsewhere(self, symbol: Index) -> bool:
         """Whether an index without a plain input axis may still get a size: a range in
         the spec, or (checked once every formula is read) a range inferred from reads."""
-        return _base(symbol) in dict(self.op.ranges) or symbol in self.index_uses
+        return written_name(symbol) in dict(self.op.ranges) or symbol in self.index_uses
 
     # -- computed positions -----------------------------------------------------------
 
@@ -684,7 +684,7 @@ class _Builder:
         for symbol in bound:
             if not self.dims.get(symbol) and not self.sized_elsewhere(symbol):
                 raise self.fail(
-                    f"{node.kind}() over {_base(symbol)!r}, which no tensor in it uses",
+                    f"{node.kind}() over {written_name(symbol)!r}, which no tensor in it uses",
                     node.col,
                 )
         used = _indices_of(body) | {s for s in body.free_symbols if indexing.is_plain(s)}
@@ -953,11 +953,6 @@ def _first_pair(index_sets, free, sizes: dict[str, int]) -> tuple[int, int] | No
     )
     first, second = sorted(path[0])
     return first, second
-
-
-def _base(symbol: Index) -> str:
-    """The name the user wrote for an index symbol (bound copies are primed)."""
-    return symbol.name.rstrip("'")
 
 
 def _condition_indices(node: Condition) -> list[str]:
@@ -1273,7 +1268,7 @@ def _extents(
         if sources:
             known[symbol] = indexing.shape_symbol(*sources[0])
     extents: dict[Index, sp.Expr] = {}
-    names = {_base(s) for s in symbols}
+    names = {written_name(s) for s in symbols}
     for name, text in op.ranges:
         if name not in names:
             raise fail(f"`ranges` names index {name!r}, which no formula uses")
@@ -1288,7 +1283,7 @@ def _extents(
             ) from None
         value = sp.Max(0, _range_expr(node, builder, name, fail))  # a negative one: empty
         for symbol in symbols:
-            if _base(symbol) != name:
+            if written_name(symbol) != name:
                 continue
             if symbol in known:
                 tensor_name, axis = indexing.parse_shape_symbol(known[symbol])
@@ -1343,14 +1338,14 @@ def _extents(
         kind = "output index" if symbol in output_indices else "index"
         text, col = builder.index_uses.get(symbol, (None, None))
         raise SymgradError(
-            f"{kind} {_base(symbol)!r} has no range: no input axis is read at it plainly"
+            f"{kind} {written_name(symbol)!r} has no range: no input axis is read at it plainly"
             f"{'' if symbol in output_indices else ' and it is summed'}; give it one in "
             f"`ranges`, "
             + (
                 splits.unsized_hint(symbol, builder.reads)
                 or range_example(
                     symbol,
-                    _base(symbol),
+                    written_name(symbol),
                     builder.moving,
                     sized,
                     list(builder.value_inputs),
@@ -1372,7 +1367,7 @@ def _bounded(level: Level, extents: dict[Index, sp.Expr], builder: _Builder) -> 
     bounds (ranges from the spec promise nothing)."""
     if level.gather is None:
         return level
-    inferred = {s for s in extents if _base(s) not in dict(builder.op.ranges)}
+    inferred = {s for s in extents if written_name(s) not in dict(builder.op.ranges)}
     flags = []
     for axis in level.gather.computed:
         position = level.gather.positions[axis]

@@ -30,6 +30,7 @@ import sympy as sp
 
 from .indexing import IOTA
 from .model import Index
+from .segment_forms import segment_condition
 
 CELL = "_cell"  # the cell ids' tensor name, then the coordinates' names
 
@@ -68,7 +69,7 @@ def find(expr: sp.Expr, ids, order=()) -> Cell | None:
     (condition,) = conditions
     pairs = []
     for equality in condition.args:
-        pair = _equality(equality, ids)
+        pair = segment_condition(equality, ids)
         if pair is None:
             return None
         pairs.append(pair)
@@ -150,26 +151,3 @@ def unflatten(indices, cell: Cell | None) -> tuple[Index, ...]:
     for i in indices:
         out += list(cell.at) if i == cell.key else [i]
     return tuple(out)
-
-
-def _equality(condition: sp.Expr, ids) -> tuple[sp.Indexed, Index] | None:
-    """`seg[n..] == v`: (the ids read, v), seg an index tensor at distinct plain
-    indices, v an index; None otherwise."""
-    if not isinstance(condition, sp.Eq):
-        return None
-    left, right = condition.args
-    if _iota(left):
-        left, right = right, left
-    if not _iota(right) or not isinstance(left, sp.Indexed) or left.base.label.name not in ids:
-        return None
-    n = tuple(left.indices)
-    if not all(isinstance(p, sp.Symbol) for p in n) or len(set(n)) != len(n):
-        return None
-    v = right.indices[0]
-    if not isinstance(v, sp.Symbol) or v in n:
-        return None
-    return left, v
-
-
-def _iota(e: sp.Expr) -> bool:
-    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA

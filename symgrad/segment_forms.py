@@ -13,7 +13,7 @@ from __future__ import annotations
 import sympy as sp
 
 from . import functions as fn
-from .indexing import IOTA
+from .indexing import is_iota
 
 # The fill each extremum ignores: a masked entry can never be the max (min).
 FILLS = {"max": fn.NEG_INF, "logsumexp": fn.NEG_INF, "min": -fn.NEG_INF}
@@ -25,9 +25,9 @@ def segment_condition(condition: sp.Expr, ids: object) -> tuple[sp.Indexed, sp.S
     if not isinstance(condition, sp.Eq):
         return None
     left, right = condition.args
-    if _iota(left):
+    if is_iota(left):
         left, right = right, left
-    if not _iota(right) or not isinstance(left, sp.Indexed):
+    if not is_iota(right) or not isinstance(left, sp.Indexed):
         return None
     if left.base.label.name not in ids:
         return None
@@ -91,7 +91,7 @@ def sum_rows(select: fn.select) -> sp.Expr:
     """A segment sum's rows, `where(seg[r,n] == v, f[n,c], 0)`: the value at every index
     of the ids, [r,n,c] (lower/segments.py broadcasts it there: larger than f and than
     the output [r,v,c] when the ids have an index the value lacks)."""
-    (read,) = [a for a in select.args[0].args if isinstance(a, sp.Indexed) and not _iota(a)]
+    (read,) = [a for a in select.args[0].args if isinstance(a, sp.Indexed) and not is_iota(a)]
     return sp.Mul(read, select.args[1], evaluate=False)
 
 
@@ -126,7 +126,3 @@ def ties_at_rows(expr: sp.Expr, ids: object) -> sp.Expr | None:
         return None
     ids_access, v = segment_condition(masked.args[0], ids)
     return masked.args[1].xreplace({v: ids_access})
-
-
-def _iota(e: sp.Expr) -> bool:
-    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA

@@ -245,6 +245,18 @@ def _is_simple(e: ir.Expr) -> bool:
     return isinstance(e, ir.Var)
 
 
+def in_range(position: ir.Expr, size: ir.Expr) -> ir.Expr:
+    """`0 <= position < size`: a read at `position` lies inside an axis of `size`."""
+    return ir.Call(
+        "logical_and", (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size))
+    )
+
+
+def both(valid: ir.Expr | None, test: ir.Expr) -> ir.Expr:
+    """The mask `valid` (None: every read) narrowed by `test`."""
+    return test if valid is None else ir.Call("logical_and", (valid, test))
+
+
 def align(operand: ir.Expr, labels: tuple[Index, ...], target: tuple[Index, ...]) -> ir.Expr:
     """`operand` (axes `labels`) permuted and expanded to broadcast against `target`."""
     order = tuple(i for i in target if i in labels)

@@ -14,6 +14,8 @@ from .common import (
     _Body,
     _is_simple,
     align,
+    both,
+    in_range,
 )
 
 # The highest rank at which TensorFlow's `tf.where` (SelectV2) runs: beside a rank-9
@@ -53,21 +55,18 @@ class Gathers:
             if not _is_simple(position):
                 position = ir.Var(body.bind(position))
             if looked_up is not None:  # a lookup outside its index tensor reads zero
-                valid = looked_up if valid is None else ir.Call("logical_and", (valid, looked_up))
+                valid = both(valid, looked_up)
             # Each axis's test and each partial flat position is a step of its own: the
             # 2^k corners of a sampled read share them (a bilinear read's four corners
             # test two rows and two columns, not four of each), and so do its gradient's
             # scatters.
             if not bounded:
                 size = self.position_int(ir.Var(self.axis_size(body, gather.source, axis)))
-                inside = ir.Call(
-                    "logical_and",
-                    (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
-                )
+                inside = in_range(position, size)
                 if valid is not None:
                     valid = ir.Var(body.bind(valid))
                 inside = ir.Var(body.bind(inside))
-                valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
+                valid = both(valid, inside)
             if flat is None:
                 flat = position
             else:

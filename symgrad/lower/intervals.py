@@ -20,9 +20,9 @@ import sympy as sp
 
 from .. import functions as fn
 from .. import indexing, ir
-from ..indexing import IOTA
+from ..indexing import is_iota
 from ..model import Index
-from .common import _Body
+from .common import _Body, in_range
 
 
 class Intervals:
@@ -114,10 +114,7 @@ class Intervals:
                 ir.Binary("<", row, ir.Binary("-", length, ir.Lit("1"))),
             ),
         )
-        named = ir.Call(
-            "logical_and", (ir.Binary(">=", flat, ir.Lit("0")), ir.Binary("<", flat, size))
-        )
-        return flat, ir.Var(body.bind(ir.Call("logical_and", (inside, named))))
+        return flat, ir.Var(body.bind(ir.Call("logical_and", (inside, in_range(flat, size)))))
 
     def _by_row_ids(self, body, table, shift, s, n, how, rest, summed, out):
         flat, valid = self._row_ids(body, table, shift, s, n)
@@ -162,12 +159,8 @@ def _bound(relation):
         strict = isinstance(relation, sp.Gt)
     else:
         strict = isinstance(relation, sp.Lt)
-    if _iota(right) and not strict:
+    if is_iota(right) and not strict:
         return "lower", left, right.indices[0]
-    if _iota(left) and strict:
+    if is_iota(left) and strict:
         return "upper", right, left.indices[0]
     return None
-
-
-def _iota(e) -> bool:
-    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA

@@ -15,7 +15,7 @@ import sympy as sp
 
 from .. import indexing, ir
 from ..model import Index
-from .common import _Body, _is_simple
+from .common import _Body, _is_simple, both, in_range
 
 
 class Lookups:
@@ -44,7 +44,7 @@ class Lookups:
         valid: ir.Expr | None = None
         for mask, axes in masks:
             aligned = self.align(body, mask, axes, target)
-            valid = aligned if valid is None else ir.Call("logical_and", (valid, aligned))
+            valid = both(valid, aligned)
         return value, valid
 
     def lookup(self, body: _Body, access: sp.Indexed, target: tuple[Index, ...]) -> ir.Expr:
@@ -61,13 +61,10 @@ class Lookups:
             if not _is_simple(where):
                 where = ir.Var(body.bind(ir.Call("to_int64", (where,))))
             size = ir.Call("to_int64", (ir.Var(self.axis_size(body, name, axis)),))
-            inside = ir.Call(
-                "logical_and",
-                (ir.Binary(">=", where, ir.Lit("0")), ir.Binary("<", where, size)),
-            )
+            inside = in_range(where, size)
             if nested is not None:
                 inside = ir.Call("logical_and", (inside, nested))
-            valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
+            valid = both(valid, inside)
             flat = where if flat is None else ir.Binary("+", ir.Binary("*", flat, size), where)
         shape = ir.Shape(tuple((self.index_size(body, i),) for i in inner))
         valid_var = ir.Var(body.bind(ir.Call("broadcast_to", (valid, shape))))

@@ -12,7 +12,7 @@ from .. import ir
 from ..model import Index, Level
 from ..segment_cells import Cell, Flat, find, flat_term, flatten, merged, unflatten
 from ..segment_forms import segment_ties
-from .common import _Body, align
+from .common import _Body, align, both, in_range
 
 
 class SegmentCells:
@@ -84,10 +84,7 @@ class SegmentCells:
                 raw = ir.Call("to_int64", (ir.Var(body.tensors[access.base.label.name]),))
                 raw = ir.Var(body.bind(raw))
                 size = self.position_int(ir.Var(self.index_size(body, index)))
-                inside = ir.Call(
-                    "logical_and", (ir.Binary(">=", raw, ir.Lit("0")), ir.Binary("<", raw, size))
-                )
-                valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
+                valid = both(valid, in_range(raw, size))
                 ids = raw if ids is None else ir.Binary("+", ir.Binary("*", ids, size), raw)
             name = body.bind(ir.Call("where", (valid, ids, ir.Lit("-1"))))
             body.tensors[cell.name] = name

@@ -17,10 +17,10 @@ import sympy as sp
 
 from .. import functions as fn
 from .. import ir
-from ..indexing import IOTA
+from ..indexing import is_iota
 from ..model import Index
 from ..segment_forms import eq_form
-from .common import _Body, _index_set
+from .common import _Body, _index_set, in_range
 
 
 class Segments:
@@ -66,9 +66,9 @@ class Segments:
             return None
         (mask,) = masks
         left, right = mask.args[0].args
-        if _iota(left):
+        if is_iota(left):
             left, right = right, left
-        if not _iota(right) or not isinstance(left, sp.Indexed):
+        if not is_iota(right) or not isinstance(left, sp.Indexed):
             return None
         if left.base.label.name not in self.segment_ids():
             return None
@@ -99,19 +99,12 @@ class Segments:
                 term = self.align(body, ir.Binary("*", count, stride), (b,), n)
                 offset = term if offset is None else ir.Binary("+", offset, term)
                 stride = ir.Binary("*", stride, self.position_int(ir.Var(self.index_size(body, b))))
-            valid = ir.Call(
-                "logical_and", (ir.Binary(">=", raw, ir.Lit("0")), ir.Binary("<", raw, size))
-            )
-            valid = ir.Call("reshape", (valid, ir.List((ir.Lit("-1"),))))
+            valid = ir.Call("reshape", (in_range(raw, size), ir.List((ir.Lit("-1"),))))
             rows = ir.Binary("+", ir.Binary("*", offset, size), raw)
             flat = ir.Var(body.bind(ir.Call("reshape", (rows, ir.List((ir.Lit("-1"),))))))
             return flat, ir.Var(body.bind(valid))
         flat = ir.Var(body.bind(ir.Call("reshape", (raw, ir.List((ir.Lit("-1"),))))))
-        valid = ir.Call(
-            "logical_and",
-            (ir.Binary(">=", flat, ir.Lit("0")), ir.Binary("<", flat, size)),
-        )
-        return flat, ir.Var(body.bind(valid))
+        return flat, ir.Var(body.bind(in_range(flat, size)))
 
     def _segment_sum(self, body, rest, ids, v, summed, out, rows=None):
         """Σ_n where(ids[n..] == v, 1, 0) · local(n, ..) · table(v, ..): the local factors
@@ -187,7 +180,3 @@ class Segments:
         read_at = sp.IndexedBase(name)[(*n, *others)]
         inner = tuple(i for i in summed if i != v)
         return self.contract(body, sp.Mul(*local) * read_at, inner, out, ())
-
-
-def _iota(e: sp.Expr) -> bool:
-    return isinstance(e, sp.Indexed) and e.base.label.name == IOTA

@@ -30,7 +30,7 @@ import sympy as sp
 
 from .. import indexing, ir
 from ..model import Index, Level
-from .common import _Body, _is_simple
+from .common import _Body, _is_simple, both, in_range
 
 
 class SeparableGathers:
@@ -70,11 +70,7 @@ class SeparableGathers:
         valid = None
         if not gather.bounded[gather.computed.index(n)]:
             size = self.position_int(ir.Var(self.axis_size(body, gather.source, n)))
-            inside = ir.Call(
-                "logical_and",
-                (ir.Binary(">=", position, ir.Lit("0")), ir.Binary("<", position, size)),
-            )
-            valid = ir.Var(body.bind(inside))
+            valid = ir.Var(body.bind(in_range(position, size)))
             position = ir.Call("where", (valid, position, ir.Lit("0")))
         shape = ir.Shape(tuple((self.index_size(body, i),) for i in part))
         return ir.Var(body.bind(ir.Call("broadcast_to", (position, shape)))), valid
@@ -95,7 +91,7 @@ class SeparableGathers:
             axis += len(part)
             if inside is not None:
                 inside = self.align(body, inside, part, inner)
-                valid = inside if valid is None else ir.Call("logical_and", (valid, inside))
+                valid = both(valid, inside)
         if valid is None:
             return value
         return self.zero_outside(body, value, valid, inner, level.indices)
