@@ -123,14 +123,20 @@ class Pointwise:
             small = [f for f in (*numerator, *denominator) if len(_index_set(f)) < full]
             big = [f for f in numerator if f not in small]
             if big and len(small) >= 2:
-                return ir.Binary(
-                    "*",
-                    product(big, [f for f in denominator if f not in small]),
-                    product(
-                        [f for f in numerator if f in small],
-                        [f for f in denominator if f in small],
-                    ),
-                )
+                whole = product(big, [f for f in denominator if f not in small])
+                small_numerator = [f for f in numerator if f in small]
+                small_denominator = [f for f in denominator if f in small]
+                if not (small_denominator and any(isinstance(f, tuple(MASKS)) for f in big)):
+                    return ir.Binary("*", whole, product(small_numerator, small_denominator))
+                # A mask times a quotient divides last, `m * g / t`: XLA turns a mask
+                # times a value into a select of the value, so `m * (g / t)` gave 0 where
+                # the mask is 0 and t is 0 (a max that is NaN: no entry ties, and NaN
+                # as everywhere else), and `m * g / t` gives 0 / 0 as every target does.
+                if small_numerator:
+                    whole = ir.Binary("*", whole, product(small_numerator, []))
+                for factor in sorted(small_denominator, key=_print_order):
+                    whole = ir.Binary("/", whole, self.expr(body, factor, target))
+                return whole
             return product(numerator, denominator)
         if isinstance(e, sp.Pow):
             base, exponent = e.args
