@@ -35,6 +35,7 @@ import sympy as sp
 from . import block_reads, ir, output_temps, patterns, sampled_temps, splits
 from . import functions as fn
 from .indexing import IOTA
+from .lower import masked_sums
 from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
@@ -103,9 +104,13 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
                 continue
             allowed = {*indices, *summed}
             prefix = prefix_sum_form(expr, summed, indices, same) is not None
+            inside = () if prefix else masked_sums.summed_inside(expr, summed)
             found += [
-                unflatten(_indices_of(f, allowed), cell) for f in _materialized(expr, ids, prefix)
+                unflatten(_indices_of(f, allowed), cell)
+                for f in _materialized(expr, ids, prefix or bool(inside))
             ]
+            if inside:
+                found += [unflatten(m, cell) for m in _masked_sets(expr, indices, allowed)]
     sampled = sampled_temps.sets(program)
     found += sampled
     output_sized = _output_sized(program)
@@ -223,6 +228,25 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> 
         if factor.is_polynomial(*accesses(factor)):
             continue
         found.append(factor)
+    return found
+
+
+def _masked_sets(expr: sp.Expr, indices, allowed: set[Index]) -> list[tuple[Index, ...]]:
+    """The tensors a sum under a mask of indices holds once the indices the mask does not
+    read are summed inside it (`lower/masked_sums.py`): in the forward, the output's
+    indices widened by the mask's and those of the factors left outside it; in the
+    gradient of a read, that read's indices widened alike. No term holds more: the rest
+    is summed inside the mask."""
+    mask, others = masked_sums.index_mask(expr)
+    outside = [f for f in others if not masked_sums.is_gradient_factor(f)]
+    wide = _indices_of(mask.args[0], allowed) + tuple(
+        i for f in outside for i in _indices_of(f, allowed)
+    )
+    reads = [tuple(a.indices) for a in accesses(expr) if a.base.label.name != IOTA]
+    found = []
+    for own in (tuple(indices), *reads):
+        held = set(own) | set(wide)
+        found.append(tuple(i for i in sorted(allowed, key=sp.default_sort_key) if i in held))
     return found
 
 

@@ -62,6 +62,9 @@ class Contraction:
         interval = self.interval_term(body, e, summed, out, eyes)
         if interval is not None:
             return [interval]
+        masked = self.masked_sum(body, e, summed, out, eyes)
+        if masked is not None:
+            return masked
         factors = sp.Mul.make_args(e)
         operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
         for factor in factors:

@@ -26,6 +26,7 @@ from .gathers import Gathers
 from .intervals import Intervals
 from .kernels import Kernels
 from .lookups import Lookups
+from .masked_sums import MaskedSums
 from .merged_scatters import MergedScatters
 from .pointwise import Pointwise
 from .row_reads import inline_once
@@ -47,6 +48,7 @@ class Lowerer(
     SegmentCells,
     Lookups,
     Intervals,
+    MaskedSums,
 ):
     """Lowers one op's Program (and its Backward) into an `ir.Module`: sizes and axes
     here, the rest by concern in the classes it is made of."""

@@ -1,0 +1,102 @@
+"""Sums under a mask of indices: the indices the mask does not read are summed first.
+
+`sum(where(s <= l, q[n,h,l,e] * k[n,h,s,e] * v[n,h,s,m], 0), s, e)` (fast-transformers'
+causal product) was a `where` over every index of its value, [n,h,l,s,e,m], summed over
+s and e afterwards: L * E * M for one query, where the op's inputs hold E per query. The
+mask reads l and s alone, so a summed index it does not read (e) moves inside it:
+
+    Σ_s,e where(s <= l, P, 0) = Σ_s where(s <= l, Σ_e P, 0)
+
+exactly, in IEEE arithmetic too: where the mask holds both sides are Σ_e P (in another
+order), where it does not both are 0, whatever P is (inf or nan included). The inner sum
+is an ordinary term (an einsum of the value's factors, [n,h,l,s,m]); the `where` and the
+sum over s follow. The gradients have the same form: `Σ_m,s grad_y[n,h,l,m] * where(s
+<= l, k[n,h,s,e] * v[n,h,s,m], 0)` sums m inside, [n,h,l,s,e]. So every temporary is one
+tensor the op reads or writes widened by the mask's indices (`tile.masked_sets`), and
+tiling bounds that.
+
+An incoming gradient outside the mask moves inside it with the indices it reads: the
+formula's masked branch has no gradient, so a masked position adds 0 (TensorFlow's
+gradient of a `where`), where `grad_y * where(.., 0)` made an inf or nan incoming
+gradient nan there. Any other factor outside the mask stays outside (`x[l] * where(..)`
+with x inf is nan by the formula), and the indices it reads are summed after the mask.
+A mask that a prefix sum takes (`Kernels.prefix_sum`) is a `cumsum` instead, checked
+first.
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .. import functions as fn
+from .. import ir
+from ..indexing import is_iota
+from ..model import Index, tensor
+from .common import _Body, _index_set, _is_gradient
+
+
+def index_mask(e: sp.Expr):
+    """(the mask factor, the other factors) of a product with one factor `where(c, value,
+    0)` whose condition compares index values alone (`s <= l`, `i - w <= j and j <= i +
+    w`); else None."""
+    factors = sp.Mul.make_args(e)
+    masks = [
+        f for f in factors if isinstance(f, fn.select) and f.args[2] == 0 and on_indices(f.args[0])
+    ]
+    if len(masks) != 1:
+        return None
+    (mask,) = masks
+    return mask, [f for f in factors if f is not mask]
+
+
+def on_indices(condition: sp.Expr) -> bool:
+    """A comparison of index values alone (`k <= i`)."""
+    accesses = condition.atoms(sp.Indexed)
+    return bool(accesses) and all(is_iota(a) for a in accesses)
+
+
+def summed_inside(e: sp.Expr, summed) -> tuple[Index, ...]:
+    """The summed indices of the product `e` that its index mask's sum takes inside the
+    mask: read by neither the mask's condition nor a factor left outside it (an incoming
+    gradient moves inside). Empty when `e` has no such mask."""
+    found = index_mask(e)
+    if found is None:
+        return ()
+    mask, others = found
+    outside = [f for f in others if not is_gradient_factor(f)]
+    taken = _index_set(mask.args[0]).union(*(_index_set(f) for f in outside))
+    value = _index_set(mask.args[1]).union(*(_index_set(f) for f in others if f not in outside))
+    return tuple(i for i in summed if i in value and i not in taken)
+
+
+def is_gradient_factor(factor: sp.Expr) -> bool:
+    return isinstance(factor, sp.Indexed) and _is_gradient(factor)
+
+
+class MaskedSums:
+    """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
+
+    def masked_sum(self, body: _Body, e: sp.Expr, summed, out, eyes):
+        """`Σ where(c, P, 0)` with c on indices alone, the summed indices c does not read
+        summed inside the mask first: one term whose mask is over the rest; None where no
+        summed index moves."""
+        if eyes:
+            return None
+        inner = summed_inside(e, summed)
+        if not inner:
+            return None
+        mask, others = index_mask(e)
+        moved = [f for f in others if is_gradient_factor(f)]
+        outside = [f for f in others if not is_gradient_factor(f)]
+        value = mask.args[1] * sp.Mul(*moved)
+        present = _index_set(value)
+        labels = tuple(i for i in (*out, *summed) if i in present and i not in inner)
+        total = None
+        for piece, axes in self.term(body, value, inner, labels):
+            full = self.full(body, piece, axes, labels)
+            total = full if total is None else ir.Binary("+", total, full)
+        name = body.bind(total)
+        body.tensors[name] = name
+        masked = fn.select(mask.args[0], tensor(name)[labels], 0)
+        rest = tuple(i for i in summed if i not in inner)
+        return self.term(body, sp.Mul(*outside) * masked, rest, out, eyes)
