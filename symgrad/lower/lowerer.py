@@ -203,7 +203,7 @@ class Lowerer(
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
             if len(term.summed) == 1 and body.part == "forward" and level.name in self.is_output:
-                return self.logsumexp_keeping_softmax(body, operand)
+                return self.logsumexp_keeping_softmax(body, operand, len(order))
             axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
             return ir.Call("reduce_logsumexp", (operand,), (("axis", axes),))
         pieces = []

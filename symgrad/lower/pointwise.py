@@ -299,17 +299,23 @@ class Pointwise:
                 result = ir.Binary("+", result, self.expr(body, term, target))
         return result
 
-    def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr) -> ir.Expr:
-        """log Σ exp over the last axis, step by step, keeping exp(u - max) / Σ as the
-        softmax the gradient needs (as TF's tape keeps it); `gradient(op)` recomputes
-        that softmax with one fused `tf.nn.softmax` instead."""
+    def logsumexp_keeping_softmax(self, body: _Body, operand: ir.Expr, rank: int) -> ir.Expr:
+        """log Σ exp over the last axis of a rank-`rank` operand, step by step, keeping
+        exp(u - max) / Σ as the softmax the gradient needs (as TF's tape keeps it);
+        `gradient(op)` recomputes that softmax with one fused `tf.nn.softmax` instead."""
         last = (("axis", ir.Lit("-1")), ("keepdims", ir.Lit("True")))
         peak = body.bind(ir.Call("reduce_max", (operand,), last))
         # A row that is all -inf (every entry masked): log 0 = -inf, as tf.reduce_logsumexp.
-        finite = ir.Call("is_finite", (ir.Var(peak),))
-        peak = body.bind(
-            ir.Call("where", (finite, ir.Var(peak), ir.Call("zeros_like", (ir.Var(peak),))))
-        )
+        # Past rank 8 TensorFlow's where (SelectV2) raises even between one shape, so the
+        # peak is selected flat and given its shape back.
+        flat = ir.Var(peak)
+        if rank > wide_select.MAX_SELECT_RANK:
+            flat = ir.Call("reshape", (flat, ir.List((ir.Lit("-1"),))))
+        finite = ir.Call("is_finite", (flat,))
+        kept = ir.Call("where", (finite, flat, ir.Call("zeros_like", (flat,))))
+        if rank > wide_select.MAX_SELECT_RANK:
+            kept = ir.Call("reshape", (kept, ir.Call("shape", (ir.Var(peak),))))
+        peak = body.bind(kept)
         shifted = body.bind(ir.Call("exp", (ir.Binary("-", operand, ir.Var(peak)),)))
         total = body.bind(ir.Call("reduce_sum", (ir.Var(shifted),), last))
         softmax = body.bind(ir.Binary("/", ir.Var(shifted), ir.Var(total)))
