@@ -35,6 +35,12 @@ def is_iota(e: sp.Expr) -> bool:
     return isinstance(e, sp.Indexed) and e.base.label.name == IOTA
 
 
+def on_indices(condition: sp.Expr) -> bool:
+    """Whether a condition reads index values alone (`k <= i`): every access in it is an
+    `_iota` (true of a condition with no access)."""
+    return all(is_iota(a) for a in condition.atoms(sp.Indexed))
+
+
 def read_indices(
     positions: tuple[sp.Expr, ...], computed: tuple[int, ...], order
 ) -> tuple[Index, ...]:

@@ -34,7 +34,7 @@ import sympy as sp
 
 from . import block_reads, ir, output_temps, patterns, sampled_temps, splits
 from . import functions as fn
-from .indexing import IOTA
+from .indexing import IOTA, on_indices
 from .lower import masked_sums
 from .lower.common import same_size, size_sources
 from .lower.kernels import prefix_sum_form
@@ -195,10 +195,13 @@ def _one_window(program: Program, reads: dict[str, list[list[ast.AST]]]):
     return window
 
 
-def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> list[sp.Expr]:
+def _materialized(
+    expr: sp.Expr, ids: tuple[str, ...], mask_elsewhere: bool = False
+) -> list[sp.Expr]:
     """The factors of a product that lowering computes as tensors of their own: not plain
     reads (einsum operands), not polynomials (expanded), and not a mask comparing two
-    indices when the product is a prefix sum (`prefix`: `lower.kernels.prefix_sum_form`)
+    indices when its tensor is counted elsewhere (`mask_elsewhere`: the product is a
+    prefix sum, `lower.kernels.prefix_sum_form`, or a sum under the mask, `_masked_sets`)
     or an index tensor with an index (a segment sum, `lower/segments.py`): its value
     instead. A mask of indices that a prefix sum does not take (`where(s < r and r <= t,
     A[b,r,h], 0)` summed over r: Mamba-2's segsum; or `where(s <= t, X[b,s,h,p], 0)`
@@ -217,12 +220,12 @@ def _materialized(expr: sp.Expr, ids: tuple[str, ...], prefix: bool = False) -> 
         if (
             isinstance(factor, fn.select)
             and factor.args[2] == 0
-            and (_on_indices(factor.args[0]) or segment_condition(factor.args[0], ids) is not None)
+            and (on_indices(factor.args[0]) or segment_condition(factor.args[0], ids) is not None)
         ):
             found += _materialized(factor.args[1], ids)
-            if _on_indices(factor.args[0]) and not prefix:
+            if on_indices(factor.args[0]) and not mask_elsewhere:
                 found.append(factor)
-            elif not _on_indices(factor.args[0]):
+            elif not on_indices(factor.args[0]):
                 found.append(sum_rows(factor))
             continue
         if factor.is_polynomial(*accesses(factor)):
@@ -237,8 +240,7 @@ def _masked_sets(expr: sp.Expr, indices, allowed: set[Index]) -> list[tuple[Inde
     indices widened by the mask's and those of the factors left outside it; in the
     gradient of a read, that read's indices widened alike. No term holds more: the rest
     is summed inside the mask."""
-    mask, others = masked_sums.index_mask(expr)
-    outside = [f for f in others if not masked_sums.is_gradient_factor(f)]
+    mask, _, outside = masked_sums.index_mask(expr)
     wide = _indices_of(mask.args[0], allowed) + tuple(
         i for f in outside for i in _indices_of(f, allowed)
     )
@@ -248,11 +250,6 @@ def _masked_sets(expr: sp.Expr, indices, allowed: set[Index]) -> list[tuple[Inde
         held = set(own) | set(wide)
         found.append(tuple(i for i in sorted(allowed, key=sp.default_sort_key) if i in held))
     return found
-
-
-def _on_indices(condition: sp.Expr) -> bool:
-    """A comparison of index values alone (`k <= i`)."""
-    return all(isinstance(a, sp.Indexed) and a.base.label.name == IOTA for a in accesses(condition))
 
 
 def _size_key(program: Program):

@@ -12,7 +12,7 @@ order), where it does not both are 0, whatever P is (inf or nan included). The i
 is an ordinary term (an einsum of the value's factors, [n,h,l,s,m]); the `where` and the
 sum over s follow. The gradients have the same form: `Σ_m,s grad_y[n,h,l,m] * where(s
 <= l, k[n,h,s,e] * v[n,h,s,m], 0)` sums m inside, [n,h,l,s,e]. So every temporary is one
-tensor the op reads or writes widened by the mask's indices (`tile.masked_sets`), and
+tensor the op reads or writes widened by the mask's indices (`tile._masked_sets`), and
 tiling bounds that.
 
 An incoming gradient outside the mask moves inside it with the indices it reads: the
@@ -30,29 +30,30 @@ import sympy as sp
 
 from .. import functions as fn
 from .. import ir
-from ..indexing import is_iota
+from ..indexing import on_indices
 from ..model import Index, tensor
 from .common import _Body, _index_set, _is_gradient
 
 
 def index_mask(e: sp.Expr):
-    """(the mask factor, the other factors) of a product with one factor `where(c, value,
-    0)` whose condition compares index values alone (`s <= l`, `i - w <= j and j <= i +
-    w`); else None."""
+    """(the mask factor, the incoming gradients beside it, the other factors) of a product
+    with one factor `where(c, value, 0)` whose condition compares index values alone (`s
+    <= l`, `i - w <= j and j <= i + w`); else None."""
     factors = sp.Mul.make_args(e)
     masks = [
-        f for f in factors if isinstance(f, fn.select) and f.args[2] == 0 and on_indices(f.args[0])
+        f
+        for f in factors
+        if isinstance(f, fn.select)
+        and f.args[2] == 0
+        and f.args[0].has(sp.Indexed)
+        and on_indices(f.args[0])
     ]
     if len(masks) != 1:
         return None
     (mask,) = masks
-    return mask, [f for f in factors if f is not mask]
-
-
-def on_indices(condition: sp.Expr) -> bool:
-    """A comparison of index values alone (`k <= i`)."""
-    accesses = condition.atoms(sp.Indexed)
-    return bool(accesses) and all(is_iota(a) for a in accesses)
+    others = [f for f in factors if f is not mask]
+    moved = [f for f in others if isinstance(f, sp.Indexed) and _is_gradient(f)]
+    return mask, moved, [f for f in others if f not in moved]
 
 
 def summed_inside(e: sp.Expr, summed) -> tuple[Index, ...]:
@@ -62,10 +63,9 @@ def summed_inside(e: sp.Expr, summed) -> tuple[Index, ...]:
     found = index_mask(e)
     if found is None:
         return ()
-    mask, others = found
-    outside = [f for f in others if not is_gradient_factor(f)]
+    mask, moved, outside = found
     taken = _index_set(mask.args[0]).union(*(_index_set(f) for f in outside))
-    value = _index_set(mask.args[1]).union(*(_index_set(f) for f in others if f not in outside))
+    value = _index_set(mask.args[1]).union(*(_index_set(f) for f in moved))
     inner = tuple(i for i in summed if i in value and i not in taken)
     pointwise = [
         f
@@ -88,10 +88,6 @@ def summed_inside(e: sp.Expr, summed) -> tuple[Index, ...]:
     return inner
 
 
-def is_gradient_factor(factor: sp.Expr) -> bool:
-    return isinstance(factor, sp.Indexed) and _is_gradient(factor)
-
-
 class MaskedSums:
     """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
 
@@ -104,9 +100,7 @@ class MaskedSums:
         inner = summed_inside(e, summed)
         if not inner:
             return None
-        mask, others = index_mask(e)
-        moved = [f for f in others if is_gradient_factor(f)]
-        outside = [f for f in others if not is_gradient_factor(f)]
+        mask, moved, outside = index_mask(e)
         value = mask.args[1] * sp.Mul(*moved)
         present = _index_set(value)
         labels = tuple(i for i in (*out, *summed) if i in present and i not in inner)
