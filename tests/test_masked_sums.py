@@ -5,8 +5,9 @@
 Σ_e q k v, 0)`: exact in IEEE arithmetic, inf and nan under the mask included, since the
 mask does not read e. The references are TF float64 autodiff of the formula written with
 `tf.where` at its full [n,h,l,s,e,m] size, its factors masked too: a masked term adds 0
-and has no gradient. Sizes differ on every index (l = 6 queries, s
-= 8 keys), every target, whole and in chunks.
+and has no gradient. Sizes differ on every index (l = 6 queries, s = 8 keys), every
+target, whole and in chunks, vjp, the registered gradient and each framework's own
+backward through forward.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
 
+from frameworks import FRAMEWORKS
 from harness import Case, FakeOp, check, generate
 
 jax.config.update("jax_enable_x64", True)  # float64, as the reference
 
-ARRAY = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jnp.asarray}
 SHAPES = {"q": (2, 3, 6, 4), "k": (2, 3, 8, 4), "v": (2, 3, 8, 5)}
 CAUSAL_PRODUCT = Case(
     "y[n,h,l,m] = sum(where(s <= l, q[n,h,l,e] * k[n,h,s,e] * v[n,h,s,m], 0), s, e)",
@@ -40,10 +40,6 @@ BAND = Case(
     "y[b,l,m] = sum(where(l - 1 <= s and s <= l + 1, a[b,l,e] * c[b,s,e] * d[b,s,m], 0), s, e)",
     {"a": (2, 6, 3), "c": (2, 5, 3), "d": (2, 5, 4)},
 )
-
-
-def _numpy(t):
-    return None if t is None else np.asarray(t.numpy() if hasattr(t, "numpy") else t)
 
 
 def _where_form(q, k, v):
@@ -71,13 +67,29 @@ def _reference(q, k, v, cotangent):
     return [y.numpy(), *(g.numpy() for g in grads)]
 
 
-def _run(module, target, arrays, cotangent):
-    arrays = [ARRAY[target](a) for a in arrays]
-    results = [module.forward(*arrays), *module.vjp(*arrays, ARRAY[target](cotangent))]
-    if target == "tensorflow":  # the registered gradient, from the op's outputs
-        fake = FakeOp(arrays, [results[0]], {}, module)
-        results += module.gradient(fake, tf.constant(cotangent))
-    return [_numpy(t) for t in results]
+def _run(module, target, arrays, cotangent) -> dict:
+    """{how: [y, grad_q, grad_k, grad_v]}: forward and vjp; the registered gradient (TF,
+    from the op's outputs); and the framework's own backward through forward (a TF tape,
+    PyTorch autograd, jax.vjp under jax.jit)."""
+    fw = FRAMEWORKS[target]
+    args = [fw.tensor(a) for a in arrays]
+    grad = fw.tensor(cotangent)
+    y = module.forward(*args)
+    found = {"vjp": [y, *module.vjp(*args, grad)]}
+    if target == "tensorflow":
+        found["registered gradient"] = [y, *module.gradient(FakeOp(args, [y], {}, module), grad)]
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = module.forward(*args)
+        found["tape over forward"] = [y, *tape.gradient(y, args, output_gradients=grad)]
+    elif target == "pytorch":
+        leaves = [a.clone().requires_grad_(True) for a in args]
+        y = module.forward(*leaves)
+        found["autograd through forward"] = [y, *torch.autograd.grad(y, leaves, grad)]
+    else:
+        y, pullback = jax.vjp(jax.jit(module.forward), *args)
+        found["jax.vjp under jax.jit"] = [y, *pullback(grad)]
+    return {how: [fw.numpy(t) for t in values] for how, values in found.items()}
 
 
 def _same(got, want, what):
@@ -97,11 +109,9 @@ def _inputs(seed=3):
 def _compare(module, target, arrays, cotangent, expected):
     for budget in (2**40, 1):
         module.MAX_TEMP_BYTES = budget
-        got = _run(module, target, arrays, cotangent)
-        names = ("y", *"qkv", *"qkv")[: len(got)]
-        for position, (value, name) in enumerate(zip(got, names, strict=True)):
-            want = expected[position if position < 4 else position - 3]
-            _same(value, want, f"{name} ({'vjp' if position < 4 else 'gradient'}), {budget}")
+        for how, got in _run(module, target, arrays, cotangent).items():
+            for value, want, name in zip(got, expected, ("y", *"qkv"), strict=True):
+                _same(value, want, f"{name} ({how}), budget {budget}")
 
 
 @pytest.mark.parametrize("case", [CAUSAL_PRODUCT, OUTSIDE, BAND], ids=["causal", "outside", "band"])
@@ -116,7 +126,7 @@ def test_inf_and_nan_keys_and_values_under_the_mask_add_nothing(target, tmp_path
     """k[0,1,5,2] = inf (read by query 5 alone), v[1,0,4,3] = nan (queries 4 and 5),
     v[0,2,7,0] = -inf (a key of no query: 8 keys, 6 queries). The outputs and gradients
     are the where form's (finite at the same positions, and equal there), whole and in
-    chunks; the queries before them are finite."""
+    chunks, on every path; the queries before them are finite."""
     module = generate(CAUSAL_PRODUCT, tmp_path, prefix="MaskedNonFinite", target=target)
     (q, k, v), cotangent = _inputs()
     k[0, 1, 5, 2] = np.inf
