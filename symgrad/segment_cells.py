@@ -82,7 +82,9 @@ def find(expr: sp.Expr, ids, order=()) -> Cell | None:
     rank = {index: position for position, index in enumerate(order)}
     pairs.sort(key=lambda p: (rank.get(p[1], len(rank)), sp.default_sort_key(p[1])))
     at = tuple(v for _, v in pairs)
-    names = "_".join(a.base.label.name for a, _ in pairs)
+    # the ids paired with their indices: the same ids compared with other indices (another
+    # output's cell, of other sizes) are other cell ids
+    names = "_".join(f"{a.base.label.name}_{v.name}" for a, v in pairs)
     key = Index(f"{CELL}_{'_'.join(v.name for v in at)}")
     access = sp.IndexedBase(f"{CELL}_{names}", real=True)[n]
     return Cell(condition, tuple(a for a, _ in pairs), at, key, access)

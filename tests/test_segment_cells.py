@@ -71,6 +71,19 @@ CASES = {
         sizes={"i": 3, "j": 2},
         index_inputs={"vx": ((2, 9), -1, 4)},
     ),
+    # the same two id tensors as cells of two outputs over other coordinates (sizes 2 x 3
+    # and 3 x 4): each output its own cell ids (the second read the first's, vx·3 + vy,
+    # both named after vx and vy alone)
+    "two_outputs_over_other_coordinates": Case(
+        (
+            "y[i,j] = sum(where(vx[n] == i and vy[n] == j, x[n], 0), n)",
+            "z[p,q] = sum(where(vx[n] == p and vy[n] == q, x[n], 0), n)",
+        ),
+        {"x": (9,)},
+        ranges={"i": "2", "j": "3", "p": "3", "q": "4"},
+        sizes={"i": 2, "j": 3, "p": 3, "q": 4},
+        index_inputs={"vx": ((9,), 0, 3), "vy": ((9,), 0, 4)},
+    ),
 }
 
 
@@ -84,7 +97,7 @@ def test_segment_cells_are_exact_and_never_a_dense_mask(name, tmp_path):
     assert "segment_" in compute
     assert "gather(" in backward  # the gradient reads the cells' rows at the ids
     for body in (compute, backward):
-        for index in "ijk":
+        for index in "ijkpq":
             assert f"tf.range(tf.cast(_n_{index}" not in body, index
     check(case, generate(case, tmp_path, prefix="SegmentCells"))
 

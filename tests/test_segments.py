@@ -111,3 +111,22 @@ def test_segment_sums_in_every_target(name, target, tmp_path):
         from test_target_jax import JAX as framework
     case = CASES[name]
     check_target(case, generate_for(case, target, tmp_path), framework)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_an_empty_feature_axis_sums_to_an_empty_result(target, tmp_path):
+    """Features of size 0: the segment sum's rows are counted, not -1 (PyTorch refuses a
+    reshape to [-1, 0]: 'the unspecified dimension size -1 can be any value'). The
+    output and the gradient are empty, shaped like y and x."""
+    import numpy as np
+    from frameworks import FRAMEWORKS
+
+    fw = FRAMEWORKS[target]
+    module = generate(CASES["batched_segment_sum"], tmp_path, prefix="EmptyF", target=target)
+    seg = np.array([[0, 3, -1], [2, 2, 5]], np.int32)
+    args = {"seg": fw.tensor(seg), "x": fw.tensor(np.zeros((2, 3, 0)))}
+    xs = [args[n] for n in module.INPUTS]
+    y = fw.numpy(module.forward(*xs, V=4))
+    assert y.shape == (2, 4, 0)
+    grads = module.vjp(*xs, fw.tensor(np.zeros((2, 4, 0))), V=4)
+    assert fw.numpy(grads[module.INPUTS.index("x")]).shape == (2, 3, 0)

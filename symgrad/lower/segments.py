@@ -106,6 +106,14 @@ class Segments:
         flat = ir.Var(body.bind(ir.Call("reshape", (raw, ir.List((ir.Lit("-1"),))))))
         return flat, ir.Var(body.bind(in_range(flat, size)))
 
+    def _count(self, body: _Body, indices) -> ir.Expr:
+        """The number of positions of `indices` together (1 for none)."""
+        count: ir.Expr = ir.Lit("1")
+        for i, index in enumerate(indices):
+            size = ir.Var(self.index_size(body, index))
+            count = size if i == 0 else ir.Binary("*", count, size)
+        return count
+
     def _segment_sum(self, body, rest, ids, v, summed, out, rows=None):
         """Σ_n where(ids[n..] == v, 1, 0) · local(n, ..) · table(v, ..): the local factors
         added at row ids[n..], times the factors over v (which read no n). `rows`, when
@@ -122,7 +130,8 @@ class Segments:
         inner = tuple(i for i in summed if i not in n)
         value, axes = self.contract(body, local, inner, (*n, *others), ())
         data = self.full(body, value, axes, (*n, *others))
-        shape = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+        # rows counted, not -1: PyTorch refuses -1 beside an empty axis (ambiguous)
+        shape = ir.List((self._count(body, n), *(ir.Var(self.index_size(body, i)) for i in others)))
         data = ir.Call("reshape", (data, shape))
         flat, valid = self._ids(body, ids, v, batch) if rows is None else rows[1:]
         dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
@@ -163,7 +172,8 @@ class Segments:
         value, axes = self.contract(body, table_expr, (), (*batch, v, *others), ())
         table_rows = self.full(body, value, axes, (*batch, v, *others))
         if batch:
-            sizes = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+            rows_of = self._count(body, (*batch, v))
+            sizes = ir.List((rows_of, *(ir.Var(self.index_size(body, i)) for i in others)))
             table_rows = ir.Call("reshape", (table_rows, sizes))
         table_rows = ir.Var(body.bind(table_rows))
         flat, valid = self._ids(body, ids, v, batch) if rows is None else rows[1:]
