@@ -93,7 +93,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         for term in level.terms:
             # a mask over several coordinates (segment_cells.py): a segment by one id
             expr, indices, summed, ids, cell = flat_term(
-                term.expr, level.indices, term.summed, program.index_inputs
+                term.expr, level.indices, term.summed, program.index_inputs, sizes
             )
             if level.kind in ("max", "min", "logsumexp"):
                 segment = segment_extremum(level.kind, indices, expr, summed, ids)

@@ -27,7 +27,7 @@ class SegmentCells:
         coordinates all free or all summed); None otherwise."""
         if eyes:
             return None
-        flat, out2, summed2, _, cell = flat_term(e, out, summed, self.segment_ids())
+        flat, out2, summed2, _, cell = flat_term(e, out, summed, self.segment_ids(), self.size_of)
         if cell is None:
             return None
         self._bind_cell(body, cell, flatten(e, cell))
@@ -46,7 +46,7 @@ class SegmentCells:
             return None
         (term,) = level.terms
         ids = self.segment_ids()
-        cell = find(term.expr, ids, level.indices)
+        cell = find(term.expr, ids, level.indices, self.size_of)
         if cell is None or not set(cell.at) <= set(level.indices):
             return None
         flat = flatten(term.expr, cell)
@@ -73,11 +73,20 @@ class SegmentCells:
         return body.bind(total)
 
     def _bind_cell(self, body: _Body, cell: Cell, flat: Flat) -> None:
-        """The cell ids (-1 where a coordinate is out of its range) and the reads at the
-        cell's key, in `body.tensors`."""
+        """The cell ids (-1 where a coordinate is out of its range, or a composite
+        equality's value out of the key's) and the reads at the cell's key, in
+        `body.tensors`."""
         self.cell_keys[cell.key] = cell.at
         if cell.name not in self.cell_names:
             self.cell_names.append(cell.name)
+        if cell.name not in body.tensors and cell.value is not None:
+            # a composite equality's side with the ids (segment_cells.composite)
+            n = tuple(cell.access.indices)
+            raw = ir.Call("to_int64", (self.expr(body, cell.value, n),))
+            raw = ir.Var(body.bind(raw))
+            total = self.position_int(ir.Var(self.cell_size(body, cell.key)))
+            ids = ir.Call("where", (in_range(raw, total), raw, ir.Lit("-1")))
+            body.tensors[cell.name] = body.bind(ids)
         if cell.name not in body.tensors:
             valid = ids = None
             for access, index in zip(cell.ids, cell.at, strict=True):

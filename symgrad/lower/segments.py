@@ -175,7 +175,7 @@ class Segments:
             rows_of = self._count(body, (*batch, v))
             sizes = ir.List((rows_of, *(ir.Var(self.index_size(body, i)) for i in others)))
             table_rows = ir.Call("reshape", (table_rows, sizes))
-        table_rows = ir.Var(body.bind(table_rows))
+        # not bound: the rows (grad_y transposed, a copy in TF) are freed once read
         flat, valid = self._ids(body, ids, v, batch) if rows is None else rows[1:]
         at = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("0")))))
         read = ir.Call("gather", (table_rows, at), (("axis", ir.Lit("0")),))

@@ -4,9 +4,10 @@ TensorFlow's `tf.where` (SelectV2) runs only up to rank 8 and raises "Broadcast 
 ... is not supported yet" beyond, even between operands of one shape. Adjacent axes that
 every operand either has or lacks (the groups broadcasting merges anyway) are merged by a
 reshape before the select and split after it: the same elements in the same order, no
-copy, and no operand grows to the full shape. active_rotated_filter written with the
-weight's three entry axes is a nine-axis where of three groups ([i, j], the entry
-[o2, h2, w2], the output position [k, o, h, w]).
+copy, and no operand grows to the full shape. active_rotated_filter's table compared
+with `<=` over the weight's three entry axes is a nine-axis where of three groups ([i, j],
+the entry [o2, h2, w2], the output position [k, o, h, w]); compared with `==` it is a
+segment sum (segment_cells.composite), no where.
 """
 
 from __future__ import annotations

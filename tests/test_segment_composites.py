@@ -1,0 +1,148 @@
+"""A segment id compared with a row-major composite of indices, `where(ids.. == i*W + j,
+..)` (symgrad/segment_cells.py, `composite`): a segment sum (or max) over the cell
+(i, j) with the id as its row, in every target, never the dense mask over the ids' and
+the composite's indices together. Ids outside [0, I·W) belong to no cell; a stride that
+is not provably the size inside (an attr that is not the range) keeps the dense mask,
+exact as written."""
+
+from __future__ import annotations
+
+import ast
+
+import numpy as np
+import pytest
+from harness import Case, check, generate, op_spec
+
+from symgrad.pipeline import module_text
+
+CASES = {
+    # SegNet's max_unpool2d: each input value written at its flat position idx (i*W + j)
+    # of an H x W plane; ids outside the plane (negative, or past H*W) write nothing
+    "max_unpool2d": Case(
+        "y[b,c,i,j] = sum(where(idx[b,c,p,q] == i*W + j, x[b,c,p,q], 0), p, q)",
+        {"x": (2, 3, 4, 5)},
+        attrs={"H": 6, "W": 7},
+        ranges={"i": "H", "j": "W"},
+        sizes={"i": 6, "j": 7},
+        index_inputs={"idx": ((2, 3, 4, 5), -3, 45)},
+        fd_directions=4,
+    ),
+    # mmcv's active_rotated_filter with the weight's three entry axes, a table of 1-based
+    # positions drawn past both ends (0 and below, beyond O*H*W)
+    "active_rotated_filter_out_of_range": Case(
+        "y[(i,k),(j,o),h,w] = sum(where(ind[o2,h2,w2,k] - 1 == (o*H + h)*W + w, "
+        "wt[i,j,o2,h2,w2], 0), o2, h2, w2)",
+        {"wt": (2, 3, 4, 3, 3)},
+        attrs={"H": 3, "W": 3},
+        ranges={"k": "ind.shape[3]", "o": "wt.shape[2]", "h": "H", "w": "W"},
+        sizes={"k": 4, "o": 4, "h": 3, "w": 3},
+        index_inputs={"ind": ((4, 3, 3, 4), -40, 80)},
+        fd_directions=4,
+    ),
+    # the plane written transposed (y[b,j,i]), a weight, a literal stride equal to the
+    # range
+    "transposed_with_a_weight": Case(
+        "y[b,j,i,f] = sum(where(pos[b,n] == i*3 + j, x[b,n,f] * w[f], 0), n)",
+        {"x": (2, 9, 2), "w": (2,)},
+        ranges={"i": "2", "j": "3"},
+        sizes={"i": 2, "j": 3},
+        index_inputs={"pos": ((2, 9), -1, 8)},
+    ),
+    # a scatter max into a grid (PointPillars' pillar max); empty cells are -inf, so no
+    # finite differences through them (TF autodiff still checks every gradient)
+    "scatter_max_into_a_grid": Case(
+        "y[b,i,j,f] = max(where(pos[b,n] == i*W + j, x[b,n,f], -inf), n)",
+        {"x": (2, 9, 3)},
+        attrs={"H": 2, "W": 3},
+        ranges={"i": "H", "j": "W"},
+        sizes={"i": 2, "j": 3},
+        index_inputs={"pos": ((2, 9), -1, 7)},
+        finite_differences=False,
+    ),
+}
+
+# Strides that are not the sizes inside: the composite may alias (W = 2 < |j| = 3 sends
+# (0, 2) and (1, 0) to one id), so these keep the dense mask, exact as written.
+DENSE = {
+    "stride_not_the_range": Case(
+        "y[b,i,j] = sum(where(pos[b,n] == i*W + j, x[b,n], 0), n)",
+        {"x": (2, 9)},
+        attrs={"W": 2},
+        ranges={"i": "2", "j": "3"},
+        sizes={"i": 2, "j": 3},
+        index_inputs={"pos": ((2, 9), -1, 7)},
+    ),
+    "outer_stride_not_the_product": Case(
+        "y[o,h,w] = sum(where(pos[n] == (o*H + h)*W + w, x[n], 0), n)",
+        {"x": (11,)},
+        attrs={"H": 2, "W": 2},
+        ranges={"o": "2", "h": "H + 1", "w": "W"},
+        sizes={"o": 2, "h": 3, "w": 2},
+        index_inputs={"pos": ((11,), -1, 13)},
+    ),
+}
+
+
+def _bodies(case: Case, name: str):
+    text = module_text(op_spec(case, name), "test.toml")
+    tree = ast.parse(text)
+    return tuple(
+        ast.get_source_segment(text, node)
+        for wanted in ("_compute", "_backward")
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == wanted
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_composite_id_is_a_segment_and_exact(name, tmp_path):
+    """TF: a segment reduction forward, a read at the ids backward, no `==` mask; forward
+    and every gradient path against TF autodiff over the reference evaluator (and finite
+    differences where the outputs are finite)."""
+    case = CASES[name]
+    compute, backward = _bodies(case, "Composite")
+    assert "segment_sum(" in compute or "segment_max(" in compute
+    assert "gather(" in backward
+    for body in (compute, backward):
+        # a max's ties compare each value with the max read at its id, nothing else
+        compared = [line for line in body.splitlines() if "==" in line or "tf.equal" in line]
+        assert all("_gather(" in line for line in compared), compared
+    check(case, generate(case, tmp_path, prefix="Composite"))
+
+
+@pytest.mark.parametrize("target", ["pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_composite_id_in_every_target(name, target, tmp_path):
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    from target_harness import check_target, generate_for
+
+    if target == "pytorch":
+        from test_target_pytorch import TORCH as framework
+    else:
+        from test_target_jax import JAX as framework
+    case = CASES[name]
+    check_target(case, generate_for(case, target, tmp_path), framework)
+
+
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_a_stride_that_may_alias_keeps_the_dense_mask(name, tmp_path):
+    case = DENSE[name]
+    compute, _ = _bodies(case, "Aliased")
+    assert "segment_sum(" not in compute and "==" in compute
+    check(case, generate(case, tmp_path, prefix="Aliased"))
+
+
+def test_ids_past_either_end_add_nothing(tmp_path):
+    """max_unpool2d at ids -1, H*W and beyond, and 0: only the in-plane ones land (summed
+    where two share a position); their gradients read the plane there, the others 0."""
+    case = CASES["max_unpool2d"]
+    module = generate(case, tmp_path, prefix="Unpool")
+    x = np.arange(1.0, 5.0).reshape(1, 1, 2, 2)
+    idx = np.array([[[[-1, 0], [42, 0]]]], np.int32)  # H*W = 42: one past the plane
+    y = module.forward(idx, x, H=6, W=7).numpy()
+    want = np.zeros((1, 1, 6, 7))
+    want[0, 0, 0, 0] = 2.0 + 4.0
+    np.testing.assert_array_equal(y, want)
+    g = np.arange(42.0).reshape(1, 1, 6, 7) + 1
+    (_, gx) = module.vjp(idx, x, g, H=6, W=7)
+    np.testing.assert_array_equal(gx.numpy(), [[[[0.0, 1.0], [0.0, 1.0]]]])
