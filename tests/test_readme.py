@@ -40,7 +40,7 @@ def assert_in_order(excerpt: str, text: str) -> None:
 def test_readme_opens_with_the_two_setup_commands():
     sh = blocks("sh")
     assert sh[0].endswith("symgrad generate")
-    assert sh[1].endswith("python -m pytest -q")
+    assert sh[1].endswith("python -m pytest -q -n 2 --dist loadfile")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert sh[1] in ci, "CI must run README's test command"
 
