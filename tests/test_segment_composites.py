@@ -48,6 +48,18 @@ CASES = {
         sizes={"i": 2, "j": 3},
         index_inputs={"pos": ((2, 9), -1, 8)},
     ),
+    # mmdet3d's PointPillarsScatter: each pillar's features written at its flat canvas
+    # position cy*NX + cx (the id itself an expression of two index tensors; a cx past
+    # NX lands in the next row, as the flat index the kernel computes does)
+    "pointpillars_scatter": Case(
+        "y[b,c,i,j] = sum(where(cy[b,p]*NX + cx[b,p] == i*NX + j, v[b,p,c], 0), p)",
+        {"v": (2, 7, 3)},
+        attrs={"NX": 4, "NY": 3},
+        ranges={"i": "NY", "j": "NX"},
+        sizes={"i": 3, "j": 4},
+        index_inputs={"cy": ((2, 7), -1, 4), "cx": ((2, 7), -1, 5)},
+        fd_directions=4,
+    ),
     # a scatter max into a grid (PointPillars' pillar max); empty cells are -inf, so no
     # finite differences through them (TF autodiff still checks every gradient)
     "scatter_max_into_a_grid": Case(

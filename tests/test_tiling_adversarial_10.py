@@ -630,12 +630,15 @@ def test_empty_axes_at_a_one_byte_budget(name, target, tmp_path):
 # -------------------------------------------------------------------- unknown sizes
 
 
-@pytest.mark.parametrize("name", ["causal_product", "mmcv_correlation", "tin_shift"])
+@pytest.mark.parametrize(
+    "name", ["active_rotated_filter", "causal_product", "mmcv_correlation", "tin_shift"]
+)
 def test_unknown_sizes_under_tf_function_in_chunks(name, tmp_path):
     """Every size unknown when tf.function traces (tin_shift's group size from two
     shapes, the correlation's output size from the input's, its kernel, stride and
     padding; the causal product's mask over queries and keys, its other indices summed
-    inside it): forward and vjp at a 1-byte budget equal the untiled module run eagerly.
+    inside it; active_rotated_filter's cell of O x H x W positions and its rows per
+    rotation): forward and vjp at a 1-byte budget equal the untiled module run eagerly.
     Traced without AutoGraph: the generated code runs in a graph as written."""
     case, (named, attrs, _) = REAL[name], _kernel_inputs(name, np.random.default_rng(10))
     module = generate(case, tmp_path, prefix="Unknown10")
