@@ -73,6 +73,42 @@ CASES = {
     ),
 }
 
+# The composite summed: a read of the plane at each flat id (CenterNet's
+# _transpose_and_gather_feat: the features at the top-K centres, ind = y*W + x), its
+# gradient a segment sum into the plane
+READS = {
+    "centernet_gather_feat": Case(
+        "y[b,k,c] = sum(where(ind[b,k] == i*W + j, feat[b,c,i,j], 0), i, j)",
+        {"feat": (2, 3, 4, 5)},
+        attrs={"W": 5},
+        ranges={"j": "W"},
+        index_inputs={"ind": ((2, 6), -2, 23)},
+    ),
+}
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(READS))
+def test_a_composite_id_summed_is_a_read_of_the_plane(name, target, tmp_path):
+    """A gather forward and a segment sum backward, no `==` mask; TF against autodiff
+    and finite differences, PyTorch and JAX against their harness."""
+    case = READS[name]
+    if target == "tensorflow":
+        compute, backward = _bodies(case, "CompositeRead")
+        assert "_gather(" in compute and "segment_sum(" in backward
+        assert "==" not in compute and "==" not in backward
+        check(case, generate(case, tmp_path, prefix="CompositeRead"))
+        return
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    from target_harness import check_target, generate_for
+
+    if target == "pytorch":
+        from test_target_pytorch import TORCH as framework
+    else:
+        from test_target_jax import JAX as framework
+    check_target(case, generate_for(case, target, tmp_path), framework)
+
+
 # Strides that are not the sizes inside: the composite may alias (W = 2 < |j| = 3 sends
 # (0, 2) and (1, 0) to one id), so these keep the dense mask, exact as written.
 DENSE = {
