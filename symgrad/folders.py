@@ -32,7 +32,8 @@ def output_folder(spec: Spec, target: str = "tensorflow") -> Path:
     if not resolved.is_relative_to(base.resolve()):
         raise SymgradError(
             f"{key} {shown} leads outside the spec's folder through a symbolic link "
-            f"(to {_show(str(resolved), 80)}); use --out to write there",
+            # whole (repr: one line): the path to pass as --out, however deep it lies
+            f"(to {str(resolved)!r}); use --out to write there",
             where=spec.path,
         )
     inside = PurePath(resolved.relative_to(base.resolve()))
