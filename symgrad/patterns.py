@@ -33,7 +33,10 @@ class Convolution:
 
     A formula without a batch axis b, an input channel c or an output channel o is the
     same convolution with a unit axis in its place (`batch`, `channel`, `out_channel`
-    None): `y[b,i] = Σ_k x[b,i+k] * w[k]` is one with c and o of size one."""
+    None): `y[b,i] = Σ_k x[b,i+k] * w[k]` is one with c and o of size one. x and w may
+    hold their axes in any order (PyTorch's NCHW and OIHW: `x[b,c,i+u,j+v] * w[o,c,u,v]`):
+    `x_axes` and `w_axes` say where each axis of the kernels' layout lies, and lowering
+    transposes them into it (and the gradients back)."""
 
     gather: str  # the gather level it replaces
     consumer: str  # the level whose term it is
@@ -43,17 +46,15 @@ class Convolution:
     channel: Index | None  # c, summed
     out_channel: Index | None  # o
     spatial: tuple[Spatial, ...]
+    # x's axis holding each of (b, i.., c), w's holding each of (k.., c, o); None: a unit axis
+    x_axes: tuple[int | None, ...]
+    w_axes: tuple[int | None, ...]
 
     @property
     def indices(self) -> tuple[Index, ...]:
         """The axes of the result, as the formula has them (no unit axes)."""
         full = (self.batch, *(s.output for s in self.spatial), self.out_channel)
         return tuple(i for i in full if i is not None)
-
-    @property
-    def first_spatial(self) -> int:
-        """The axis of x that holds the first spatial axis."""
-        return 0 if self.batch is None else 1
 
 
 def convolutions(program: Program) -> dict[str, Convolution]:
@@ -80,16 +81,14 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
     rank = len(g.positions)
     if not g.computed or g.source in program.index_inputs:
         return None
-    first, last = g.computed[0], g.computed[-1]
-    spatial_rank = last - first + 1
-    if g.computed != tuple(range(first, last + 1)) or not 1 <= spatial_rank <= 3:
+    spatial_rank = len(g.computed)
+    if not 1 <= spatial_rank <= 3:
         return None
-    if first > 1 or rank - 1 - last > 1:
-        return None  # at most a batch axis before the window and a channel after it
-    batch = g.positions[0] if first == 1 else None
-    channel = g.positions[-1] if last == rank - 2 else None
-    plain = [i for i in (batch, channel) if i is not None]
-    if not all(indexing.is_plain(i) for i in plain) or len(set(plain)) != len(plain):
+    plain_axes = [a for a in range(rank) if a not in g.computed]
+    plain = [g.positions[a] for a in plain_axes]
+    if len(plain) > 2 or not all(indexing.is_plain(i) for i in plain):
+        return None
+    if len(set(plain)) != len(plain):
         return None
     term = consumer.terms[n]
     factors = sp.Mul.make_args(term.expr)
@@ -106,20 +105,22 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
     if filter_name == g.source or tuple(read.indices) != gather.indices:
         return None
     w = tuple(weights.indices)
-    if len(set(w)) != len(w) or len(w) < spatial_rank:
+    if len(set(w)) != len(w) or len(w) < spatial_rank or not all(indexing.is_plain(k) for k in w):
         return None
-    rest_w = w[spatial_rank:]
-    if channel is not None:
-        if not rest_w or rest_w[0] != channel:
-            return None
-        rest_w = rest_w[1:]
-    if len(rest_w) > 1:
+    # x's plain axes: the input channel is summed with w, the batch is not read by w
+    channels = [i for i in plain if i in w]
+    batches = [i for i in plain if i not in w]
+    if len(channels) > 1 or len(batches) > 1:
         return None
-    out_channel = rest_w[0] if rest_w else None
+    channel = channels[0] if channels else None
+    batch = batches[0] if batches else None
     spatial = []
-    for axis in range(first, last + 1):
+    for axis in g.computed:
         position = sp.expand(g.positions[axis])
-        window = w[axis - first]
+        windows = [k for k in w if k in position.free_symbols]
+        if len(windows) != 1:
+            return None
+        (window,) = windows
         if position.coeff(window) != 1:
             return None  # dilated: TF's CPU backprop kernels refuse dilations > 1
         rest = position - window
@@ -137,6 +138,10 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
             return None
         spatial.append(Spatial(output, window, stride, offset))
     windows = {s.window for s in spatial}
+    rest_w = [k for k in w if k not in windows and k != channel]
+    if len(rest_w) > 1:
+        return None
+    out_channel = rest_w[0] if rest_w else None
     summed = windows | ({channel} if channel is not None else set())
     if set(term.summed) != summed or len(windows) != spatial_rank:
         return None
@@ -146,6 +151,16 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
         return None
     if set(consumer.indices) != set(expected) or len(consumer.indices) != len(expected):
         return None
+    x_axes = (
+        None if batch is None else g.positions.index(batch),
+        *g.computed,
+        None if channel is None else g.positions.index(channel),
+    )
+    w_axes = (
+        *(w.index(s.window) for s in spatial),
+        None if channel is None else w.index(channel),
+        None if out_channel is None else w.index(out_channel),
+    )
     return Convolution(
         gather.name,
         consumer.name,
@@ -155,6 +170,8 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
         channel,
         out_channel,
         tuple(spatial),
+        x_axes,
+        w_axes,
     )
 
 

@@ -98,7 +98,6 @@ REAL = {
         ("compute_deltas", "tensorflow"),
         ("causal_conv1d_silu", "pytorch"),
         ("segment_softmax", "tensorflow"),
-        ("masked_conv2d", "pytorch"),
         ("modulated_conv_demod", "tensorflow"),
         ("fir_full", "pytorch"),
     ],

@@ -49,10 +49,30 @@ class Kernels:
             )
             return self.without_units(body, value, self.unit_axes(conv, "y")), conv.indices
         if other.base.label.name == grad_name(conv.consumer):  # ∂L/∂w
+            if len(out) != len(conv.w_axes) - len(self.unit_axes(conv, "w")):
+                return None
             grad = self.conv_grad(body, conv, other)
             value = self.backprop(body, conv, grad, filter_gradient=True)
-            return self.without_units(body, value, self.unit_axes(conv, "w")), out
+            value = self.without_units(body, value, self.unit_axes(conv, "w"))
+            # the kernel's (k.., c, o), as w's own axes (`out` is w's order)
+            return value, tuple(out[a] for a in conv.w_axes if a is not None)
         return None
+
+    @staticmethod
+    def to_layout(value: ir.Expr, axes: tuple[int | None, ...]) -> ir.Expr:
+        """A tensor whose axis `axes[k]` holds axis k of the kernels' layout (None: a unit
+        axis, added later), its axes in that order."""
+        present = tuple(a for a in axes if a is not None)
+        labels = tuple(Index(f"_axis{k}") for k in range(len(present)))
+        return align(value, labels, tuple(labels[a] for a in present))
+
+    @staticmethod
+    def from_layout(value: ir.Expr, axes: tuple[int | None, ...]) -> ir.Expr:
+        """The inverse of `to_layout`: a tensor in the kernels' layout (no unit axes) with
+        its axes where the source has them."""
+        present = tuple(a for a in axes if a is not None)
+        labels = tuple(Index(f"_axis{k}") for k in range(len(present)))
+        return align(value, tuple(labels[a] for a in present), labels)
 
     @staticmethod
     def unit_axes(conv, tensor: str) -> tuple[int, ...]:
@@ -86,7 +106,7 @@ class Kernels:
 
     def full_filter(self, body: _Body, conv) -> ir.Expr:
         """w in the kernels' layout (spatial.., in, out), unit channels added."""
-        weights: ir.Expr = ir.Var(body.tensors[conv.filter])
+        weights: ir.Expr = self.to_layout(ir.Var(body.tensors[conv.filter]), conv.w_axes)
         return self.with_units(weights, self.unit_axes(conv, "w"), len(conv.spatial) + 2)
 
     def conv_grad(self, body: _Body, conv, grad: sp.Indexed | None = None) -> ir.Expr:
@@ -117,8 +137,8 @@ class Kernels:
         stride*i + k + offset, i < count, k < taps (the `axes` of `conv_window`)."""
         rows = []
         for n, spatial in enumerate(conv.spatial):
-            size = self.axis_size(body, conv.source, conv.first_spatial + n)
-            taps = self.axis_size(body, conv.filter, n)
+            size = self.axis_size(body, conv.source, conv.x_axes[1 + n])
+            taps = self.axis_size(body, conv.filter, conv.w_axes[n])
             count = self.index_size(body, spatial.output)
             parts = (ir.Var(size), ir.Var(taps), ir.Var(count))
             rows.append(ir.List((*parts, integer(spatial.stride), integer(spatial.offset))))
@@ -136,7 +156,7 @@ class Kernels:
     def window(self, body: _Body, conv, axes: ir.List) -> ir.Expr:
         """x in the kernels' layout (unit axes added), padded with zeros or cropped to
         exactly the window the outputs read, unless the kernel's padding reads it."""
-        x: ir.Expr = ir.Var(body.tensors[conv.source])
+        x: ir.Expr = self.to_layout(ir.Var(body.tensors[conv.source]), conv.x_axes)
         x = self.with_units(x, self.unit_axes(conv, "x"), len(conv.spatial) + 2)
         if not _is_simple(x):
             x = ir.Var(body.bind(x))
@@ -185,7 +205,8 @@ class Kernels:
         value = ir.Var(body.bind(value))
         axes = ir.Var(body.bind(self.conv_axes(body, conv)))
         value = ir.Call("conv_unwindow", (value, axes))
-        return self.without_units(body, value, self.unit_axes(conv, "x"))
+        value = self.without_units(body, value, self.unit_axes(conv, "x"))
+        return self.from_layout(value, conv.x_axes)
 
     def prefix_sum(self, body, e, summed, out, eyes):
         """`Σ_k where(k <= i, h[k], 0)` is `tf.cumsum(h)` read at i: O(n), not an n×n
