@@ -145,3 +145,11 @@ def frameworks() -> dict[str, Framework]:
         ),
         "jax": Framework("jax", tensor=jnp.asarray, numpy=np.asarray, autodiff=_jax_autodiff),
     }
+
+
+def check_in_target(case: Case, target: str, folder: Path) -> None:
+    """`check_target` of `case`'s module for `target` ("pytorch" or "jax")."""
+    import pytest
+
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    check_target(case, generate_for(case, target, folder), frameworks()[target])

@@ -12,6 +12,7 @@ import ast
 import numpy as np
 import pytest
 from harness import Case, check, generate, op_spec
+from target_harness import check_in_target
 
 from symgrad.pipeline import module_text
 
@@ -99,14 +100,7 @@ def test_a_composite_id_summed_is_a_read_of_the_plane(name, target, tmp_path):
         assert "==" not in compute and "==" not in backward
         check(case, generate(case, tmp_path, prefix="CompositeRead"))
         return
-    pytest.importorskip("torch" if target == "pytorch" else "jax")
-    from target_harness import check_target, generate_for
-
-    if target == "pytorch":
-        from test_target_pytorch import TORCH as framework
-    else:
-        from test_target_jax import JAX as framework
-    check_target(case, generate_for(case, target, tmp_path), framework)
+    check_in_target(case, target, tmp_path)
 
 
 # Strides that are not the sizes inside: the composite may alias (W = 2 < |j| = 3 sends
@@ -161,15 +155,7 @@ def test_a_composite_id_is_a_segment_and_exact(name, tmp_path):
 @pytest.mark.parametrize("target", ["pytorch", "jax"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_composite_id_in_every_target(name, target, tmp_path):
-    pytest.importorskip("torch" if target == "pytorch" else "jax")
-    from target_harness import check_target, generate_for
-
-    if target == "pytorch":
-        from test_target_pytorch import TORCH as framework
-    else:
-        from test_target_jax import JAX as framework
-    case = CASES[name]
-    check_target(case, generate_for(case, target, tmp_path), framework)
+    check_in_target(CASES[name], target, tmp_path)
 
 
 @pytest.mark.parametrize("name", sorted(DENSE))
