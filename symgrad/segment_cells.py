@@ -97,13 +97,13 @@ def find(expr: sp.Expr, ids, order=(), sizes=None) -> Cell | None:
         return None
     if set(at) & set(n):
         return None
-    rank = {index: position for position, index in enumerate(order)}
-    pairs.sort(key=lambda p: (rank.get(p[1], len(rank)), sp.default_sort_key(p[1])))
+    place = _places(order)
+    pairs.sort(key=lambda p: place(p[1]))
     at = tuple(v for _, v in pairs)
     # the ids paired with their indices: the same ids compared with other indices (another
     # output's cell, of other sizes) are other cell ids
     names = "_".join(f"{a.base.label.name}_{v.name}" for a, v in pairs)
-    key = Index(f"{CELL}_{'_'.join(v.name for v in at)}")
+    key = _key(at)
     access = sp.IndexedBase(f"{CELL}_{names}", real=True)[n]
     return Cell(condition, tuple(a for a, _ in pairs), at, key, access)
 
@@ -127,14 +127,23 @@ def composite(expr: sp.Expr, ids, order, sizes) -> Cell | None:
         n = _indices_of(value)
         if not n or set(n) & set(at):
             return None
-        rank = {index: place for place, index in enumerate(order)}
-        n = tuple(sorted(n, key=lambda i: (rank.get(i, len(rank)), sp.default_sort_key(i))))
+        n = tuple(sorted(n, key=_places(order)))
         digest = hashlib.sha256(sp.srepr(equality).encode()).hexdigest()[:8]
         names = "_".join(sorted({a.base.label.name for a in value.atoms(sp.Indexed)}))
-        key = Index(f"{CELL}_{'_'.join(v.name for v in at)}")
         access = sp.IndexedBase(f"{CELL}_{names}_{digest}", real=True)[n]
-        return Cell(equality, (), at, key, access, value)
+        return Cell(equality, (), at, _key(at), access, value)
     return None
+
+
+def _places(order):
+    """A sort key: an index's place in `order` (those not in it after, by name)."""
+    rank = {index: place for place, index in enumerate(order)}
+    return lambda i: (rank.get(i, len(rank)), sp.default_sort_key(i))
+
+
+def _key(at: tuple[Index, ...]) -> Index:
+    """The composite index of a cell over `at`."""
+    return Index(f"{CELL}_{'_'.join(v.name for v in at)}")
 
 
 def _row_major(position: sp.Expr, sizes) -> tuple[Index, ...] | None:

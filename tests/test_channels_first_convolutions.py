@@ -5,13 +5,13 @@ gradients back), never the gathered window (9x x for a 3 x 3 filter) tiled in ch
 
 from __future__ import annotations
 
-import ast
 import re
 
 import numpy as np
 import pytest
 from harness import Case, check, generate, op_spec
 from target_harness import check_in_target
+from test_segment_extrema import _bodies
 
 from symgrad.pipeline import module_text
 
@@ -85,16 +85,10 @@ GATHERS = {
 }
 
 
-def _bodies(case: Case, target: str = "tensorflow") -> tuple[str, str, str]:
+def _text_and_bodies(case: Case, target: str = "tensorflow") -> tuple[str, str, str]:
     """The module's text, its `_compute` and its `_backward`."""
     text = module_text(op_spec(case, "ChannelsFirst"), "test.toml", target)
-    tree = ast.parse(text)
-    found = {
-        node.name: ast.get_source_segment(text, node)
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef)
-    }
-    return text, found["_compute"], found["_backward"]
+    return (text, *_bodies(text))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -103,7 +97,7 @@ def test_a_convolution_in_any_layout_is_the_kernel(name, tmp_path):
     chunks; forward and every gradient path against TF autodiff over the reference
     evaluator and finite differences."""
     case = CASES[name]
-    text, compute, backward = _bodies(case)
+    text, compute, backward = _text_and_bodies(case)
     assert "_convolution(" in compute and "Backprop" in backward
     assert "_tile_plan" not in text
     for body in (compute, backward):  # x is never gathered (masked_conv2d's mask is)
@@ -115,7 +109,7 @@ def test_a_convolution_in_any_layout_is_the_kernel(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_convolution_in_any_layout_in_every_target(name, target, tmp_path):
     case = CASES[name]
-    _, compute, _ = _bodies(case, target)
+    _, compute, _ = _text_and_bodies(case, target)
     assert "_convolution(" in compute and not re.search(r"gather\(x\b", compute)
     check_in_target(case, target, tmp_path)
 
@@ -123,7 +117,7 @@ def test_a_convolution_in_any_layout_in_every_target(name, target, tmp_path):
 @pytest.mark.parametrize("name", sorted(GATHERS))
 def test_a_depthwise_or_dilated_window_stays_an_exact_gather(name, tmp_path):
     case = GATHERS[name]
-    _, compute, _ = _bodies(case)
+    _, compute, _ = _text_and_bodies(case)
     assert "_convolution(" not in compute and "gather(" in compute
     check(case, generate(case, tmp_path, prefix="NotAKernel"))
 

@@ -7,12 +7,11 @@ exact as written."""
 
 from __future__ import annotations
 
-import ast
-
 import numpy as np
 import pytest
 from harness import Case, check, generate, op_spec
 from target_harness import check_in_target
+from test_segment_extrema import _bodies
 
 from symgrad.pipeline import module_text
 
@@ -95,7 +94,7 @@ def test_a_composite_id_summed_is_a_read_of_the_plane(name, target, tmp_path):
     and finite differences, PyTorch and JAX against their harness."""
     case = READS[name]
     if target == "tensorflow":
-        compute, backward = _bodies(case, "CompositeRead")
+        compute, backward = _case_bodies(case, "CompositeRead")
         assert "_gather(" in compute and "segment_sum(" in backward
         assert "==" not in compute and "==" not in backward
         check(case, generate(case, tmp_path, prefix="CompositeRead"))
@@ -125,15 +124,9 @@ DENSE = {
 }
 
 
-def _bodies(case: Case, name: str):
-    text = module_text(op_spec(case, name), "test.toml")
-    tree = ast.parse(text)
-    return tuple(
-        ast.get_source_segment(text, node)
-        for wanted in ("_compute", "_backward")
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef) and node.name == wanted
-    )
+def _case_bodies(case: Case, name: str):
+    """The TF module's `_compute` and `_backward`."""
+    return _bodies(module_text(op_spec(case, name), "test.toml"))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -142,7 +135,7 @@ def test_a_composite_id_is_a_segment_and_exact(name, tmp_path):
     and every gradient path against TF autodiff over the reference evaluator (and finite
     differences where the outputs are finite)."""
     case = CASES[name]
-    compute, backward = _bodies(case, "Composite")
+    compute, backward = _case_bodies(case, "Composite")
     assert "segment_sum(" in compute or "segment_max(" in compute
     assert "gather(" in backward
     for body in (compute, backward):
@@ -161,7 +154,7 @@ def test_a_composite_id_in_every_target(name, target, tmp_path):
 @pytest.mark.parametrize("name", sorted(DENSE))
 def test_a_stride_that_may_alias_keeps_the_dense_mask(name, tmp_path):
     case = DENSE[name]
-    compute, _ = _bodies(case, "Aliased")
+    compute, _ = _case_bodies(case, "Aliased")
     assert "segment_sum(" not in compute and "==" in compute
     check(case, generate(case, tmp_path, prefix="Aliased"))
 

@@ -49,7 +49,7 @@ class Kernels:
             )
             return self.without_units(body, value, self.unit_axes(conv, "y")), conv.indices
         if other.base.label.name == grad_name(conv.consumer):  # ∂L/∂w
-            if len(out) != len(conv.w_axes) - len(self.unit_axes(conv, "w")):
+            if len(out) != sum(a is not None for a in conv.w_axes):
                 return None
             grad = self.conv_grad(body, conv, other)
             value = self.backprop(body, conv, grad, filter_gradient=True)
@@ -62,17 +62,15 @@ class Kernels:
     def to_layout(value: ir.Expr, axes: tuple[int | None, ...]) -> ir.Expr:
         """A tensor whose axis `axes[k]` holds axis k of the kernels' layout (None: a unit
         axis, added later), its axes in that order."""
-        present = tuple(a for a in axes if a is not None)
-        labels = tuple(Index(f"_axis{k}") for k in range(len(present)))
-        return align(value, labels, tuple(labels[a] for a in present))
+        own, kernel = _layout_labels(axes)
+        return align(value, own, kernel)
 
     @staticmethod
     def from_layout(value: ir.Expr, axes: tuple[int | None, ...]) -> ir.Expr:
         """The inverse of `to_layout`: a tensor in the kernels' layout (no unit axes) with
         its axes where the source has them."""
-        present = tuple(a for a in axes if a is not None)
-        labels = tuple(Index(f"_axis{k}") for k in range(len(present)))
-        return align(value, tuple(labels[a] for a in present), labels)
+        own, kernel = _layout_labels(axes)
+        return align(value, kernel, own)
 
     @staticmethod
     def unit_axes(conv, tensor: str) -> tuple[int, ...]:
@@ -232,6 +230,14 @@ class Kernels:
             keywords.append(("reverse", ir.Lit("True")))
         total = ir.Call("cumsum", (value,), tuple(keywords))
         return total, tuple(i if j == k else j for j in axes)
+
+
+def _layout_labels(axes: tuple[int | None, ...]):
+    """Labels of a tensor's own axes, and the same labels in the kernels' layout (`axes[k]`
+    the tensor's axis holding the layout's axis k; None, a unit axis, skipped)."""
+    present = tuple(a for a in axes if a is not None)
+    own = tuple(Index(f"_axis{k}") for k in range(len(present)))
+    return own, tuple(own[a] for a in present)
 
 
 def prefix_sum_form(e: sp.Expr, summed, out, same_size):

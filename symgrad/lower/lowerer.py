@@ -108,6 +108,15 @@ class Lowerer(
         body.sizes[var] = source
         return var
 
+    def size_product(self, body: _Body, indices) -> ir.Expr:
+        """The number of positions of `indices` together (1 for none): a count written
+        out, where a reshape's -1 is ambiguous beside an empty axis."""
+        count: ir.Expr = ir.Lit("1")
+        for k, index in enumerate(indices):
+            size = ir.Var(self.index_size(body, index))
+            count = size if k == 0 else ir.Binary("*", count, size)
+        return count
+
     def position_int(self, size: ir.Expr) -> ir.Expr:
         """A size as an integer of the positions' dtype: int64 when index tensors take
         part (an int64 id must not wrap around in int32 arithmetic), else as it is."""

@@ -66,11 +66,7 @@ class SegmentCells:
 
     def cell_size(self, body: _Body, key: Index) -> str:
         """The size of a cell's key: the product of its coordinates' sizes."""
-        total: ir.Expr | None = None
-        for i in self.cell_keys[key]:
-            size = ir.Var(self.index_size(body, i))
-            total = size if total is None else ir.Binary("*", total, size)
-        return body.bind(total)
+        return body.bind(self.size_product(body, self.cell_keys[key]))
 
     def _bind_cell(self, body: _Body, cell: Cell, flat: Flat) -> None:
         """The cell ids (-1 where a coordinate is out of its range, or a composite

@@ -106,14 +106,6 @@ class Segments:
         flat = ir.Var(body.bind(ir.Call("reshape", (raw, ir.List((ir.Lit("-1"),))))))
         return flat, ir.Var(body.bind(in_range(flat, size)))
 
-    def _count(self, body: _Body, indices) -> ir.Expr:
-        """The number of positions of `indices` together (1 for none)."""
-        count: ir.Expr = ir.Lit("1")
-        for i, index in enumerate(indices):
-            size = ir.Var(self.index_size(body, index))
-            count = size if i == 0 else ir.Binary("*", count, size)
-        return count
-
     def _segment_sum(self, body, rest, ids, v, summed, out, rows=None):
         """Σ_n where(ids[n..] == v, 1, 0) · local(n, ..) · table(v, ..): the local factors
         added at row ids[n..], times the factors over v (which read no n). `rows`, when
@@ -131,14 +123,13 @@ class Segments:
         value, axes = self.contract(body, local, inner, (*n, *others), ())
         data = self.full(body, value, axes, (*n, *others))
         # rows counted, not -1: PyTorch refuses -1 beside an empty axis (ambiguous)
-        shape = ir.List((self._count(body, n), *(ir.Var(self.index_size(body, i)) for i in others)))
+        shape = ir.List(
+            (self.size_product(body, n), *(ir.Var(self.index_size(body, i)) for i in others))
+        )
         data = ir.Call("reshape", (data, shape))
         flat, valid = self._ids(body, ids, v, batch) if rows is None else rows[1:]
         dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
-        count: ir.Expr = ir.Var(self.index_size(body, v))
-        for b in batch:
-            count = ir.Binary("*", ir.Var(self.index_size(body, b)), count)
-        total = ir.Call("segment_sum", (data, dropped, count))
+        total = ir.Call("segment_sum", (data, dropped, self.size_product(body, (*batch, v))))
         if batch:
             sizes = (*batch, v, *others)
             shape = ir.List(tuple(ir.Var(self.index_size(body, i)) for i in sizes))
@@ -172,7 +163,7 @@ class Segments:
         value, axes = self.contract(body, table_expr, (), (*batch, v, *others), ())
         table_rows = self.full(body, value, axes, (*batch, v, *others))
         if batch:
-            rows_of = self._count(body, (*batch, v))
+            rows_of = self.size_product(body, (*batch, v))
             sizes = ir.List((rows_of, *(ir.Var(self.index_size(body, i)) for i in others)))
             table_rows = ir.Call("reshape", (table_rows, sizes))
         # not bound: the rows (grad_y transposed, a copy in TF) are freed once read
