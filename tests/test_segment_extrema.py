@@ -104,15 +104,9 @@ IN_EVERY_TARGET = [(name, "pytorch") for name in sorted(CASES)] + [("batched_seg
 
 @pytest.mark.parametrize(("name", "target"), IN_EVERY_TARGET)
 def test_segment_extrema_in_every_target(name, target, tmp_path):
-    pytest.importorskip("torch" if target == "pytorch" else "jax")
-    from target_harness import check_target, generate_for
+    from target_harness import check_in_target
 
-    if target == "pytorch":
-        from test_target_pytorch import TORCH as framework
-    else:
-        from test_target_jax import JAX as framework
-    case = CASES[name]
-    check_target(case, generate_for(case, target, tmp_path), framework)
+    check_in_target(CASES[name], target, tmp_path)
 
 
 # ------------------------------------------------- against loops over the rows, in NumPy
