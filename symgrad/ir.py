@@ -158,6 +158,12 @@ OPS = {
     "conv_window": "conv_window(x, axes): x itself where conv_padding reads the window, "
     "else x padded with zeros or cropped to it",
     "conv_unwindow": "conv_unwindow(g, axes): the transpose of conv_window, g onto x's shape",
+    # banded windows (bands.py): rows on axis -2, the product's other axes broadcast
+    "band_scores": "band_scores(o, s, offset, count): r[.., i, u] = Σ_c o[.., i, c] "
+    "s[.., i + u + offset, c], zeros outside s",
+    "band_apply": "band_apply(p, s, offset): r[.., i, c] = Σ_u p[.., i, u] s[.., i + u + offset, c]",
+    "band_scatter": "band_scatter(p, o, offset, m): r[.., t, c] = Σ_{i + u + offset = t} "
+    "p[.., i, u] o[.., i, c], t < m",
     "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
     "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
     "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import sympy as sp
 
-from . import block_reads, ir, output_temps, patterns, sampled_temps, splits
+from . import bands, block_reads, ir, output_temps, patterns, sampled_temps, splits
 from . import functions as fn
 from .indexing import IOTA, on_indices
 from .lower import masked_sums
@@ -81,6 +81,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
+    kernels = {**kernels, **bands.bands(program)}  # and windows the band kernels read
     sizes = size_sources(program)
 
     def same(i: Index, k: Index) -> bool:
@@ -131,7 +132,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
 def _output_sized(program: Program) -> list[tuple[Index, ...]]:
     """The sets of outputs larger than every input, computed in several steps
     (`output_temps`), but a convolution kernel's gathers (read in place)."""
-    kernels = patterns.convolutions(program)
+    kernels = {**patterns.convolutions(program), **bands.bands(program)}
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     computed = [level for level in levels if level.name not in kernels]
     outputs = [o.level for o in program.outputs]

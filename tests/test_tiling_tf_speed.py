@@ -1,7 +1,7 @@
 """TensorFlow's tiled steps spend their time on the op, not on how a chunk is spelled.
 
 A chunk of one position of a tiled index leaves an einsum summing an axis of one
-position (MemLocalAttention's `grad_q` sums u, its chunks are of one u). TF's einsum
+position (a dilated local attention's `grad_q` sums u, its chunks are of one u). TF's einsum
 transposes the larger operand into a batch of 1 x 1 matrix products for it, 6x slower
 than the product it is; the module's `_einsum` computes that product instead. These
 tests pin the structure (which ops the traced step runs) and the values, not a time.
@@ -20,9 +20,10 @@ from harness import Case, FakeOp, check, generate, load_module, make_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Longformer's sliding-window scores (benchmarks' MemLocalAttention), each index its own size.
+# Longformer's dilated sliding-window scores, each index its own size (undilated, the window
+# is a band: chunked matrix products, no gather and no tiling, tests/test_bands.py).
 LOCAL_ATTENTION = Case(
-    "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + u - w, h, d], d)",
+    "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + 2*u - w, h, d], d)",
     {"q": (2, 7, 3, 5), "k": (2, 7, 3, 5)},
     attrs={"w": 2},
     ranges={"u": "2*w + 1"},

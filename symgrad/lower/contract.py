@@ -53,6 +53,9 @@ class Contraction:
         convolution = self.convolution_term(body, e, out)
         if convolution is not None:
             return [convolution]
+        band = self.band_term(body, e, summed, out, eyes)
+        if band is not None:
+            return [band]
         prefix = self.prefix_sum(body, e, summed, out, eyes)
         if prefix is not None:
             return [prefix]

@@ -234,7 +234,7 @@ class Gathers:
     def reads_rows(self, scatter: Scatter) -> bool:
         """Whether a gather reads whole rows (computed positions on the first axis only,
         like `W[ids[b, t], d]`): its gradient can then be sparse, as TF's Gather's is."""
-        if scatter.level in self.convolutions:
+        if scatter.level in self.convolutions or scatter.level in self.bands:
             return False
         return self.levels[scatter.level].gather.computed == (0,)
 
@@ -309,6 +309,8 @@ class Gathers:
         bounds add nothing), shaped like the source with axes `indices`."""
         if scatter.level in self.convolutions:
             return self.convolution_input_gradient(body, self.convolutions[scatter.level])
+        if scatter.level in self.bands:
+            return self.band_gradient(body, scatter.level, indices)
         level = self.levels[scatter.level]
         blocks = self.blocks(level)
         if blocks is not None:

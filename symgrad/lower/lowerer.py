@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .. import ir, lets, masked_values, patterns, sampling
+from .. import bands, ir, lets, masked_values, patterns, sampling
 from ..derive import Backward, Contribution, Scatter, fresh_indices, grad_name
 from ..model import Index, Level, Program
 from ..notation import gradient_lines
+from .bands import Bands
 from .common import (
     MAX_BROADCAST_RANK,
     _Body,
@@ -40,6 +41,7 @@ class Lowerer(
     Pointwise,
     Contraction,
     Kernels,
+    Bands,
     Gathers,
     MergedScatters,
     SeparableGathers,
@@ -65,6 +67,8 @@ class Lowerer(
         self.preferred = _preferred_letters(program, self.backward)
         # Gathers that are exactly a convolution with the one term reading them.
         self.convolutions = patterns.convolutions(program)
+        # Sliding windows read only by products the band kernels compute (bands.py).
+        self.bands = bands.bands(program)
         # Whether gathers read at sampled (float, floored) positions: int64 positions.
         self.sampled = sampling.samples(program)
         # Set while lowering the operands of one elementwise op whose broadcast patterns
@@ -269,6 +273,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     # Forward: intermediates in order, then outputs.
     fwd = _Body(program, dict(inputs), part="forward")
     for level in program.intermediates:
+        if level.name in lowerer.bands:
+            continue  # never computed: the band kernels read its source
         fwd.tensors[level.name] = level.name
         fwd.bind(lowerer.level(fwd, level), name=level.name)
     outputs = []
@@ -290,7 +296,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     for output in program.outputs:
         bwd.tensors[output.level.name] = output.level.name
     for level in program.intermediates:
-        bwd.tensors[level.name] = level.name
+        if level.name not in lowerer.bands:
+            bwd.tensors[level.name] = level.name
     grads = []
     for output in program.outputs:
         level = output.level
@@ -310,6 +317,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     for name in backward.order:
         if name in lowerer.convolutions:
             continue  # TF's convolution backprop kernels read the consumer's gradient
+        if name in lowerer.bands:
+            continue  # `band_scatter` reads the factors of its gradient
         if name in lowerer.levels and name not in {o.level.name for o in program.outputs}:
             level = lowerer.levels[name]
             gname = grad_name(name)

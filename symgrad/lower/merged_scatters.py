@@ -50,7 +50,7 @@ class MergedScatters:
         positions concatenate along the first axis), reads outside dropped alike
         (`outside_row`); None for a scatter that is lowered
         otherwise."""
-        if scatter.level in self.convolutions:
+        if scatter.level in self.convolutions or scatter.level in self.bands:
             return None
         level = self.levels[scatter.level]
         if self.blocks(level) is not None or splits.reshape_grid(level):

@@ -81,6 +81,9 @@ NAMES = {
     "conv_padding": "_conv_padding",
     "conv_window": "_conv_window",
     "conv_unwindow": "_conv_unwindow",
+    "band_scores": "_band_scores",
+    "band_apply": "_band_apply",
+    "band_scatter": "_band_scatter",
     "fit": "_fit",
 }
 

@@ -101,6 +101,9 @@ PARAMETERS = {
     "conv_padding": ("axes",),
     "conv_window": ("x", "axes"),
     "conv_unwindow": ("g", "axes"),
+    "band_scores": ("o", "s", "offset", "count"),
+    "band_apply": ("p", "s", "offset"),
+    "band_scatter": ("p", "o", "offset", "m"),
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
     "gelu_tanh": ("x",),
@@ -691,6 +694,19 @@ class PyTorchPrinter(Printer):
 
     def call_conv_window(self, args: dict) -> str:
         return f"_conv_window({self.code(args['x'])}, {self.code(args['axes'])})"
+
+    def call_band_scores(self, args: dict) -> str:
+        return self.band("band_scores", args)
+
+    def call_band_apply(self, args: dict) -> str:
+        return self.band("band_apply", args)
+
+    def call_band_scatter(self, args: dict) -> str:
+        return self.band("band_scatter", args)
+
+    def band(self, name: str, args: dict) -> str:
+        """A band kernel (the template's helper), its operands in order."""
+        return f"_{name}({', '.join(self.code(args[p]) for p in PARAMETERS[name])})"
 
     def call_conv_unwindow(self, args: dict) -> str:
         return f"_conv_unwindow({self.code(args['g'])}, {self.code(args['axes'])})"

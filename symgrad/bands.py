@@ -1,0 +1,270 @@
+"""Banded windows: a 1-D sliding window `S[.., i + u + o, ..]` multiplied with one other
+tensor, computed as matrix products of chunks of rows i against the rows of S they read,
+never as the gathered window.
+
+Local attention's scores `Σ_d q[b,i,h,d] · k[b, i + u - w, h, d]` gather a window of k
+that is `U = 2w + 1` times the size of k. Tiled, each chunk still gathers its slice of the
+window and scatters it back: at n = 1024, w = 256 (12 heads of 64, one thread) a training
+step took 5 s in PyTorch and 3.4 s in TF, where one matrix product per chunk of rows takes
+0.09 s. A chunk of `c` rows i (c >= U - 1) reads the rows
+`[c·m + o, c·m + c + U - 1 + o)` of S; the product of the chunk with that slab holds
+every value the chunk needs, on the band `column = row + u` (Longformer's
+`sliding_chunks` matmul does the same by hand).
+
+Three forms read such a window `G[.., i, u, ..]` (i its centre, u its offset):
+- scores: `Σ_C G · O` with O over (batch, i, C) and no u; the result over (batch, i, u)
+  (attention's `q · kᵀ`);
+- apply: `Σ_u G · P` with P over (batch, i, u); the result over (batch, i, cols), cols the
+  axes of S that P lacks (attention's `p · v`);
+- scatter: the window's gradient, a product `P · O` of one tensor over (batch, i, u) and
+  one over (batch, i, cols), added back into the rows of S it read (the transpose).
+The gradient of each form is another form: the window is *banded* when every read of it,
+in the op's formulas and in the contributions of its gradient, is one of them. It is
+then never computed, and tiling counts no temporary for it (`tile.big_sets`): the
+forms hold about twice their own inputs and outputs (`Bands` in lower/bands.py).
+At most one axis of C or of cols: several would need a reshape of S (not done; such a
+window stays a gather).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import sympy as sp
+
+from . import patterns
+from .derive import Backward, derive
+from .model import Index, Level, Program
+
+
+@dataclass(frozen=True)
+class Band:
+    """A gather level read at `centre + offset_index + offset` on one axis of its source."""
+
+    level: str
+    source: str
+    axis: int  # the source's axis read at the computed position
+    centre: Index  # i, the level's index along which rows are chunked
+    offset_index: Index  # u, the window's offset
+    offset: sp.Expr  # o: integer, over attrs, lets and sizes
+
+
+@dataclass(frozen=True)
+class Form:
+    """One read of a band in a product of two tensors (labels as written in the term)."""
+
+    kind: str  # "scores" or "apply"
+    band: Band
+    window: sp.Indexed  # the read of the band
+    other: sp.Indexed  # O (scores) or P (apply)
+    centre: Index
+    offset_index: Index
+    batch: tuple[Index, ...]  # the result's other axes, in the result's order
+    columns: tuple[Index, ...]  # C summed (scores), or cols of S kept (apply): 0 or 1
+    # the label of the window's read at each axis of the source (the band axis: centre)
+    source_labels: tuple[Index, ...]
+
+
+@dataclass(frozen=True)
+class ScatterForm:
+    """A contribution `P · O` to the gradient of a band (labels of its own indices)."""
+
+    band: Band
+    rows: sp.Indexed  # P, over (batch, i, u)
+    values: sp.Indexed  # O, over (batch, i, cols)
+    centre: Index
+    offset_index: Index
+    batch: tuple[Index, ...]  # the summed axes H first, then the window's own
+    columns: tuple[Index, ...]
+    source_labels: tuple[Index, ...]
+
+
+def _windows(program: Program) -> list[tuple[Level, int, Index, Index, sp.Expr]]:
+    """Gathers of an input at `a + b + o` on one axis (a, b two of the level's indices
+    read nowhere else in the position, coefficient 1 each), every other axis read
+    plainly by one index of its own: (level, axis, a, b, o)."""
+    kernels = patterns.convolutions(program)
+    found = []
+    for level in program.intermediates:
+        gather = level.gather
+        if level.kind != "gather" or gather is None or level.name in kernels:
+            continue
+        if gather.source not in program.inputs or gather.source in program.index_inputs:
+            continue
+        if len(gather.computed) != 1:
+            continue
+        (axis,) = gather.computed
+        position = sp.expand(gather.positions[axis])
+        if position.atoms(sp.Indexed) or not position.is_polynomial():
+            continue
+        plain = [p for n, p in enumerate(gather.positions) if n != axis]
+        if not all(isinstance(p, sp.Symbol) and p in level.indices for p in plain):
+            continue
+        pair = [i for i in level.indices if i in position.free_symbols]
+        if len(pair) != 2 or len(set(plain)) != len(plain) or set(pair) & set(plain):
+            continue
+        if set(level.indices) != {*plain, *pair}:
+            continue
+        a, b = pair
+        offset = sp.expand(position - a - b)
+        if offset.free_symbols & set(level.indices):  # coefficients other than 1
+            continue
+        found.append((level, axis, a, b, offset))
+    return found
+
+
+def _labels(band: Band, level: Level, read) -> dict[Index, Index]:
+    """The level's indices -> the labels of a read of it (`read`: an access or labels)."""
+    labels = tuple(read.indices) if isinstance(read, sp.Indexed) else tuple(read)
+    return dict(zip(level.indices, labels, strict=True))
+
+
+def _source_labels(band: Band, level: Level, mapping: dict[Index, Index], program: Program):
+    gather = level.gather
+    return tuple(
+        mapping[band.centre] if n == band.axis else mapping[p]
+        for n, p in enumerate(gather.positions)
+    )
+
+
+def read_form(
+    e: sp.Expr,
+    summed: tuple[Index, ...],
+    out: tuple[Index, ...],
+    band: Band,
+    level: Level,
+    program: Program,
+) -> Form | None:
+    """The form of `Σ_summed e` into `out` when it is a product of a read of the band and
+    one other plain read, as `scores` or `apply`; else None."""
+    factors = sp.Mul.make_args(e)
+    if len(factors) != 2 or not all(isinstance(f, sp.Indexed) for f in factors):
+        return None
+    windows = [f for f in factors if f.base.label.name == band.level]
+    if len(windows) != 1:
+        return None
+    (window,) = windows
+    (other,) = [f for f in factors if f is not window]
+    if other.base.label.name == band.level:
+        return None
+    if len(set(window.indices)) != len(window.indices):
+        return None
+    if len(set(other.indices)) != len(other.indices):
+        return None
+    if not all(isinstance(i, sp.Symbol) for i in (*window.indices, *other.indices)):
+        return None
+    mapping = _labels(band, level, window)
+    i, u = mapping[band.centre], mapping[band.offset_index]
+    rest = tuple(mapping[p] for p in level.indices if p not in (band.centre, band.offset_index))
+    mine, theirs = set(rest), set(other.indices)
+    if len(set(summed)) != len(summed) or len(set(out)) != len(out):
+        return None
+    source_labels = _source_labels(band, level, mapping, program)
+    if u not in theirs:  # scores: Σ_C G[.., i, u, ..] · O[.., i, ..]
+        columns = tuple(summed)
+        batch = tuple(j for j in out if j not in (i, u) and j in mine | theirs)
+        if i not in theirs or i not in out or u not in out or len(columns) > 1:
+            return None
+        if not set(columns) <= mine & theirs:
+            return None
+        if not (mine | theirs) - {i} <= {*batch, *columns}:
+            return None
+        return Form("scores", band, window, other, i, u, batch, columns, source_labels)
+    # apply: Σ_u G[.., i, u, ..] · P[.., i, u]
+    if tuple(summed) != (u,) or i not in theirs or i not in out:
+        return None
+    columns = tuple(j for j in rest if j not in theirs)
+    batch = tuple(j for j in out if j != i and j not in columns and j in mine | theirs)
+    if len(columns) > 1 or set(out) != (mine | theirs) - {u}:
+        return None
+    return Form("apply", band, window, other, i, u, batch, columns, source_labels)
+
+
+def scatter_form(c, band: Band, level: Level, program: Program) -> ScatterForm | None:
+    """The form of a contribution to the band's gradient: `Σ_H P · O`, H (perhaps none)
+    axes of both, summed after the products (multi-query attention's heads)."""
+    if c.diagonal:
+        return None
+    factors = (c.grad, c.partial)
+    if not all(isinstance(f, sp.Indexed) for f in factors):
+        return None
+    if any(len(set(f.indices)) != len(f.indices) for f in factors):
+        return None
+    mapping = _labels(band, level, c.indices)
+    i, u = mapping[band.centre], mapping[band.offset_index]
+    with_u = [f for f in factors if u in f.indices]
+    if len(with_u) != 1:
+        return None
+    (rows,) = with_u
+    (values,) = [f for f in factors if f is not rows]
+    if i not in rows.indices or i not in values.indices:
+        return None
+    summed = set(c.summed)
+    if not summed <= set(rows.indices) & set(values.indices) or summed & {i, u}:
+        return None
+    own = set(c.indices) - {i, u}
+    columns = tuple(j for j in values.indices if j not in rows.indices and j != i)
+    batch = (*c.summed, *(j for j in c.indices if j in own and j not in columns))
+    present = set(rows.indices) | set(values.indices)
+    if len(columns) > 1 or not own <= present or not present <= set(c.indices) | summed:
+        return None
+    source_labels = _source_labels(band, level, mapping, program)
+    return ScatterForm(band, rows, values, i, u, batch, columns, source_labels)
+
+
+@functools.cache
+def bands(program: Program) -> dict[str, Band]:
+    """The banded windows of a program: every read of them, forward and backward, is a
+    form (with one choice of centre for all)."""
+    windows = _windows(program)
+    if not windows:
+        return {}
+    backward = derive(program)
+    found = {}
+    for level, axis, a, b, offset in windows:
+        for centre, offset_index in ((a, b), (b, a)):
+            band = Band(level.name, level.gather.source, axis, centre, offset_index, offset)
+            if _all_forms(program, backward, band, level):
+                found[level.name] = band
+                break
+    return found
+
+
+def _all_forms(program: Program, backward: Backward, band: Band, level: Level) -> bool:
+    """Whether every read of the band is a form, and its gradient goes only to its source
+    as scatter forms."""
+    name = band.level
+    # a product of two windows: the other is no operand a band kernel reads
+    others = {lv.name for lv, *_ in _windows(program)} - {name}
+    levels = [*program.intermediates, *(o.level for o in program.outputs)]
+    for other in levels:
+        if other.gather is not None and other.gather.source == name:
+            return False
+        for term in other.terms:
+            reads = {a.base.label.name for a in term.expr.atoms(sp.Indexed)}
+            if name not in reads:
+                continue
+            if other.kind != "sum" or reads & others:
+                return False
+            if read_form(term.expr, term.summed, other.indices, band, level, program) is None:
+                return False
+    pointwise: dict[str, int] = {}
+    for c in backward.contributions:
+        if not c.summed and not c.diagonal:
+            pointwise[c.target] = pointwise.get(c.target, 0) + 1
+    for c in backward.contributions:
+        if c.target == name:
+            reads = {a.base.label.name for a in (c.grad * c.partial).atoms(sp.Indexed)}
+            if reads & others or scatter_form(c, band, level, program) is None:
+                return False
+            continue
+        reads = {a.base.label.name for a in (c.grad * c.partial).atoms(sp.Indexed)}
+        if name not in reads:
+            continue
+        if reads & others or c.diagonal or (not c.summed and pointwise[c.target] > 1):
+            return False  # merged with other terms (`Lowerer.gradient`): no product
+        if read_form(c.grad * c.partial, c.summed, c.indices, band, level, program) is None:
+            return False
+    scatters = [s for s in backward.scatters if s.level == name]
+    return len(scatters) == 1 and scatters[0].target == band.source

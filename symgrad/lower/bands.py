@@ -1,0 +1,94 @@
+"""Banded windows (`symgrad/bands.py`) lowered to the band kernels: `band_scores`,
+`band_apply` and `band_scatter`, chunked matrix products over the rows of the window's
+source (the targets' `_band_*` helpers). The window itself is never computed."""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .. import bands as banded
+from .. import ir
+from ..model import Index
+from .common import _Body, _is_simple, align, integer
+
+# The label of the source's windowed axis, and of a unit axis standing for no column.
+_ROWS = Index("_band_rows")
+_ONE = Index("_band_one")
+
+
+class Bands:
+    """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
+
+    def band_term(self, body: _Body, e: sp.Expr, summed, out, eyes):
+        """A product reading a banded window, as `band_scores` or `band_apply`; None for
+        a term that reads none."""
+        names = {a.base.label.name for a in e.atoms(sp.Indexed)} & set(self.bands)
+        if not names:
+            return None
+        (name,) = names
+        band, level = self.bands[name], self.levels[name]
+        form = None if eyes else banded.read_form(e, summed, out, band, level, self.program)
+        if form is None:  # `bands.bands` checked every read: lowering must agree
+            raise AssertionError(f"{name}: a read of a banded window is no band form: {e}")
+        offset = integer(band.offset)
+        columns = form.columns or (_ONE,)
+        source = self.band_source(body, band, form.source_labels, form.centre, columns, form)
+        if form.kind == "scores":
+            rows = self.band_operand(body, form.other, (*form.batch, form.centre, *columns))
+            count = ir.Var(self.index_size(body, band.offset_index))
+            value = ir.Call("band_scores", (rows, source, offset, count))
+            return value, (*form.batch, form.centre, form.offset_index)
+        weights = self.band_operand(body, form.other, (*form.batch, form.centre, form.offset_index))
+        value: ir.Expr = ir.Call("band_apply", (weights, source, offset))
+        if not form.columns:
+            value = self.band_squeeze(body, value, len(form.batch) + 1)
+        return value, (*form.batch, form.centre, *form.columns)
+
+    def band_source(self, body: _Body, band, labels, centre, columns, form) -> ir.Expr:
+        """The window's source aligned to (batch, rows, columns)."""
+        labels = tuple(_ROWS if n == band.axis else j for n, j in enumerate(labels))
+        value = align(ir.Var(body.tensors[band.source]), labels, (*form.batch, _ROWS, *columns))
+        return value if _is_simple(value) else ir.Var(body.bind(value))
+
+    def band_operand(self, body: _Body, read: sp.Indexed, target) -> ir.Expr:
+        value = align(self.access(body, read, tuple(read.indices)), tuple(read.indices), target)
+        return value if _is_simple(value) else ir.Var(body.bind(value))
+
+    @staticmethod
+    def band_squeeze(body: _Body, value: ir.Expr, axis: int) -> ir.Expr:
+        value = ir.Var(body.bind(value))
+        return ir.Call("squeeze", (value,), (("axis", ir.Lit(str(axis))),))
+
+    def band_gradient(self, body: _Body, name: str, indices: tuple[Index, ...]) -> ir.Expr:
+        """The gradient of a banded window's source (axes `indices`): each contribution
+        to the window's gradient, `Σ_H P · O`, added into the rows it read."""
+        band, level = self.bands[name], self.levels[name]
+        pieces = []
+        for c in self.backward.contributions:
+            if c.target != name:
+                continue
+            form = banded.scatter_form(c, band, level, self.program)
+            if form is None:
+                raise AssertionError(f"{name}: a gradient of a banded window is no band form")
+            columns = form.columns or (_ONE,)
+            rows = self.band_operand(body, form.rows, (*form.batch, form.centre, form.offset_index))
+            values = self.band_operand(body, form.values, (*form.batch, form.centre, *columns))
+            size = ir.Var(self.axis_size(body, band.source, band.axis))
+            value: ir.Expr = ir.Call("band_scatter", (rows, values, integer(band.offset), size))
+            kept = form.batch
+            if c.summed:  # H: summed after the products
+                value = ir.Var(body.bind(value))
+                axes = ir.Lit(repr(list(range(len(c.summed)))))
+                value = ir.Call("reduce_sum", (value,), (("axis", axes),))
+                kept = form.batch[len(c.summed) :]
+            if not form.columns:
+                value = self.band_squeeze(body, value, len(kept) + 1)
+            # the window's labels -> the source gradient's, by the source's axes
+            rename = {
+                (_ROWS if n == band.axis else label): indices[n]
+                for n, label in enumerate(form.source_labels)
+            }
+            axes = tuple(rename[j] for j in (*kept, _ROWS, *form.columns))
+            pieces.append((value, axes))
+        value, axes = self.sum_terms(body, pieces, indices)
+        return self.full(body, value, axes, indices)
