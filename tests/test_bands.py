@@ -1,0 +1,240 @@
+"""Banded windows (symgrad/bands.py): a 1-D sliding window multiplied with one other tensor
+runs as chunked matrix products over the source's rows, never as the gathered window; its
+gradient is the transpose of the same products. Exact against the reference in every
+target, with the budget large (one group of chunks) and tiny (a group per chunk), at
+windows reaching outside the source on both sides and wider than it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from harness import Case, check, generate, op_spec
+from target_harness import check_target, frameworks, generate_for
+
+from symgrad import bands
+from symgrad.model import build
+from symgrad.pipeline import module_text
+
+CASES = {
+    # local attention's scores (Longformer's layout): q·kᵀ over a window of 2w + 1 keys
+    "scores": Case(
+        "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + u - w, h, d], d)",
+        {"q": (2, 23, 3, 4), "k": (2, 19, 3, 4)},
+        attrs={"w": 3},
+        attr_types={"w": "int"},
+        ranges={"u": "2*w + 1"},
+        sizes={"u": 7},
+    ),
+    # its weighted sum of values: p·v
+    "apply": Case(
+        "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + u - 4, h, d], u)",
+        {"p": (2, 3, 17, 6), "v": (2, 21, 3, 5)},
+    ),
+    # multi-query: keys shared by the heads (the window's gradient sums over them)
+    "shared_keys": Case(
+        "y[b,h,i,u] = sum(q[b,h,i,d] * k[b, i + u - 2, d], d)",
+        {"q": (2, 3, 13, 4), "k": (2, 11, 4)},
+        ranges={"u": "5"},
+        sizes={"u": 5},
+    ),
+    # fairseq's dynamic convolution: a filter per position, no column axis
+    "per_position_filter": Case(
+        "y[b,i,c] = sum(p[b,i,u,c] * x[b, i + u - 2, c], u)",
+        {"p": (2, 15, 5, 3), "x": (2, 15, 3)},
+    ),
+    # no batch axis, nothing summed: an outer product on a band
+    "outer": Case(
+        "y[i,u] = q[i] * k[i + u]", {"q": (9,), "k": (6,)}, ranges={"u": "4"}, sizes={"u": 4}
+    ),
+    # a window wider than its source and its rows
+    "wide": Case(
+        "y[i,u] = sum(q[i,d] * k[i + u - 9, d], d)",
+        {"q": (4, 3), "k": (5, 3)},
+        ranges={"u": "19"},
+        sizes={"u": 19},
+    ),
+}
+
+
+def _program(case: Case):
+    return build(op_spec(case, "Band"))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_case_is_banded_and_never_gathers_its_window(name):
+    """Each case's window is recognised, and the module neither gathers nor scatters:
+    the band kernels read the source's rows."""
+    case = CASES[name]
+    assert list(bands.bands(_program(case)).values())
+    text = module_text(op_spec(case, "Band"), "test.toml")
+    tree = ast.parse(text)
+    bodies = [
+        ast.get_source_segment(text, node)
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name in ("_compute", "_backward")
+    ]
+    assert len(bodies) == 2
+    for body in bodies:
+        assert "_band_" in body
+        assert "gather(" not in body and "segment_sum(" not in body
+
+
+@pytest.mark.parametrize(
+    "formula",
+    [
+        "y[b,i,u] = sum(q[b,i,d] * k[b, 2*i + u, d], d)",  # a stride: no band
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + u, d] * k[b, i + u, d], d)",  # a square
+        "y[b,i,u] = sum(exp(q[b,i,d] * k[b, i + u, d]), d)",  # not a product
+        "y[b,i,u] = sum(q[b,i,u,d] * k[b, i + u, d], d)",  # u on both sides, nothing summed
+    ],
+)
+def test_other_reads_of_a_window_stay_gathers(formula):
+    case = Case(formula, {"q": (2, 5, 3), "k": (2, 6, 3)}, ranges={"u": "3"}, sizes={"u": 3})
+    if "q[b,i,u,d]" in formula:
+        case = Case(formula, {"q": (2, 5, 3, 2), "k": (2, 6, 2)})
+    assert bands.bands(_program(case)) == {}
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tensorflow_is_exact(name, budget, tmp_path):
+    """forward, vjp, the registered gradient and a tape, against the reference and finite
+    differences; budget 1: every chunk its own group (a call per chunk in eager mode, so
+    finite differences along random directions instead of the whole Jacobian)."""
+    case = CASES[name]
+    module = generate(case, tmp_path, prefix="Band")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+        case = dataclasses.replace(case, fd_directions=3)
+    check(case, module)
+
+
+@pytest.mark.parametrize("budget", [1])
+@pytest.mark.parametrize("target", ["pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pytorch_and_jax_are_exact(name, target, budget, tmp_path):
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    module = generate_for(CASES[name], target, tmp_path, prefix="Band")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    check_target(CASES[name], module, frameworks()[target])
+
+
+@pytest.mark.parametrize("name", ["scores", "apply"])
+def test_tensorflow_gradient_of_the_gradient(name, tmp_path):
+    """The forward runs on inputs cut from the tape (the chunks' values are not kept);
+    under a tape or a forward accumulator of the gradient, the backward runs the forward
+    again from the inputs it watches, so second derivatives hold: forward-over-reverse and
+    reverse-over-reverse Hessian-vector products of sum(y²) equal central differences of
+    its gradient, at the default budget and at a group per chunk."""
+    case = CASES[name]
+    module = generate(case, tmp_path, prefix="BandSecond")
+    rng = np.random.default_rng(4)
+    args = [tf.constant(rng.standard_normal(case.shapes[n])) for n in module.INPUTS]
+    v = [tf.constant(rng.standard_normal(a.shape)) for a in args]
+
+    def first(xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(module.forward(*xs, **case.attrs) ** 2)
+        return tape.gradient(loss, xs)
+
+    for budget in (module.MAX_TEMP_BYTES, 1):
+        module.MAX_TEMP_BYTES = budget
+        eps = 1e-6
+        ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
+        behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
+        fd = [(a - b) / (2 * eps) for a, b in zip(ahead, behind, strict=True)]
+        with tf.autodiff.ForwardAccumulator(args, v) as acc:
+            grads = first(args)
+        forward_over_reverse = [acc.jvp(g) for g in grads]
+        with tf.GradientTape() as outer:
+            outer.watch(args)
+            grads = first(args)
+            along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(grads, v, strict=True)])
+        reverse_over_reverse = outer.gradient(along, args)
+        for got in (forward_over_reverse, reverse_over_reverse):
+            for g, want in zip(got, fd, strict=True):
+                np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)
+
+
+def test_unknown_sizes_under_tf_function(tmp_path):
+    """Every size known only when the graph runs: the kernels' plan is computed in the
+    graph (one group), the values the same as eagerly."""
+    case = CASES["scores"]
+    module = generate(case, tmp_path, prefix="BandGraph")
+    rng = np.random.default_rng(1)
+    q = tf.constant(rng.standard_normal((2, 23, 3, 4)))
+    k = tf.constant(rng.standard_normal((2, 19, 3, 4)))
+    g = tf.constant(rng.standard_normal((2, 3, 23, 7)))
+    spec = tf.TensorSpec([None] * 4, tf.float64)
+
+    @tf.function(input_signature=[spec, spec, spec])
+    def graph(q, k, g):
+        return module.forward(q, k, w=3), module.vjp(q, k, g, w=3)
+
+    y, grads = graph(q, k, g)
+    want_y = module.forward(q, k, w=3)
+    want = module.vjp(q, k, g, w=3)
+    np.testing.assert_allclose(y.numpy(), want_y.numpy(), rtol=1e-12, atol=1e-12)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_jax_jit_vmap_and_grad_of_the_backward(tmp_path):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    jnp = jax.numpy
+    module = generate_for(CASES["apply"], "jax", tmp_path, prefix="BandJax")
+    module.MAX_TEMP_BYTES = 1
+    rng = np.random.default_rng(2)
+    p = jnp.asarray(rng.standard_normal((4, 2, 3, 17, 6)))
+    v = jnp.asarray(rng.standard_normal((4, 2, 21, 3, 5)))
+    g = jnp.asarray(rng.standard_normal((4, 2, 17, 3, 5)))
+    batched = jax.jit(jax.vmap(module.vjp))(p, v, g)
+    for n in range(4):
+        one = module.vjp(p[n], v[n], g[n])
+        for got, want in zip(batched, one, strict=True):
+            np.testing.assert_allclose(np.asarray(got[n]), np.asarray(want), rtol=1e-12)
+
+    def loss(p, v):  # the backward is linear in g: its gradient is exact by autodiff
+        grad_p, grad_v = module.vjp(p, v, g[0])
+        return jnp.sum(grad_p**2) + jnp.sum(grad_v**2)
+
+    ours = jax.grad(loss, argnums=(0, 1))(p[0], v[0])
+    direction = [jnp.asarray(rng.standard_normal(x.shape)) for x in (p[0], v[0])]
+    step = 1e-6
+    plus = loss(p[0] + step * direction[0], v[0] + step * direction[1])
+    minus = loss(p[0] - step * direction[0], v[0] - step * direction[1])
+    slope = sum(float(jnp.sum(a * b)) for a, b in zip(ours, direction, strict=True))
+    assert abs((plus - minus) / (2 * step) - slope) < 1e-5 * max(1.0, abs(slope))
+
+
+def test_pytorch_compile_fullgraph_of_the_band_kernels(tmp_path):
+    """torch.compile(fullgraph=True) takes the groups of chunks, forward and backward."""
+    torch = pytest.importorskip("torch")
+    module = generate_for(CASES["scores"], "pytorch", tmp_path, prefix="BandCompile")
+    rng = np.random.default_rng(3)
+    q = torch.tensor(rng.standard_normal((2, 23, 3, 4)), requires_grad=True)
+    k = torch.tensor(rng.standard_normal((2, 19, 3, 4)), requires_grad=True)
+    g = torch.tensor(rng.standard_normal((2, 3, 23, 7)))
+
+    def loss(q, k):
+        return (module.forward(q, k, w=3) * g).sum()
+
+    default = module.MAX_TEMP_BYTES
+    try:
+        module.MAX_TEMP_BYTES = 1  # a group per chunk
+        value = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k)
+        value.backward()
+        expected = module.vjp(q.detach(), k.detach(), g, w=3)
+    finally:
+        module.MAX_TEMP_BYTES = default
+    want = (module.forward(q.detach(), k.detach(), w=3) * g).sum()
+    np.testing.assert_allclose(value.item(), want.item(), rtol=1e-12)
+    for x, e in zip((q, k), expected, strict=True):
+        np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)

@@ -1,0 +1,112 @@
+"""A banded window's training step (symgrad/bands.py) holds at most 4x the bytes of the
+op's inputs and outputs plus MAX_TEMP_BYTES, in every target, at sizes where the gathered
+window alone is over 4x that bound: local attention's scores and its weighted sum of
+values (Longformer's layout, w = 100 on 600 positions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness import Case, generate, op_spec
+from peaks import io_bytes, jax_step_bytes, memory_inputs, run_tensorflow
+from test_tiling import _torch_memory
+
+from symgrad import bands
+from symgrad.model import build
+
+BUDGET = 256 * 1024
+W = 100
+CASES = {
+    "scores": Case(
+        f"y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + u - {W}, h, d], d)",
+        {"q": (1, 600, 4, 32), "k": (1, 600, 4, 32)},
+        ranges={"u": str(2 * W + 1)},
+        sizes={"u": 2 * W + 1},
+    ),
+    "apply": Case(
+        f"y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + u - {W}, h, d], u)",
+        {"p": (1, 4, 600, 2 * W + 1), "v": (1, 600, 4, 32)},
+    ),
+}
+# the window gathered from the source: [b, i, u, h, d] in float32
+WINDOW_BYTES = 600 * (2 * W + 1) * 4 * 32 * 4
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import tensorflow as tf
+from pathlib import Path
+from harness import generate
+from peaks import io_bytes, memory_inputs, peak
+from test_bands_memory import BUDGET, CASES
+
+found = {{}}
+for name, case in CASES.items():
+    module = generate(case, Path({folder!r}), prefix="BandMemory")
+    module.MAX_TEMP_BYTES = BUDGET
+    args = memory_inputs(module.INPUTS, case.shapes, tf.constant)
+
+    def run():
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            out = module.forward(*args)
+            loss = tf.reduce_sum(tf.sin(out))
+        grads = tape.gradient(loss, args)
+        for g in grads:
+            g.numpy()
+        return out, grads
+
+    io = io_bytes([a.numpy() for a in args], [module.forward(*args).numpy()])
+    found[name] = {{"io": io, "step": peak(run)}}
+print(json.dumps(found))
+"""
+
+
+def _check(name, target, io, step):
+    bound = 4 * io + BUDGET
+    print(f"{name} {target}: io {io}, window {WINDOW_BYTES / bound:.1f}x, step {step / bound:.2f}x")
+    assert WINDOW_BYTES > 4 * bound, f"{name}: the size does not test the bound"
+    assert step <= bound, f"{name} {target}: a step peaks at {step} > {bound}"
+
+
+def test_the_sizes_are_banded():
+    for name, case in CASES.items():
+        assert bands.bands(build(op_spec(case, "BandMemory"))), name
+
+
+@pytest.fixture(scope="module")
+def tensorflow_steps(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bands_tf")
+    tests = str(Path(__file__).resolve().parent)
+    return run_tensorflow(MEASURE.format(tests=tests, folder=str(folder)))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tensorflow_training_step_of_a_band_is_bounded(name, tensorflow_steps):
+    found = tensorflow_steps[name]
+    _check(name, "tensorflow", found["io"], found["step"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pytorch_training_step_of_a_band_is_bounded(name, tmp_path):
+    torch = pytest.importorskip("torch")
+    case = CASES[name]
+    module = generate(case, tmp_path, prefix="BandMemory", target="pytorch")
+    module.MAX_TEMP_BYTES = BUDGET
+    args = memory_inputs(module.INPUTS, case.shapes, lambda a: torch.tensor(a, requires_grad=True))
+    with torch.no_grad():
+        io = io_bytes([a.detach() for a in args], [module.forward(*args)])
+    _, step = _torch_memory(module, args, {})
+    _check(name, "pytorch", io, step)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_jax_training_step_of_a_band_is_bounded(name, tmp_path):
+    jnp = pytest.importorskip("jax.numpy")
+    case = CASES[name]
+    module = generate(case, tmp_path, prefix="BandMemory", target="jax")
+    module.MAX_TEMP_BYTES = BUDGET
+    args = memory_inputs(module.INPUTS, case.shapes, jnp.asarray)
+    io = io_bytes(args, [module.forward(*args)])
+    _check(name, "jax", io, jax_step_bytes(module, args))
