@@ -288,3 +288,30 @@ def _directional_differences(case: Case, scalar, x, name: str, rng, step: float 
             atol=case.fd_tol,
             err_msg=f"finite differences along a random direction: {name}",
         )
+
+
+def check_second_derivatives(forward, args, v, eps: float = 1e-6) -> None:
+    """Hessian-vector products of sum(forward(*xs)²) along `v` (one direction per arg):
+    forward-over-reverse (a ForwardAccumulator over the gradient) and reverse-over-reverse
+    (a tape over it), each equal to central differences of the gradient."""
+
+    def first(xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(forward(*xs) ** 2)
+        return tape.gradient(loss, xs)
+
+    ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
+    behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
+    fd = [(a - b) / (2 * eps) for a, b in zip(ahead, behind, strict=True)]
+    with tf.autodiff.ForwardAccumulator(args, v) as acc:
+        grads = first(args)
+    forward_over_reverse = [acc.jvp(g) for g in grads]
+    with tf.GradientTape() as outer:
+        outer.watch(args)
+        grads = first(args)
+        along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(grads, v, strict=True)])
+    reverse_over_reverse = outer.gradient(along, args)
+    for got in (forward_over_reverse, reverse_over_reverse):
+        for g, want in zip(got, fd, strict=True):
+            np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tensorflow as tf
-from harness import Case, check, generate, op_spec
+from harness import Case, check, check_second_derivatives, generate, op_spec
 from target_harness import check_target, frameworks, generate_for
 
 from symgrad import bands
@@ -137,29 +137,9 @@ def test_tensorflow_gradient_of_the_gradient(name, tmp_path):
     args = [tf.constant(rng.standard_normal(case.shapes[n])) for n in module.INPUTS]
     v = [tf.constant(rng.standard_normal(a.shape)) for a in args]
 
-    def first(xs):
-        with tf.GradientTape() as tape:
-            tape.watch(xs)
-            loss = tf.reduce_sum(module.forward(*xs, **case.attrs) ** 2)
-        return tape.gradient(loss, xs)
-
     for budget in (module.MAX_TEMP_BYTES, 1):
         module.MAX_TEMP_BYTES = budget
-        eps = 1e-6
-        ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
-        behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
-        fd = [(a - b) / (2 * eps) for a, b in zip(ahead, behind, strict=True)]
-        with tf.autodiff.ForwardAccumulator(args, v) as acc:
-            grads = first(args)
-        forward_over_reverse = [acc.jvp(g) for g in grads]
-        with tf.GradientTape() as outer:
-            outer.watch(args)
-            grads = first(args)
-            along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(grads, v, strict=True)])
-        reverse_over_reverse = outer.gradient(along, args)
-        for got in (forward_over_reverse, reverse_over_reverse):
-            for g, want in zip(got, fd, strict=True):
-                np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)
+        check_second_derivatives(lambda *xs: module.forward(*xs, **case.attrs), args, v)
 
 
 def test_unknown_sizes_under_tf_function(tmp_path):

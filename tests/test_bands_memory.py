@@ -88,25 +88,28 @@ def test_tensorflow_training_step_of_a_band_is_bounded(name, tensorflow_steps):
     _check(name, "tensorflow", found["io"], found["step"])
 
 
+def _module(name, target, folder):
+    """The case's module for `target`, generated into `folder`, at BUDGET."""
+    module = generate(CASES[name], folder, prefix="BandMemory", target=target)
+    module.MAX_TEMP_BYTES = BUDGET
+    return module
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_pytorch_training_step_of_a_band_is_bounded(name, tmp_path):
     torch = pytest.importorskip("torch")
-    case = CASES[name]
-    module = generate(case, tmp_path, prefix="BandMemory", target="pytorch")
-    module.MAX_TEMP_BYTES = BUDGET
-    args = memory_inputs(module.INPUTS, case.shapes, lambda a: torch.tensor(a, requires_grad=True))
+    module = _module(name, "pytorch", tmp_path)
+    make = lambda a: torch.tensor(a, requires_grad=True)
+    args = memory_inputs(module.INPUTS, CASES[name].shapes, make)
     with torch.no_grad():
         io = io_bytes([a.detach() for a in args], [module.forward(*args)])
-    _, step = _torch_memory(module, args, {})
-    _check(name, "pytorch", io, step)
+    _check(name, "pytorch", io, _torch_memory(module, args, {})[1])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_jax_training_step_of_a_band_is_bounded(name, tmp_path):
     jnp = pytest.importorskip("jax.numpy")
-    case = CASES[name]
-    module = generate(case, tmp_path, prefix="BandMemory", target="jax")
-    module.MAX_TEMP_BYTES = BUDGET
-    args = memory_inputs(module.INPUTS, case.shapes, jnp.asarray)
+    module = _module(name, "jax", tmp_path)
+    args = memory_inputs(module.INPUTS, CASES[name].shapes, jnp.asarray)
     io = io_bytes(args, [module.forward(*args)])
     _check(name, "jax", io, jax_step_bytes(module, args))

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 from frameworks import FRAMEWORKS, _enable_x64
-from harness import load_module, op_spec
+from harness import check_second_derivatives, load_module, op_spec
 from test_recurrences import CASES, inputs_for
 from test_tiling_adversarial_4 import RWKV5
 
@@ -214,29 +214,9 @@ def test_tensorflow_gradient_of_the_gradient(case, associative, tmp_path):
     rng = np.random.default_rng(3)
     v = [tf.constant(rng.standard_normal(a.shape)) for a in args]
 
-    def first(xs):
-        with tf.GradientTape() as tape:
-            tape.watch(xs)
-            loss = tf.reduce_sum(module.forward(*xs) ** 2)
-        return tape.gradient(loss, xs)
-
     for budget in (2**40, 0):
         module.MAX_TEMP_BYTES = budget
-        eps = 1e-6
-        ahead = first([a + eps * d for a, d in zip(args, v, strict=True)])
-        behind = first([a - eps * d for a, d in zip(args, v, strict=True)])
-        fd = [(a - b) / (2 * eps) for a, b in zip(ahead, behind, strict=True)]
-        with tf.autodiff.ForwardAccumulator(args, v) as acc:
-            grads = first(args)
-        forward_over_reverse = [acc.jvp(g) for g in grads]
-        with tf.GradientTape() as outer:
-            outer.watch(args)
-            grads = first(args)
-            along = tf.add_n([tf.reduce_sum(g * d) for g, d in zip(grads, v, strict=True)])
-        reverse_over_reverse = outer.gradient(along, args)
-        for got in (forward_over_reverse, reverse_over_reverse):
-            for g, want in zip(got, fd, strict=True):
-                np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-6, atol=1e-8)
+        check_second_derivatives(module.forward, args, v)
 
 
 def test_tensorflow_windows_deeper_than_the_last_level(tmp_path):
