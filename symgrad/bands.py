@@ -64,6 +64,7 @@ class Form:
     columns: tuple[Index, ...]  # C summed (scores), or cols of S kept (apply): 0 or 1
     # the label of the window's read at each axis of the source (the band axis: centre)
     source_labels: tuple[Index, ...]
+    coefficient: sp.Expr  # a scalar factor (numbers, attrs)
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class ScatterForm:
     batch: tuple[Index, ...]  # the summed axes H first, then the window's own
     columns: tuple[Index, ...]
     source_labels: tuple[Index, ...]
+    coefficient: sp.Expr
 
 
 def _windows(program: Program) -> list[tuple[Level, int, Index, Index, sp.Expr]]:
@@ -128,6 +130,20 @@ def _source_labels(band: Band, level: Level, mapping: dict[Index, Index], progra
     )
 
 
+def _product(e: sp.Expr, indices) -> tuple[list[sp.Indexed], sp.Expr] | None:
+    """e as two reads times a scalar coefficient free of `indices` (attention's
+    1/sqrt(d)); None for any other product."""
+    factors = sp.Mul.make_args(e)
+    reads = [f for f in factors if isinstance(f, sp.Indexed)]
+    coefficient = sp.Mul(*(f for f in factors if not isinstance(f, sp.Indexed)))
+    if len(reads) != 2 or coefficient.atoms(sp.Indexed):
+        return None
+    labels = {*indices, *(i for r in reads for i in r.indices)}
+    if coefficient.free_symbols & labels:
+        return None
+    return reads, coefficient
+
+
 def read_form(
     e: sp.Expr,
     summed: tuple[Index, ...],
@@ -137,10 +153,11 @@ def read_form(
     program: Program,
 ) -> Form | None:
     """The form of `Σ_summed e` into `out` when it is a product of a read of the band and
-    one other plain read, as `scores` or `apply`; else None."""
-    factors = sp.Mul.make_args(e)
-    if len(factors) != 2 or not all(isinstance(f, sp.Indexed) for f in factors):
+    one other plain read (times a scalar), as `scores` or `apply`; else None."""
+    product = _product(e, (*summed, *out))
+    if product is None:
         return None
+    factors, coefficient = product
     windows = [f for f in factors if f.base.label.name == band.level]
     if len(windows) != 1:
         return None
@@ -170,7 +187,7 @@ def read_form(
             return None
         if not (mine | theirs) - {i} <= {*batch, *columns}:
             return None
-        return Form("scores", band, window, other, i, u, batch, columns, source_labels)
+        return Form("scores", band, window, other, i, u, batch, columns, source_labels, coefficient)
     # apply: Σ_u G[.., i, u, ..] · P[.., i, u]
     if tuple(summed) != (u,) or i not in theirs or i not in out:
         return None
@@ -178,7 +195,7 @@ def read_form(
     batch = tuple(j for j in out if j != i and j not in columns and j in mine | theirs)
     if len(columns) > 1 or set(out) != (mine | theirs) - {u}:
         return None
-    return Form("apply", band, window, other, i, u, batch, columns, source_labels)
+    return Form("apply", band, window, other, i, u, batch, columns, source_labels, coefficient)
 
 
 def scatter_form(c, band: Band, level: Level, program: Program) -> ScatterForm | None:
@@ -186,9 +203,10 @@ def scatter_form(c, band: Band, level: Level, program: Program) -> ScatterForm |
     axes of both, summed after the products (multi-query attention's heads)."""
     if c.diagonal:
         return None
-    factors = (c.grad, c.partial)
-    if not all(isinstance(f, sp.Indexed) for f in factors):
+    product = _product(c.grad * c.partial, (*c.indices, *c.summed))
+    if product is None:
         return None
+    factors, coefficient = product
     if any(len(set(f.indices)) != len(f.indices) for f in factors):
         return None
     mapping = _labels(band, level, c.indices)
@@ -210,7 +228,7 @@ def scatter_form(c, band: Band, level: Level, program: Program) -> ScatterForm |
     if len(columns) > 1 or not own <= present or not present <= set(c.indices) | summed:
         return None
     source_labels = _source_labels(band, level, mapping, program)
-    return ScatterForm(band, rows, values, i, u, batch, columns, source_labels)
+    return ScatterForm(band, rows, values, i, u, batch, columns, source_labels, coefficient)
 
 
 @functools.cache

@@ -29,6 +29,15 @@ CASES = {
         ranges={"u": "2*w + 1"},
         sizes={"u": 7},
     ),
+    # scaled by an attr (attention's 1/sqrt(d)), the window's offset written first
+    "scaled": Case(
+        "y[b,i,u] = sum(q[b,i,d] * k[b, u + i - w, d], d) / s",
+        {"q": (2, 11, 3), "k": (2, 9, 3)},
+        attrs={"w": 2, "s": 1.7},
+        attr_types={"w": "int", "s": "float"},
+        ranges={"u": "2*w + 1"},
+        sizes={"u": 5},
+    ),
     # its weighted sum of values: p·v
     "apply": Case(
         "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + u - 4, h, d], u)",
@@ -90,6 +99,7 @@ def test_every_case_is_banded_and_never_gathers_its_window(name):
         "y[b,i,u] = sum(q[b,i,d] * k[b, i + u, d] * k[b, i + u, d], d)",  # a square
         "y[b,i,u] = sum(exp(q[b,i,d] * k[b, i + u, d]), d)",  # not a product
         "y[b,i,u] = sum(q[b,i,u,d] * k[b, i + u, d], d)",  # u on both sides, nothing summed
+        "y[b,i,u] = sum(d * q[b,i,d] * k[b, i + u, d], d)",  # an index as a value
     ],
 )
 def test_other_reads_of_a_window_stay_gathers(formula):

@@ -37,12 +37,16 @@ class Bands:
             rows = self.band_operand(body, form.other, (*form.batch, form.centre, *columns))
             count = ir.Var(self.index_size(body, band.offset_index))
             value = ir.Call("band_scores", (rows, source, offset, count))
-            return value, (*form.batch, form.centre, form.offset_index)
+            return self.scaled(body, value, form.coefficient), (
+                *form.batch,
+                form.centre,
+                form.offset_index,
+            )
         weights = self.band_operand(body, form.other, (*form.batch, form.centre, form.offset_index))
         value: ir.Expr = ir.Call("band_apply", (weights, source, offset))
         if not form.columns:
             value = self.band_squeeze(body, value, len(form.batch) + 1)
-        return value, (*form.batch, form.centre, *form.columns)
+        return self.scaled(body, value, form.coefficient), (*form.batch, form.centre, *form.columns)
 
     def band_source(self, body: _Body, band, labels, centre, columns, form) -> ir.Expr:
         """The window's source aligned to (batch, rows, columns)."""
@@ -83,6 +87,7 @@ class Bands:
                 kept = form.batch[len(c.summed) :]
             if not form.columns:
                 value = self.band_squeeze(body, value, len(kept) + 1)
+            value = self.scaled(body, value, form.coefficient)
             # the window's labels -> the source gradient's, by the source's axes
             rename = {
                 (_ROWS if n == band.axis else label): indices[n]

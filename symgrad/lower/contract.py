@@ -203,16 +203,19 @@ class Contraction:
             body.uses_dtype = True
             einsum_operands.append((ir.Var(eye), (left, right)))
         value = self.einsum(body, einsum_operands, result_axes)
-        if coefficient != 1:
-            if not _is_simple(value):  # bound, so the same sum elsewhere is shared
-                value = ir.Var(body.bind(value))
-            if coefficient == -1:
-                value = ir.Negate(value)
-            elif coefficient.could_extract_minus_sign():
-                value = ir.Negate(ir.Binary("*", self.expr(body, -coefficient, ()), value))
-            else:
-                value = ir.Binary("*", self.expr(body, coefficient, ()), value)
-        return value, result_axes
+        return self.scaled(body, value, coefficient), result_axes
+
+    def scaled(self, body: _Body, value: ir.Expr, coefficient: sp.Expr) -> ir.Expr:
+        """value times a scalar coefficient (numbers, attrs, sizes)."""
+        if coefficient == 1:
+            return value
+        if not _is_simple(value):  # bound, so the same sum elsewhere is shared
+            value = ir.Var(body.bind(value))
+        if coefficient == -1:
+            return ir.Negate(value)
+        if coefficient.could_extract_minus_sign():
+            return ir.Negate(ir.Binary("*", self.expr(body, -coefficient, ()), value))
+        return ir.Binary("*", self.expr(body, coefficient, ()), value)
 
     def einsum(
         self,
