@@ -71,6 +71,12 @@ class Choice:
     total: str | None = None
 
 
+def _read_in_place(program: Program) -> dict:
+    """Gathers never computed: those a convolution kernel reads in place, and the windows
+    the band kernels read (bands.py)."""
+    return {**patterns.convolutions(program), **bands.bands(program)}
+
+
 def big_sets(program: Program) -> list[tuple[Index, ...]]:
     """Index sets of the tensors the program materializes that are larger than every input
     and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
@@ -80,8 +86,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
     input computed in several steps (`output_temps`)."""
     found: list[tuple[Index, ...]] = []
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
-    kernels = patterns.convolutions(program)  # gathers a convolution kernel reads in place
-    kernels = {**kernels, **bands.bands(program)}  # and windows the band kernels read
+    kernels = _read_in_place(program)
     sizes = size_sources(program)
 
     def same(i: Index, k: Index) -> bool:
@@ -132,7 +137,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
 def _output_sized(program: Program) -> list[tuple[Index, ...]]:
     """The sets of outputs larger than every input, computed in several steps
     (`output_temps`), but a convolution kernel's gathers (read in place)."""
-    kernels = {**patterns.convolutions(program), **bands.bands(program)}
+    kernels = _read_in_place(program)
     levels = [*program.intermediates, *(o.level for o in program.outputs)]
     computed = [level for level in levels if level.name not in kernels]
     outputs = [o.level for o in program.outputs]

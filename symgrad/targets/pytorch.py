@@ -88,6 +88,11 @@ COMPARISONS = {
 # operators, one `torch.full` where a tensor is needed, not a tensor per operand and a
 # torch call per operator.
 LOGIC = {"logical_and": "({} and {})", "logical_or": "({} or {})", "logical_not": "(not {})"}
+# The template's own helpers (`_conv_window`, `_band_scores`, ..), called with the
+# operands as lowering gives them.
+HELPERS = frozenset(
+    {"conv_padding", "conv_window", "conv_unwindow", "band_scores", "band_apply", "band_scatter"}
+)
 # Each op's parameter names in TF's order (the IR passes some by position, some by name).
 PARAMETERS = {
     "broadcast_to": ("x", "shape"),
@@ -436,6 +441,8 @@ class PyTorchPrinter(Printer):
             return f"{ELEMENTWISE[name]}({operands}{ELEMENTWISE_OPTIONS.get(name, '')})"
         if name in REDUCTIONS:
             return self.reduction(name, args)
+        if name in HELPERS:
+            return f"_{name}({self.arguments(e)})"
         method = getattr(self, f"call_{name}", None)
         if method is None:
             raise NotImplementedError(f"no PyTorch spelling for the neutral op {name!r}")
@@ -688,28 +695,6 @@ class PyTorchPrinter(Printer):
         if not isinstance(padding, ir.Var):
             raise TypeError(f"PyTorch target: a padding of {padding} is not lowered")
         return f", padding={padding.name}"
-
-    def call_conv_padding(self, args: dict) -> str:
-        return f"_conv_padding({self.code(args['axes'])})"
-
-    def call_conv_window(self, args: dict) -> str:
-        return f"_conv_window({self.code(args['x'])}, {self.code(args['axes'])})"
-
-    def call_band_scores(self, args: dict) -> str:
-        return self.band("band_scores", args)
-
-    def call_band_apply(self, args: dict) -> str:
-        return self.band("band_apply", args)
-
-    def call_band_scatter(self, args: dict) -> str:
-        return self.band("band_scatter", args)
-
-    def band(self, name: str, args: dict) -> str:
-        """A band kernel (the template's helper), its operands in order."""
-        return f"_{name}({', '.join(self.code(args[p]) for p in PARAMETERS[name])})"
-
-    def call_conv_unwindow(self, args: dict) -> str:
-        return f"_conv_unwindow({self.code(args['g'])}, {self.code(args['axes'])})"
 
     def call_conv2d_backprop_filter(self, args: dict) -> str:
         return self.backprop_filter(args)
