@@ -272,12 +272,11 @@ def _all_forms(program: Program, backward: Backward, band: Band, level: Level) -
         if not c.summed and not c.diagonal:
             pointwise[c.target] = pointwise.get(c.target, 0) + 1
     for c in backward.contributions:
+        reads = {a.base.label.name for a in (c.grad * c.partial).atoms(sp.Indexed)}
         if c.target == name:
-            reads = {a.base.label.name for a in (c.grad * c.partial).atoms(sp.Indexed)}
             if reads & others or scatter_form(c, band, level, program) is None:
                 return False
             continue
-        reads = {a.base.label.name for a in (c.grad * c.partial).atoms(sp.Indexed)}
         if name not in reads:
             continue
         if reads & others or c.diagonal or (not c.summed and pointwise[c.target] > 1):
