@@ -228,3 +228,40 @@ def test_pytorch_compile_fullgraph_of_the_band_kernels(tmp_path):
     np.testing.assert_allclose(value.item(), want.item(), rtol=1e-12)
     for x, e in zip((q, k), expected, strict=True):
         np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_training_step_over_no_rows(target, tmp_path):
+    """No query rows, or no key rows, in float32 at values of 300: the step's outputs and
+    gradients are shaped like their tensors and zero (nothing is read), in every target."""
+    case = CASES["scores"]
+    module = generate_for(case, target, tmp_path, prefix="BandEmpty")
+    for q_rows, k_rows in ((0, 19), (23, 0)):
+        q = np.full((2, q_rows, 3, 4), 300.0, np.float32)
+        k = np.full((2, k_rows, 3, 4), 300.0, np.float32)
+        if target == "tensorflow":
+            args = [tf.constant(q), tf.constant(k)]
+            with tf.GradientTape() as tape:
+                tape.watch(args)
+                y = module.forward(*args, w=3)
+                loss = tf.reduce_sum(y)
+            found = [y.numpy(), *(g.numpy() for g in tape.gradient(loss, args))]
+        elif target == "pytorch":
+            torch = pytest.importorskip("torch")
+            args = [torch.tensor(q, requires_grad=True), torch.tensor(k, requires_grad=True)]
+            y = module.forward(*args, w=3)
+            y.sum().backward()
+            found = [y.detach().numpy(), *(a.grad.numpy() for a in args)]
+        else:
+            jax = pytest.importorskip("jax")
+
+            def loss(q, k):
+                return module.forward(q, k, w=3).sum()
+
+            args = [jax.numpy.asarray(q), jax.numpy.asarray(k)]
+            grads = jax.grad(loss, argnums=(0, 1))(*args)
+            found = [np.asarray(module.forward(*args, w=3)), *map(np.asarray, grads)]
+        shapes = [(2, 3, q_rows, 7), q.shape, k.shape]
+        for got, shape in zip(found, shapes, strict=True):
+            assert got.shape == shape
+            np.testing.assert_array_equal(got, np.zeros(shape, np.float32))
