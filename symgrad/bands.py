@@ -24,6 +24,15 @@ then never computed, and tiling counts no temporary for it (`tile.big_sets`): th
 forms hold about twice their own inputs and outputs (`Bands` in lower/bands.py).
 At most one axis of C or of cols: several would need a reshape of S (not done; such a
 window stays a gather).
+
+A window may start at a clamped position: NATTEN's `S[max(min(i - K // 2, L - K), 0) + u]`
+(a window kept inside the sequence). Its start differs from i by a shift `s(i)` that
+interval arithmetic bounds by `lo <= s(i) <= hi` over `0 <= i < n` (`_interval`, after
+moving `- i` into the max and min); the kernels then read the wider band
+`S[i + lo + v]`, `v < count + hi - lo`, and each row's window is its part at
+`v = s(i) - lo + u` (`band_narrow` cuts it out of the scores, `band_widen` places the
+weights of `apply` and `scatter` there). The bound is sound for every size, so every
+row's window lies inside the band it reads.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import patterns
+from . import indexing, patterns
 from .derive import Backward, derive
 from .model import Index, Level, Program
 
@@ -48,6 +57,10 @@ class Band:
     centre: Index  # i, the level's index along which rows are chunked
     offset_index: Index  # u, the window's offset
     offset: sp.Expr  # o: integer, over attrs, lets and sizes
+    # a clamped start: row i reads centre + shift(i) + offset_index + offset, with
+    # 0 <= shift(i) <= spread (None: no shift, spread 0)
+    shift: sp.Expr | None = None
+    spread: sp.Expr = sp.S.Zero
 
 
 @dataclass(frozen=True)
@@ -82,10 +95,10 @@ class ScatterForm:
     coefficient: sp.Expr
 
 
-def _windows(program: Program) -> list[tuple[Level, int, Index, Index, sp.Expr]]:
-    """Gathers of an input at `a + b + o` on one axis (a, b two of the level's indices
-    read nowhere else in the position, coefficient 1 each), every other axis read
-    plainly by one index of its own: (level, axis, a, b, o)."""
+def _windows(program: Program) -> list[tuple[Level, int, tuple[Index, Index], sp.Expr]]:
+    """Gathers of an input at a position over two of the level's indices read nowhere else
+    in the position, every other axis read plainly by one index of its own: (level, axis,
+    the pair, the position). `_band` tells which of the pair is the centre."""
     kernels = patterns.convolutions(program)
     found = []
     for level in program.intermediates:
@@ -98,7 +111,7 @@ def _windows(program: Program) -> list[tuple[Level, int, Index, Index, sp.Expr]]
             continue
         (axis,) = gather.computed
         position = sp.expand(gather.positions[axis])
-        if position.atoms(sp.Indexed) or not position.is_polynomial():
+        if position.atoms(sp.Indexed):
             continue
         plain = [p for n, p in enumerate(gather.positions) if n != axis]
         if not all(isinstance(p, sp.Symbol) and p in level.indices for p in plain):
@@ -108,12 +121,105 @@ def _windows(program: Program) -> list[tuple[Level, int, Index, Index, sp.Expr]]
             continue
         if set(level.indices) != {*plain, *pair}:
             continue
-        a, b = pair
-        offset = sp.expand(position - a - b)
-        if offset.free_symbols & set(level.indices):  # coefficients other than 1
-            continue
-        found.append((level, axis, a, b, offset))
+        found.append((level, axis, (pair[0], pair[1]), position))
     return found
+
+
+def _band(
+    level: Level, axis: int, centre: Index, offset_index: Index, position: sp.Expr, program
+) -> Band | None:
+    """The band of a window read at `position`: `centre + offset_index + o`, or, for a
+    clamped start, `centre + s(centre) + offset_index` with s bounded (`_interval`); None
+    for any other position (a coefficient other than 1, a start that is no max or min of
+    sums)."""
+    rest = sp.expand(position - offset_index)
+    if offset_index in rest.free_symbols:
+        return None
+    shift = _moved_in(rest - centre)
+    if not shift.free_symbols & set(level.indices):
+        if not position.is_polynomial():
+            return None
+        return Band(level.name, level.gather.source, axis, centre, offset_index, shift)
+    if shift.free_symbols & set(level.indices) != {centre}:
+        return None
+    n = _size(program, centre)
+    bounds = None if n is None else _interval(shift, centre, n)
+    if bounds is None:
+        return None
+    lo, hi = bounds
+    spread = sp.Max(hi - lo, 0)
+    length = indexing.shape_symbol(level.gather.source, axis)
+    if _grows(spread, n, length, program):
+        return None
+    return Band(level.name, level.gather.source, axis, centre, offset_index, lo, shift - lo, spread)
+
+
+def _size(program: Program, index: Index) -> sp.Expr | None:
+    """The size of an index as an integer expression (an input's axis, or an extent)."""
+    for i, places in program.dims:
+        if i == index and places:
+            return indexing.shape_symbol(*places[0])
+    return dict(program.extents).get(index)
+
+
+def _grows(spread: sp.Expr, n: sp.Expr, length: sp.Expr, program: Program) -> bool:
+    """Whether the band's spread may grow with the number of rows n when the source is as
+    long (a start clamped at a constant, or at another tensor's size): its band would be
+    as wide as the source, a product over all pairs of rows, so the window stays a
+    gather. Tried at two large n, every other size and attr a small number of its own
+    (the lets in terms of them). A source of another length than the rows widens the
+    band by the difference (NATTEN's kernels refuse such inputs)."""
+    for name, value in reversed(program.lets):
+        spread = spread.subs(sp.Symbol(f"_int_{name}", integer=True), value)
+    others = sorted(spread.free_symbols - {n, length}, key=sp.default_sort_key)
+    fixed = {x: 5 + 2 * k for k, x in enumerate(others)}
+    values = [spread.subs(fixed).subs({n: rows, length: rows}) for rows in (10**6, 2 * 10**6)]
+    return not all(v.is_Integer for v in values) or values[0] != values[1]
+
+
+def _moved_in(e: sp.Expr) -> sp.Expr:
+    """`max(a, b) + c` -> `max(a + c, b + c)` (and min, nested): the terms outside a max or
+    min moved into it, so that an index outside and inside cancel (`max(min(i - k, m),
+    0) - i` -> `max(min(-k, m - i), -i)`) before `_interval` bounds it."""
+    e = sp.expand(e)
+    if isinstance(e, sp.Max | sp.Min):
+        return e.func(*(_moved_in(a) for a in e.args), evaluate=False)
+    if not isinstance(e, sp.Add):
+        return e
+    clamps = [a for a in e.args if isinstance(a, sp.Max | sp.Min)]
+    if len(clamps) != 1:
+        return e
+    (clamp,) = clamps
+    others = e - clamp
+    return clamp.func(*(_moved_in(a + others) for a in clamp.args), evaluate=False)
+
+
+def _interval(e: sp.Expr, index: Index, n: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:
+    """Bounds (lo, hi) of e over `0 <= index < n`, the other symbols fixed: interval
+    arithmetic over sums, products by numbers, max and min (sound, perhaps wider than
+    the exact range); None for anything else."""
+    if index not in e.free_symbols:
+        return e, e
+    if e == index:
+        return sp.Integer(0), n - 1
+    if isinstance(e, sp.Add | sp.Max | sp.Min):
+        parts = [_interval(a, index, n) for a in e.args]
+        if any(p is None for p in parts):
+            return None
+        lows, highs = [p[0] for p in parts], [p[1] for p in parts]
+        if isinstance(e, sp.Add):
+            return sp.Add(*lows), sp.Add(*highs)
+        return e.func(*lows), e.func(*highs)
+    if isinstance(e, sp.Mul):
+        number, rest = e.as_coeff_Mul()
+        if not number.is_Integer or number in (0, 1):  # 1: a product with a symbol
+            return None
+        part = _interval(rest, index, n)
+        if part is None:
+            return None
+        lo, hi = part
+        return (number * lo, number * hi) if number > 0 else (number * hi, number * lo)
+    return None
 
 
 def _labels(band: Band, level: Level, read) -> dict[Index, Index]:
@@ -240,10 +346,10 @@ def bands(program: Program) -> dict[str, Band]:
         return {}
     backward = derive(program)
     found = {}
-    for level, axis, a, b, offset in windows:
+    for level, axis, (a, b), position in windows:
         for centre, offset_index in ((a, b), (b, a)):
-            band = Band(level.name, level.gather.source, axis, centre, offset_index, offset)
-            if _all_forms(program, backward, band, level):
+            band = _band(level, axis, centre, offset_index, position, program)
+            if band is not None and _all_forms(program, backward, band, level):
                 found[level.name] = band
                 break
     return found

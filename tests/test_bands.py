@@ -66,6 +66,33 @@ CASES = {
         ranges={"u": "19"},
         sizes={"u": 19},
     ),
+    # NATTEN's 1-D neighbourhood (its [B, heads, L, D] layout): the window's start clamped
+    # so that it stays inside the sequence (a band of 2K - 1, each row's K cut out)
+    "clamped": Case(
+        "y[b,h,i,u] = sum(q[b,h,i,d] * k[b,h, max(min(i - ns, L - K), 0) + u, d], d)",
+        {"q": (2, 3, 13, 4), "k": (2, 3, 13, 4)},
+        attrs={"K": 5},
+        attr_types={"K": "int"},
+        ranges={"u": "K"},
+        sizes={"u": 5},
+        lets={"ns": "K // 2", "L": "q.shape[2]"},
+        let_values={"ns": 2, "L": 13},
+    ),
+    # its weighted sum of values, an even window clamped by the values' own length
+    "clamped_apply": Case(
+        "y[b,i,d] = sum(p[b,i,u] * v[b, max(min(i - 3, L - 6), 0) + u, d], u)",
+        {"p": (2, 11, 6), "v": (2, 11, 3)},
+        lets={"L": "v.shape[1]"},
+        let_values={"L": 11},
+    ),
+    # clamped on one side only (a causal window: keys i - 3 .. i, kept from before 0),
+    # the rows longer than the keys
+    "clamped_causal": Case(
+        "y[i,u,c] = q[i,c] * k[max(i - 3, 0) + u, c]",
+        {"q": (9, 2), "k": (7, 2)},
+        ranges={"u": "4"},
+        sizes={"u": 4},
+    ),
 }
 
 
@@ -100,6 +127,10 @@ def test_every_case_is_banded_and_never_gathers_its_window(name):
         "y[b,i,u] = sum(exp(q[b,i,d] * k[b, i + u, d]), d)",  # not a product
         "y[b,i,u] = sum(q[b,i,u,d] * k[b, i + u, d], d)",  # u on both sides, nothing summed
         "y[b,i,u] = sum(d * q[b,i,d] * k[b, i + u, d], d)",  # an index as a value
+        # a start clamped at a constant: its band could be as wide as the source
+        "y[b,i,u] = sum(q[b,i,d] * k[b, min(i, 4) + u, d], d)",
+        # a start clamped at two positions, not moving with i
+        "y[b,i,u] = sum(q[b,i,d] * k[b, max(min(2*i, 3), 0) + u, d], d)",
     ],
 )
 def test_other_reads_of_a_window_stay_gathers(formula):

@@ -30,23 +30,63 @@ class Bands:
         form = None if eyes else banded.read_form(e, summed, out, band, level, self.program)
         if form is None:  # `bands.bands` checked every read: lowering must agree
             raise AssertionError(f"{name}: a read of a banded window is no band form: {e}")
-        offset = integer(band.offset)
+        offset = self.band_offset(body, band)
         columns = form.columns or (_ONE,)
         source = self.band_source(body, band, form.source_labels, form.centre, columns, form)
         if form.kind == "scores":
             rows = self.band_operand(body, form.other, (*form.batch, form.centre, *columns))
             count = ir.Var(self.index_size(body, band.offset_index))
-            value = ir.Call("band_scores", (rows, source, offset, count))
+            value = ir.Call("band_scores", (rows, source, offset, self.band_width(body, band)))
+            if band.shift is not None:  # each row's window, out of its wider band
+                value = ir.Var(body.bind(value))
+                value = ir.Call("band_narrow", (value, self.band_shift(body, band), count))
             return self.scaled(body, value, form.coefficient), (
                 *form.batch,
                 form.centre,
                 form.offset_index,
             )
         weights = self.band_operand(body, form.other, (*form.batch, form.centre, form.offset_index))
+        weights = self.band_widened(body, band, weights)
         value: ir.Expr = ir.Call("band_apply", (weights, source, offset))
         if not form.columns:
             value = self.band_squeeze(body, value, len(form.batch) + 1)
         return self.scaled(body, value, form.coefficient), (*form.batch, form.centre, *form.columns)
+
+    def band_offset(self, body: _Body, band) -> ir.Expr:
+        value = integer(band.offset)
+        if band.shift is None or _is_simple(value):
+            return value
+        return self.band_size(body, band, "start", value)
+
+    def band_width(self, body: _Body, band) -> ir.Expr:
+        """The band's width: the window's count, plus its spread for a clamped start."""
+        count = ir.Var(self.index_size(body, band.offset_index))
+        if band.shift is None:
+            return count
+        return self.band_size(body, band, "width", ir.Binary("+", count, integer(band.spread)))
+
+    @staticmethod
+    def band_size(body: _Body, band, what: str, value: ir.Expr) -> ir.Var:
+        """An integer of the band's plan, named as a size (`_n_g1_start`): each body
+        computes its own, a number where the sizes are (never a tensor another body saved)."""
+        name = f"_n_{band.level.strip('_')}_{what}"
+        if not any(step.target == name for step in body.steps):
+            body.bind(value, name=name)
+        return ir.Var(name)
+
+    def band_shift(self, body: _Body, band) -> ir.Expr:
+        """Where each row's window starts in its band, shift(i) = s(i) - lo: an int vector
+        over the rows (s over the formula's own symbols, lo the band's offset)."""
+        start = self.position(body, band.shift + band.offset, (band.centre,))
+        value = ir.Binary("-", ir.Var(body.bind(start)), self.band_offset(body, band))
+        return ir.Var(body.bind(value))
+
+    def band_widened(self, body: _Body, band, weights: ir.Expr) -> ir.Expr:
+        """Weights over a row's window placed in its band (a clamped start), zeros around."""
+        if band.shift is None:
+            return weights
+        shift, width = self.band_shift(body, band), self.band_width(body, band)
+        return ir.Var(body.bind(ir.Call("band_widen", (weights, shift, width))))
 
     def band_source(self, body: _Body, band, labels, centre, columns, form) -> ir.Expr:
         """The window's source aligned to (batch, rows, columns)."""
@@ -76,9 +116,11 @@ class Bands:
                 raise AssertionError(f"{name}: a gradient of a banded window is no band form")
             columns = form.columns or (_ONE,)
             rows = self.band_operand(body, form.rows, (*form.batch, form.centre, form.offset_index))
+            rows = self.band_widened(body, band, rows)
             values = self.band_operand(body, form.values, (*form.batch, form.centre, *columns))
             size = ir.Var(self.axis_size(body, band.source, band.axis))
-            value: ir.Expr = ir.Call("band_scatter", (rows, values, integer(band.offset), size))
+            offset = self.band_offset(body, band)
+            value: ir.Expr = ir.Call("band_scatter", (rows, values, offset, size))
             kept = form.batch
             if c.summed:  # H: summed after the products
                 value = ir.Var(body.bind(value))

@@ -513,7 +513,9 @@ def _borrow(block: ir.Block, forward: dict[ir.Expr, str], let_names=frozenset())
     usable = {
         expr: name
         for expr, name in forward.items()
-        if not _size_arithmetic(expr) and not (ir.names_in(expr) & let_names)
+        if not _size_arithmetic(expr)
+        and not (ir.names_in(expr) & let_names)
+        and not name.startswith("_n_")  # a size the lowering named (`Bands.band_size`)
     }
 
     def borrowed(e: ir.Expr) -> ir.Expr | None:

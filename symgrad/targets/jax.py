@@ -84,6 +84,8 @@ NAMES = {
     "band_scores": "_band_scores",
     "band_apply": "_band_apply",
     "band_scatter": "_band_scatter",
+    "band_narrow": "_band_narrow",
+    "band_widen": "_band_widen",
     "fit": "_fit",
 }
 

@@ -91,7 +91,16 @@ LOGIC = {"logical_and": "({} and {})", "logical_or": "({} or {})", "logical_not"
 # The template's own helpers (`_conv_window`, `_band_scores`, ..), called with the
 # operands as lowering gives them.
 HELPERS = frozenset(
-    {"conv_padding", "conv_window", "conv_unwindow", "band_scores", "band_apply", "band_scatter"}
+    {
+        "conv_padding",
+        "conv_window",
+        "conv_unwindow",
+        "band_scores",
+        "band_apply",
+        "band_scatter",
+        "band_narrow",
+        "band_widen",
+    }
 )
 # Each op's parameter names in TF's order (the IR passes some by position, some by name).
 PARAMETERS = {
@@ -109,6 +118,8 @@ PARAMETERS = {
     "band_scores": ("o", "s", "offset", "count"),
     "band_apply": ("p", "s", "offset"),
     "band_scatter": ("p", "o", "offset", "m"),
+    "band_narrow": ("r", "shift", "count"),
+    "band_widen": ("p", "shift", "width"),
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
     "gelu_tanh": ("x",),
