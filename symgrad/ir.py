@@ -164,9 +164,10 @@ OPS = {
     "band_apply": "band_apply(p, s, offset): r[.., i, c] = Σ_u p[.., i, u] s[.., i + u + offset, c]",
     "band_scatter": "band_scatter(p, o, offset, m): r[.., t, c] = Σ_{i + u + offset = t} "
     "p[.., i, u] o[.., i, c], t < m",
-    "band_narrow": "band_narrow(r, shift, count): y[.., i, u] = r[.., i, shift[i] + u], u < count",
-    "band_widen": "band_widen(p, shift, width): y[.., i, v] = p[.., i, v - shift[i]] where "
-    "0 <= v - shift[i] < count, else 0; v < width",
+    # a clamped start (bands.py): each kernel's optional last operands (shift, spread), the
+    # window of row i at i + shift[i] + u + offset, 0 <= shift[i] <= spread
+    "int_max": "int_max(x, y): maximum of two integers, a number where both are (sizes)",
+    "int_min": "int_min(x, y): minimum of two integers, a number where both are (sizes)",
     "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
     "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
     "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",

@@ -1,7 +1,8 @@
 """A banded window's training step (symgrad/bands.py) holds at most 4x the bytes of the
 op's inputs and outputs plus MAX_TEMP_BYTES, in every target, at sizes where the gathered
 window alone is over 4x that bound: local attention's scores and its weighted sum of
-values (Longformer's layout, w = 100 on 600 positions)."""
+values (Longformer's layout, w = 100 on 600 positions), and NATTEN's clamped neighbourhood
+of K = 201 in its own layout."""
 
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ CASES = {
         f"y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + u - {W}, h, d], u)",
         {"p": (1, 4, 600, 2 * W + 1), "v": (1, 600, 4, 32)},
     ),
+    # NATTEN's neighbourhood (its [B, heads, L, D] layout), its start clamped: a band of
+    # 2K - 1 read, each row's K cut out (bands.py)
+    "clamped scores": Case(
+        "y[b,h,i,u] = sum(q[b,h,i,d] * k[b,h, max(min(i - ns, L - K), 0) + u, d], d)",
+        {"q": (1, 4, 600, 32), "k": (1, 4, 600, 32)},
+        attrs={"K": 2 * W + 1},
+        attr_types={"K": "int"},
+        ranges={"u": "K"},
+        sizes={"u": 2 * W + 1},
+        lets={"ns": "K // 2", "L": "q.shape[2]"},
+        let_values={"ns": W, "L": 600},
+    ),
+    "clamped apply": Case(
+        "y[b,h,i,d] = sum(p[b,h,i,u] * v[b,h, max(min(i - ns, L - K), 0) + u, d], u)",
+        {"p": (1, 4, 600, 2 * W + 1), "v": (1, 4, 600, 32)},
+        attrs={"K": 2 * W + 1},
+        attr_types={"K": "int"},
+        lets={"ns": "K // 2", "L": "v.shape[2]"},
+        let_values={"ns": W, "L": 600},
+    ),
 }
 # the window gathered from the source: [b, i, u, h, d] in float32
 WINDOW_BYTES = 600 * (2 * W + 1) * 4 * 32 * 4
@@ -50,7 +71,7 @@ for name, case in CASES.items():
     def step(*args):
         with tf.GradientTape() as tape:
             tape.watch(args)
-            out = module.forward(*args)
+            out = module.forward(*args, **case.attrs)
             loss = tf.reduce_sum(tf.sin(out))
         return out, tape.gradient(loss, args)
 
@@ -63,7 +84,7 @@ for name, case in CASES.items():
 
         return run
 
-    io = io_bytes([a.numpy() for a in args], [module.forward(*args).numpy()])
+    io = io_bytes([a.numpy() for a in args], [module.forward(*args, **case.attrs).numpy()])
     found[name] = {{"io": io, "step": peak(runner(step))}}
     found[name + " graph"] = {{"io": io, "step": peak(runner(tf.function(step)))}}
 print(json.dumps(found))
@@ -112,8 +133,8 @@ def test_pytorch_training_step_of_a_band_is_bounded(name, tmp_path):
     make = lambda a: torch.tensor(a, requires_grad=True)
     args = memory_inputs(module.INPUTS, CASES[name].shapes, make)
     with torch.no_grad():
-        io = io_bytes([a.detach() for a in args], [module.forward(*args)])
-    _check(name, "pytorch", io, _torch_memory(module, args, {})[1])
+        io = io_bytes([a.detach() for a in args], [module.forward(*args, **CASES[name].attrs)])
+    _check(name, "pytorch", io, _torch_memory(module, args, CASES[name].attrs)[1])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -121,5 +142,5 @@ def test_jax_training_step_of_a_band_is_bounded(name, tmp_path):
     jnp = pytest.importorskip("jax.numpy")
     module = _module(name, "jax", tmp_path)
     args = memory_inputs(module.INPUTS, CASES[name].shapes, jnp.asarray)
-    io = io_bytes(args, [module.forward(*args)])
-    _check(name, "jax", io, jax_step_bytes(module, args))
+    io = io_bytes(args, [module.forward(*args, **CASES[name].attrs)])
+    _check(name, "jax", io, jax_step_bytes(module, args, CASES[name].attrs))

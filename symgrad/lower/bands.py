@@ -16,6 +16,20 @@ _ROWS = Index("_band_rows")
 _ONE = Index("_band_one")
 
 
+def _sized(value: ir.Expr) -> ir.Expr:
+    """A band's integer with its max and min of sizes as `int_max` / `int_min`: numbers
+    wherever the sizes are (TensorFlow's `tf.maximum` of two ints is a tensor, and a band
+    plan over a tensor in a graph runs all its chunks at once)."""
+    names = {"maximum": "int_max", "minimum": "int_min"}
+
+    def swap(e: ir.Expr) -> ir.Expr | None:
+        if isinstance(e, ir.Call) and e.function in names:
+            return ir.Call(names[e.function], tuple(ir.rewrite(a, swap) for a in e.args))
+        return None
+
+    return ir.rewrite(value, swap)
+
+
 class Bands:
     """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
 
@@ -35,35 +49,25 @@ class Bands:
         source = self.band_source(body, band, form.source_labels, form.centre, columns, form)
         if form.kind == "scores":
             rows = self.band_operand(body, form.other, (*form.batch, form.centre, *columns))
-            count = ir.Var(self.index_size(body, band.offset_index))
-            value = ir.Call("band_scores", (rows, source, offset, self.band_width(body, band)))
-            if band.shift is not None:  # each row's window, out of its wider band
-                value = ir.Var(body.bind(value))
-                value = ir.Call("band_narrow", (value, self.band_shift(body, band), count))
+            count = self.band_count(body, band)
+            value = ir.Call("band_scores", (rows, source, offset, count, *self.clamped(body, band)))
             return self.scaled(body, value, form.coefficient), (
                 *form.batch,
                 form.centre,
                 form.offset_index,
             )
         weights = self.band_operand(body, form.other, (*form.batch, form.centre, form.offset_index))
-        weights = self.band_widened(body, band, weights)
-        value: ir.Expr = ir.Call("band_apply", (weights, source, offset))
+        clamped = self.clamped(body, band)
+        value: ir.Expr = ir.Call("band_apply", (weights, source, offset, *clamped))
         if not form.columns:
             value = self.band_squeeze(body, value, len(form.batch) + 1)
         return self.scaled(body, value, form.coefficient), (*form.batch, form.centre, *form.columns)
 
     def band_offset(self, body: _Body, band) -> ir.Expr:
-        value = integer(band.offset)
+        value = _sized(integer(band.offset))
         if band.shift is None or _is_simple(value):
             return value
         return self.band_size(body, band, "start", value)
-
-    def band_width(self, body: _Body, band) -> ir.Expr:
-        """The band's width: the window's count, plus its spread for a clamped start."""
-        count = ir.Var(self.index_size(body, band.offset_index))
-        if band.shift is None:
-            return count
-        return self.band_size(body, band, "width", ir.Binary("+", count, integer(band.spread)))
 
     @staticmethod
     def band_size(body: _Body, band, what: str, value: ir.Expr) -> ir.Var:
@@ -81,12 +85,25 @@ class Bands:
         value = ir.Binary("-", ir.Var(body.bind(start)), self.band_offset(body, band))
         return ir.Var(body.bind(value))
 
-    def band_widened(self, body: _Body, band, weights: ir.Expr) -> ir.Expr:
-        """Weights over a row's window placed in its band (a clamped start), zeros around."""
+    def band_count(self, body: _Body, band) -> ir.Expr:
+        """The window's count of offsets; for a range with a max or min of sizes and attrs
+        (NATTEN's `kernel_size`, at least 0), computed as a number where they are
+        (`_sized`)."""
+        extent = dict(self.program.extents).get(band.offset_index)
+        if extent is None or not extent.has(sp.Max, sp.Min):
+            return ir.Var(self.index_size(body, band.offset_index))
+        count = _sized(integer(extent))
+        return count if _is_simple(count) else self.band_size(body, band, "count", count)
+
+    def clamped(self, body: _Body, band) -> tuple[ir.Expr, ...]:
+        """A clamped start's operands of the kernels: each row's shift, and their spread
+        (none for a window that starts at i)."""
         if band.shift is None:
-            return weights
-        shift, width = self.band_shift(body, band), self.band_width(body, band)
-        return ir.Var(body.bind(ir.Call("band_widen", (weights, shift, width))))
+            return ()
+        spread = _sized(integer(band.spread))
+        if not _is_simple(spread):
+            spread = self.band_size(body, band, "spread", spread)
+        return self.band_shift(body, band), spread
 
     def band_source(self, body: _Body, band, labels, centre, columns, form) -> ir.Expr:
         """The window's source aligned to (batch, rows, columns)."""
@@ -116,11 +133,11 @@ class Bands:
                 raise AssertionError(f"{name}: a gradient of a banded window is no band form")
             columns = form.columns or (_ONE,)
             rows = self.band_operand(body, form.rows, (*form.batch, form.centre, form.offset_index))
-            rows = self.band_widened(body, band, rows)
             values = self.band_operand(body, form.values, (*form.batch, form.centre, *columns))
             size = ir.Var(self.axis_size(body, band.source, band.axis))
             offset = self.band_offset(body, band)
-            value: ir.Expr = ir.Call("band_scatter", (rows, values, offset, size))
+            clamped = self.clamped(body, band)
+            value: ir.Expr = ir.Call("band_scatter", (rows, values, offset, size, *clamped))
             kept = form.batch
             if c.summed:  # H: summed after the products
                 value = ir.Var(body.bind(value))

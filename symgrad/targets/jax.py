@@ -84,8 +84,6 @@ NAMES = {
     "band_scores": "_band_scores",
     "band_apply": "_band_apply",
     "band_scatter": "_band_scatter",
-    "band_narrow": "_band_narrow",
-    "band_widen": "_band_widen",
     "fit": "_fit",
 }
 
@@ -113,7 +111,8 @@ def is_integer(e: ir.Expr) -> bool:
     if isinstance(e, ir.Whole):
         return is_integer(e.whole) and is_integer(e.part)
     if isinstance(e, ir.Call):
-        integral = ("maximum", "minimum", "to_int64", "size_limit", "exact_div", "shift")
+        integral = ("maximum", "minimum", "int_max", "int_min", "to_int64", "size_limit")
+        integral = (*integral, "exact_div", "shift")
         return e.function in integral and all(is_integer(a) for a in e.args)
     return False
 
@@ -246,6 +245,8 @@ class JaxPrinter(Printer):
         if is_integer(e):
             return f"min({self.arguments(e)})"
         return f"jnp.minimum({self.arguments(e)})"
+
+    call_int_max, call_int_min = call_maximum, call_minimum
 
     def call_gather(self, e: ir.Call) -> str:
         # The module's `_gather`: jnp.take, never from an empty axis.

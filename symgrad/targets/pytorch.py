@@ -98,8 +98,6 @@ HELPERS = frozenset(
         "band_scores",
         "band_apply",
         "band_scatter",
-        "band_narrow",
-        "band_widen",
     }
 )
 # Each op's parameter names in TF's order (the IR passes some by position, some by name).
@@ -115,11 +113,9 @@ PARAMETERS = {
     "conv_padding": ("axes",),
     "conv_window": ("x", "axes"),
     "conv_unwindow": ("g", "axes"),
-    "band_scores": ("o", "s", "offset", "count"),
-    "band_apply": ("p", "s", "offset"),
-    "band_scatter": ("p", "o", "offset", "m"),
-    "band_narrow": ("r", "shift", "count"),
-    "band_widen": ("p", "shift", "width"),
+    "band_scores": ("o", "s", "offset", "count", "shift", "spread"),
+    "band_apply": ("p", "s", "offset", "shift", "spread"),
+    "band_scatter": ("p", "o", "offset", "m", "shift", "spread"),
     "cumsum": ("x", "axis", "exclusive", "reverse"),
     "eye": ("n", "dtype"),
     "gelu_tanh": ("x",),
@@ -149,6 +145,8 @@ PARAMETERS = {
     "select": ("condition", "x", "y"),
     "zeros": ("shape", "dtype"),
     "maximum": ("x", "y"),
+    "int_max": ("x", "y"),
+    "int_min": ("x", "y"),
     "minimum": ("x", "y"),
     **{name: ("x", "axis", "keepdims") for name in REDUCTIONS},
 }
@@ -189,7 +187,8 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return is_python(e.left, names) and is_python(e.right, names)
     if isinstance(e, ir.Negate):
         return is_python(e.operand, names)
-    if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64", *LOGIC):
+    extrema = ("maximum", "minimum", "int_max", "int_min")
+    if isinstance(e, ir.Call) and e.function in (*extrema, "to_int64", *LOGIC):
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Call) and e.function == "size_limit":
         return is_python(e.args[0], names)
@@ -489,6 +488,8 @@ class PyTorchPrinter(Printer):
 
     def call_minimum(self, args: dict) -> str:
         return self.extremum(args, "min", "torch.minimum", "torch.clamp_max")
+
+    call_int_max, call_int_min = call_maximum, call_minimum
 
     def extremum(self, args: dict, python: str, both: str, clamp: str) -> str:
         x, y = args["x"], args["y"]

@@ -24,8 +24,6 @@ NAMES = {
     "band_scores": "_band_scores",
     "band_apply": "_band_apply",
     "band_scatter": "_band_scatter",
-    "band_narrow": "_band_narrow",
-    "band_widen": "_band_widen",
     "cos": "tf.cos",
     "cosh": "tf.cosh",
     "cumsum": "tf.cumsum",
@@ -163,6 +161,11 @@ class TensorFlowPrinter(Printer):
         return f'tf.einsum("{e.subscripts}", {operands})'
 
     def call(self, e: ir.Call) -> str:
+        if e.function in ("int_max", "int_min"):  # a number for numbers (`_band_int`)
+            if not self.in_module:
+                return self.call(replace(e, function=e.function.replace("int_", "") + "imum"))
+            builtin = e.function.removeprefix("int_")
+            return f"_band_int({builtin}, {self.arguments(e)})"
         if e.function == "whole":  # the module's helper, not a neutral op (EXTREMA)
             return f"_whole({self.arguments(e)})"
         if e.function == "to_int64":
