@@ -317,7 +317,8 @@ TENSORS = {
 
 # The ops whose temporaries outgrow their inputs and outputs (gathered windows, the CSR
 # mask's dense branch): their modules run in chunks above MAX_TEMP_BYTES.
-TILED = {"PaconvAssignScore", "SegmentCsrSum", "NattenQk1d", "LongformerQk", "LongformerAv"}
+# NATTEN's 1-D QK is banded, never gathered (bands.py): no tiling.
+TILED = {"PaconvAssignScore", "SegmentCsrSum", "LongformerQk", "LongformerAv"}
 # Three gathers of attr and their products over the output [n,h,w,c], larger than every
 # input (`output_temps`).
 TILED |= {"NvdiffrastInterpolate"}
@@ -442,12 +443,11 @@ def test_explain_shows_the_solved_equations_of_lookups_and_clamps():
     assert "tf.math.unsorted_segment_sum" in csr
 
 
-# -- memory: the gathered windows of NATTEN and Longformer in chunks -----------------
+# -- memory: the gathered window of Longformer in chunks -----------------------------
 
 
 MEMORY = {
-    # B=2, heads=4, L=128, D=32, K=15: a [2, 4, 128, 15, 32] gathered key window
-    "NattenQk1d": ({"query": (2, 4, 128, 32), "key": (2, 4, 128, 32)}, {"kernel_size": 15}),
+    # (NATTEN's 1-D QK is banded now: its step's bound is in tests/test_bands_memory.py)
     # b=2, n=128, h=4, m=32, w=8, dilations 1..4: a [2, 128, 4, 17, 32] window of Y
     "LongformerQk": ({"X": (2, 128, 4, 32), "Y": (2, 128, 4, 32)}, {"w": 8}),
 }

@@ -291,11 +291,12 @@ REAL = {
         ranges={"t": "x.shape[0]"},  # fairseq's output has the input's length
         sizes={"t": 11},
     ),
-    # NATTEN's 1-D attention-times-values: attn [B, heads, L, kernel], value [B, heads, L, D]
+    # NATTEN's 1-D attention-times-values: attn [B, heads, L, kernel], value [B, heads, L, D];
+    # its own window is banded (bands.py), read at a step s (1 here) it is gathered, tiled
     "natten_av_1d": Case(
-        "y[b,h,i,d] = sum(attn[b,h,i,k] * value[b,h, max(min(i - ns, L - ks), 0) + k, d], k)",
+        "y[b,h,i,d] = sum(attn[b,h,i,k] * value[b,h, max(min(i - ns, L - ks), 0) + s*k, d], k)",
         {"attn": (2, 3, 10, 3), "value": (2, 3, 10, 4)},
-        attrs={"ns": 1, "ks": 3},
+        attrs={"ns": 1, "ks": 3, "s": 1},
         lets={"L": "value.shape[2]"},
         let_values={"L": 10},
     ),

@@ -34,7 +34,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 # op -> (input shapes, int inputs, attrs, the two indices): each index its own size
 CASES = {
-    "NattenQk1d": ({"query": (2, 3, 5, 4), "key": (2, 3, 5, 4)}, {}, {"kernel_size": 3}, "ki"),
+    # NATTEN's own is banded now (bands.py): its window read at a step s = 1 is gathered
+    "NattenQk1dGathered": (
+        {"query": (2, 3, 5, 4), "key": (2, 3, 5, 4)},
+        {},
+        {"kernel_size": 3, "s": 1},
+        "ki",
+    ),
     "LongformerQk": (
         {"X": (2, 5, 3, 4), "Y": (2, 5, 3, 4), "D": (3,)},
         {"D": [1, 2, 1]},
@@ -94,7 +100,7 @@ def _chunked_equals_whole(op, target, folder, monkeypatch, planned):
 # the plan splits the rows `i` (PyTorch and TensorFlow count 8 such temporaries; JAX 4,
 # within its allowance: whole positions, as one level).
 PEAK_SHAPES = {"query": (1, 2, 300, 56), "key": (1, 2, 300, 56)}
-PEAK_ATTRS = {"kernel_size": 3}
+PEAK_ATTRS = {"kernel_size": 3, "s": 1}
 BUDGET = 2**17
 
 
@@ -110,7 +116,7 @@ def _bound():
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch"])
-@pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1d"])
+@pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1dGathered"])
 def test_whole_positions_in_several_outer_chunks_are_exact(op, target, folder, monkeypatch):
     """The plan's whole positions of the outer index (c2 = n2), several outer chunks: the
     inner level runs as one call (TensorFlow's `_inner_into`), whose parts must be added
@@ -132,7 +138,7 @@ def two_positions_a_chunk(plan2):
 
 
 @pytest.mark.parametrize("target", sorted(STEPS))
-@pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1d"])
+@pytest.mark.parametrize("op", ["LongformerQk", "NattenQk1dGathered"])
 def test_several_whole_positions_a_chunk_and_a_shorter_last_are_exact(
     op, target, folder, monkeypatch
 ):
@@ -145,7 +151,7 @@ def test_several_whole_positions_a_chunk_and_a_shorter_last_are_exact(
 
 
 def test_pytorch_step_is_bounded_where_one_position_is_not(folder, monkeypatch):
-    module = _module("NattenQk1d", "pytorch", folder)
+    module = _module("NattenQk1dGathered", "pytorch", folder)
     xs = [torch.tensor(a, requires_grad=True) for a in _peak_arrays()]
 
     def step():
@@ -170,7 +176,7 @@ def test_pytorch_step_is_bounded_where_one_position_is_not(folder, monkeypatch):
 def test_jax_step_keeps_whole_positions_within_its_allowance(folder, monkeypatch):
     """JAX's plan counts 4 temporaries: one position is within 3 x (inputs + outputs) +
     the budget, so it runs whole (one level, as before), and the step is within the bound."""
-    module = _module("NattenQk1d", "jax", folder)
+    module = _module("NattenQk1dGathered", "jax", folder)
     args = [jnp.asarray(a) for a in _peak_arrays()]
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
     _, c, n2, c2 = module._tile_plan(*args, **PEAK_ATTRS)

@@ -6,6 +6,7 @@ the untiled one."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -25,9 +26,30 @@ COMPILED = {}  # op -> `compile_op`'s module: each op compiled once, for every t
 
 
 def spec_op(name: str):
-    """The op `name` of the repository's symgrad.toml."""
+    """The op `name` of the repository's symgrad.toml, or a test's variant of one
+    (`GATHERED`)."""
+    if name in GATHERED:
+        base, formula = GATHERED[name]
+        op = spec_op(base)
+        attrs = (*op.attrs, ("s", "int"))
+        return dataclasses.replace(op, name=name, formulas=(formula,), attrs=attrs)
     spec = parse_spec((REPO / "symgrad.toml").read_text(encoding="utf-8"), "symgrad.toml")
     return next(op for op in spec.ops if op.name == name)
+
+
+# NATTEN's 1-D QK with its keys read at a step `s` (1 in the tests: the same op): a window
+# whose offset has a coefficient other than 1 stays a gather (bands.py), so the tiling of
+# a gathered window it exercises is the one NATTEN took before its clamped window was
+# banded.
+GATHERED = {
+    "NattenQk1dGathered": (
+        "NattenQk1d",
+        (
+            "attn[b,h,i,k] = sum(query[b,h,i,d] * key[b,h, max(min(i - ns, L - kernel_size), 0)"
+            " + s*k, d], d)"
+        ),
+    )
+}
 
 
 def compiled(name: str):

@@ -162,8 +162,6 @@ class TensorFlowPrinter(Printer):
 
     def call(self, e: ir.Call) -> str:
         if e.function in ("int_max", "int_min"):  # a number for numbers (`_band_int`)
-            if not self.in_module:
-                return self.call(replace(e, function=e.function.replace("int_", "") + "imum"))
             builtin = e.function.removeprefix("int_")
             return f"_band_int({builtin}, {self.arguments(e)})"
         if e.function == "whole":  # the module's helper, not a neutral op (EXTREMA)
