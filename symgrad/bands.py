@@ -30,9 +30,10 @@ A window may start at a clamped position: NATTEN's `S[max(min(i - K // 2, L - K)
 interval arithmetic bounds by `lo <= s(i) <= hi` over `0 <= i < n` (`_interval`, after
 moving `- i` into the max and min); the kernels then read the wider band
 `S[i + lo + v]`, `v < count + hi - lo`, and each row's window is its part at
-`v = s(i) - lo + u` (`band_narrow` cuts it out of the scores, `band_widen` places the
-weights of `apply` and `scatter` there). The bound is sound for every size, so every
-row's window lies inside the band it reads.
+`v = s(i) - lo + u`: the kernels take each row's shift `s(i) - lo` and the spread
+`hi - lo`, and per group of chunks cut each row's window out of the products (scores) or
+place each row's weights in its band (apply, scatter). The bound is sound for every size,
+so every row's window lies inside the band it reads.
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ least one of its axes: a Chamfer row `[b, j]` of `z[b, j, c]`, a GridSample row 
 output), it is at most half of that tensor, so 8 of them are at most 4x `io`: one position
 is within the bound at every size, and one level of tiling serves.
 
-Where it is as large as a whole input or output (NATTEN 1-D's `[b, h, i, d]` per window
-offset, the size of `query`; Longformer's `[l, i, q, k]`, the size of `X`; CCNet's scores'
-`[b, c, i, j]`), 8 of them exceed 4x `io` as soon as that tensor is more than about half
-the inputs and outputs, and one position exceeds the budget once that tensor exceeds an
-eighth of it: such an op gets a second level (`tile_nest`), which its plan uses only where
-one position exceeds the budget.
+Where it is as large as a whole input or output (a gathered NATTEN 1-D window's
+`[b, h, i, d]` per offset, the size of `query`; Longformer's `[l, i, q, k]`, the size of
+`X`; CCNet's scores' `[b, c, i, j]`), 8 of them exceed 4x `io` as soon as that tensor is
+more than about half the inputs and outputs, and one position exceeds the budget once
+that tensor exceeds an eighth of it: such an op gets a second level (`tile_nest`), which
+its plan uses only where one position exceeds the budget.
 """
 
 from __future__ import annotations
