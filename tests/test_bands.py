@@ -183,25 +183,35 @@ def test_tensorflow_gradient_of_the_gradient(name, tmp_path):
         check_second_derivatives(lambda *xs: module.forward(*xs, **case.attrs), args, v)
 
 
-def test_unknown_sizes_under_tf_function(tmp_path):
-    """Every size known only when the graph runs: the kernels' plan is computed in the
-    graph (one group), the values the same as eagerly."""
-    case = CASES["scores"]
+# the axis of each case's inputs that holds its rows (centre i, or the source's rows)
+ROWS = {"scores": {"q": 1, "k": 1}, "clamped": {"q": 2, "k": 2}, "clamped_apply": {"p": 1, "v": 1}}
+
+
+def _float_inputs(case: Case, module, rng, dtype=np.float64, centre=0.0):
+    shapes = [case.shapes[name] for name in module.INPUTS]
+    return [(centre + rng.standard_normal(shape)).astype(dtype) for shape in shapes]
+
+
+@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply"])
+def test_unknown_sizes_under_tf_function(name, tmp_path):
+    """Every size known only when the graph runs: the kernels' plan (and a clamped start's
+    shifts and spread) is computed in the graph (one group), the values the same as
+    eagerly."""
+    case = CASES[name]
     module = generate(case, tmp_path, prefix="BandGraph")
     rng = np.random.default_rng(1)
-    q = tf.constant(rng.standard_normal((2, 23, 3, 4)))
-    k = tf.constant(rng.standard_normal((2, 19, 3, 4)))
-    g = tf.constant(rng.standard_normal((2, 3, 23, 7)))
-    spec = tf.TensorSpec([None] * 4, tf.float64)
+    args = [tf.constant(x) for x in _float_inputs(case, module, rng)]
+    y = module.forward(*args, **case.attrs)
+    g = tf.constant(rng.standard_normal(y.shape))
+    specs = [tf.TensorSpec([None] * len(x.shape), tf.float64) for x in (*args, g)]
 
-    @tf.function(input_signature=[spec, spec, spec])
-    def graph(q, k, g):
-        return module.forward(q, k, w=3), module.vjp(q, k, g, w=3)
+    @tf.function(input_signature=specs)
+    def graph(*xs):
+        return module.forward(*xs[:-1], **case.attrs), module.vjp(*xs, **case.attrs)
 
-    y, grads = graph(q, k, g)
-    want_y = module.forward(q, k, w=3)
-    want = module.vjp(q, k, g, w=3)
-    np.testing.assert_allclose(y.numpy(), want_y.numpy(), rtol=1e-12, atol=1e-12)
+    got_y, grads = graph(*args, g)
+    want = module.vjp(*args, g, **case.attrs)
+    np.testing.assert_allclose(got_y.numpy(), y.numpy(), rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -261,38 +271,82 @@ def test_pytorch_compile_fullgraph_of_the_band_kernels(tmp_path):
         np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
 
 
+def _step(module, target, arrays, attrs):
+    """One training step, loss sum(y) (or the given weights' sum(y * weights)): the
+    outputs and the gradients of every input, as numpy, through the target's own
+    autodiff."""
+    if target == "tensorflow":
+        args = [tf.constant(a) for a in arrays]
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            y = module.forward(*args, **attrs)
+            loss = tf.reduce_sum(y)
+        return [y.numpy(), *(g.numpy() for g in tape.gradient(loss, args))]
+    if target == "pytorch":
+        torch = pytest.importorskip("torch")
+        args = [torch.tensor(a, requires_grad=True) for a in arrays]
+        y = module.forward(*args, **attrs)
+        y.sum().backward()
+        return [y.detach().numpy(), *(a.grad.numpy() for a in args)]
+    jax = pytest.importorskip("jax")
+
+    def loss(*xs):
+        return module.forward(*xs, **attrs).sum()
+
+    args = [jax.numpy.asarray(a) for a in arrays]
+    grads = jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+    return [np.asarray(module.forward(*args, **attrs)), *map(np.asarray, grads)]
+
+
+# the output's shape with no rows in an input (a clamped start's L is q's or v's rows)
+EMPTY_OUTPUT = {
+    ("scores", "q"): (2, 3, 0, 7),
+    ("scores", "k"): (2, 3, 23, 7),
+    ("clamped", "q"): (2, 3, 0, 5),
+    ("clamped", "k"): (2, 3, 13, 5),
+    ("clamped_apply", "p"): (2, 0, 3),
+    ("clamped_apply", "v"): (2, 11, 3),
+}
+
+
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_a_training_step_over_no_rows(target, tmp_path):
-    """No query rows, or no key rows, in float32 at values of 300: the step's outputs and
-    gradients are shaped like their tensors and zero (nothing is read), in every target."""
-    case = CASES["scores"]
+@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply"])
+def test_a_training_step_over_no_rows(name, target, tmp_path):
+    """No rows in one input, then in the other (query rows or key rows; a clamped start's
+    length then 0 or not), in float32 at values of 300: the step's outputs and gradients
+    are shaped like their tensors and zero (nothing is read), in every target."""
+    case = CASES[name]
     module = generate_for(case, target, tmp_path, prefix="BandEmpty")
-    for q_rows, k_rows in ((0, 19), (23, 0)):
-        q = np.full((2, q_rows, 3, 4), 300.0, np.float32)
-        k = np.full((2, k_rows, 3, 4), 300.0, np.float32)
-        if target == "tensorflow":
-            args = [tf.constant(q), tf.constant(k)]
-            with tf.GradientTape() as tape:
-                tape.watch(args)
-                y = module.forward(*args, w=3)
-                loss = tf.reduce_sum(y)
-            found = [y.numpy(), *(g.numpy() for g in tape.gradient(loss, args))]
-        elif target == "pytorch":
-            torch = pytest.importorskip("torch")
-            args = [torch.tensor(q, requires_grad=True), torch.tensor(k, requires_grad=True)]
-            y = module.forward(*args, w=3)
-            y.sum().backward()
-            found = [y.detach().numpy(), *(a.grad.numpy() for a in args)]
-        else:
-            jax = pytest.importorskip("jax")
+    for empty in module.INPUTS:
+        shapes = {n: list(case.shapes[n]) for n in module.INPUTS}
+        shapes[empty][ROWS[name][empty]] = 0
+        arrays = [np.full(shapes[n], 300.0, np.float32) for n in module.INPUTS]
+        found = _step(module, target, arrays, case.attrs)
+        assert [g.shape for g in found] == [EMPTY_OUTPUT[name, empty], *(a.shape for a in arrays)]
+        for got in found:
+            np.testing.assert_array_equal(got, np.zeros(got.shape, np.float32))
 
-            def loss(q, k):
-                return module.forward(q, k, w=3).sum()
 
-            args = [jax.numpy.asarray(q), jax.numpy.asarray(k)]
-            grads = jax.grad(loss, argnums=(0, 1))(*args)
-            found = [np.asarray(module.forward(*args, w=3)), *map(np.asarray, grads)]
-        shapes = [(2, 3, q_rows, 7), q.shape, k.shape]
-        for got, shape in zip(found, shapes, strict=True):
-            assert got.shape == shape
-            np.testing.assert_array_equal(got, np.zeros(shape, np.float32))
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply"])
+def test_float32_far_from_the_origin(name, target, tmp_path):
+    """Inputs of 100 ± 1 in float32 (products of 10^4 and sums of them; gradients of
+    sum(y): sums of a window of values of 100), a group per chunk:
+    the step's outputs and gradients agree with the same step in float64 to float32's
+    precision, relative to the largest value of each (a band misplaced by one row is off
+    by about 1%)."""
+    case = CASES[name]
+    module = generate_for(case, target, tmp_path, prefix="BandFar")
+    module.MAX_TEMP_BYTES = 1
+    if target == "jax":
+        pytest.importorskip("jax").config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(5)
+    narrow = _float_inputs(case, module, rng, np.float32, centre=100.0)
+    exact = _step(module, target, [x.astype(np.float64) for x in narrow], case.attrs)
+    found = _step(module, target, narrow, case.attrs)
+    for got, want in zip(found, exact, strict=True):
+        assert got.dtype == np.float32 and want.dtype == np.float64
+        assert got.shape == want.shape
+        scale = np.abs(want).max()
+        assert scale > 100
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
