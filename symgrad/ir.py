@@ -166,8 +166,6 @@ OPS = {
     "p[.., i, u] o[.., i, c], t < m",
     # a clamped start (bands.py): each kernel's optional last operands (shift, spread), the
     # window of row i at i + shift[i] + u + offset, 0 <= shift[i] <= spread
-    "int_max": "int_max(x, y): maximum of two integers, a number where both are (sizes)",
-    "int_min": "int_min(x, y): minimum of two integers, a number where both are (sizes)",
     "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
     "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
     "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",

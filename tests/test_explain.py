@@ -312,6 +312,9 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
     # explain prints sizes self-contained; modules read them through their `_dim` helper
     # (a recurrence's step through its prefixed copy, `_step_dim` or `_step_step_dim`).
     module = re.sub(r"\b(?:_step)*_dim\((\w+), (\d+)\)", r"tf.shape(\1)[\2]", module)
+    # A max or min of sizes is the module's `_int_max` / `_int_min` (a Python int for
+    # Python ints), tf.maximum / tf.minimum in explain.
+    module = re.sub(r"(?<!def )\b_int_(max|min)\(", r"tf.\1imum(", module)
     # A recurrence's module computes its step in `_step_compute`, which explain shows; a
     # recurrence whose step is a recurrence (soft-DTW's rows) in `_step_step_compute`; a
     # coupled recurrence (RWKV's scan) in `_step_coupled_compute`, around which

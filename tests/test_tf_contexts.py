@@ -297,3 +297,55 @@ def test_scalar_intermediate_in_tf_function_with_unknown_dims(jit, tmp_path):
         for g, wanted in zip(grads, want, strict=True):
             assert g.shape == wanted.shape
             np.testing.assert_allclose(g.numpy(), wanted.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def _constant_size_extrema(graph_def) -> list[str]:
+    """The integer Maximum and Minimum nodes of a graph (and of its functions: loop
+    bodies, gradients) whose two inputs are constants: a max of sizes known when the graph
+    is built, made an op."""
+    found = []
+    functions = [graph_def.node, *(f.node_def for f in graph_def.library.function)]
+    for nodes in functions:
+        constants = {n.name for n in nodes if n.op == "Const"}
+        for n in nodes:
+            if n.op not in ("Maximum", "Minimum") or n.attr["T"].type not in (3, 9):
+                continue  # 3: int32, 9: int64
+            inputs = [i.split(":")[0].lstrip("^") for i in n.input]
+            if inputs and all(i in constants for i in inputs):
+                found.append(n.name)
+    return found
+
+
+# a training step's inputs (shapes, each index its own size) and attrs, of modules whose
+# sizes include a max or min of sizes and int attrs
+GRAPH_STEPS = {
+    "carafe": ([(1, 3, 5, 6), (1, 25, 10, 12)], {"K": 5, "S": 2}),
+    "natten_qk2d": ([(1, 2, 9, 11, 4), (1, 2, 9, 11, 4)], {"K": 5}),
+    "natten_qk1d": ([(1, 2, 13, 4), (1, 2, 13, 4)], {"kernel_size": 5}),
+    "upfirdn2d": (
+        [(1, 2, 7, 9), (4, 3)],
+        {"up_x": 2, "up_y": 2, "down_x": 1, "down_y": 1}
+        | {"pad_x0": 2, "pad_x1": 1, "pad_y0": 1, "pad_y1": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH_STEPS))
+def test_a_max_of_sizes_stays_a_number_in_a_graph(name):
+    """Under tf.function with every size known, a max or min of sizes and int attrs
+    (`_n_u = max(K, 0)`, a band's clamped count) is a Python int (`_int_max`), never a
+    graph op: a plan over such an op was computed in the graph and ran every chunk at
+    once. Checked on a training step's graph, its loops and gradients included."""
+    module = importlib.import_module(f"generated.{name}")
+    shapes, attrs = GRAPH_STEPS[name]
+    args = [tf.constant(RNG.standard_normal(s), tf.float32) for s in shapes]
+
+    @tf.function
+    def step(*xs):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(module.forward(*xs, **attrs) ** 2)
+        return tape.gradient(loss, xs)
+
+    graph_def = step.get_concrete_function(*args).graph.as_graph_def()
+    assert _constant_size_extrema(graph_def) == []

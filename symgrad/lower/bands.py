@@ -16,20 +16,6 @@ _ROWS = Index("_band_rows")
 _ONE = Index("_band_one")
 
 
-def _sized(value: ir.Expr) -> ir.Expr:
-    """A band's integer with its max and min of sizes as `int_max` / `int_min`: numbers
-    wherever the sizes are (TensorFlow's `tf.maximum` of two ints is a tensor, and a band
-    plan over a tensor in a graph runs all its chunks at once)."""
-    names = {"maximum": "int_max", "minimum": "int_min"}
-
-    def swap(e: ir.Expr) -> ir.Expr | None:
-        if isinstance(e, ir.Call) and e.function in names:
-            return ir.Call(names[e.function], tuple(ir.rewrite(a, swap) for a in e.args))
-        return None
-
-    return ir.rewrite(value, swap)
-
-
 class Bands:
     """One part of `Lowerer` (lowerer.py); `self` is the whole Lowerer."""
 
@@ -64,15 +50,16 @@ class Bands:
         return self.scaled(body, value, form.coefficient), (*form.batch, form.centre, *form.columns)
 
     def band_offset(self, body: _Body, band) -> ir.Expr:
-        value = _sized(integer(band.offset))
-        if band.shift is None or _is_simple(value):
-            return value
-        return self.band_size(body, band, "start", value)
+        value = integer(band.offset)
+        return value if band.shift is None else self.band_size(body, band, "start", value)
 
     @staticmethod
-    def band_size(body: _Body, band, what: str, value: ir.Expr) -> ir.Var:
-        """An integer of the band's plan, named as a size (`_n_g1_start`): each body
-        computes its own, a number where the sizes are (never a tensor another body saved)."""
+    def band_size(body: _Body, band, what: str, value: ir.Expr) -> ir.Expr:
+        """An integer of the band's plan, named as a size (`_n_g1_start`) unless it is a
+        literal or a name: each body computes its own, a number where the sizes are (never
+        a tensor another body saved)."""
+        if _is_simple(value):
+            return value
         name = f"_n_{band.level.strip('_')}_{what}"
         if not any(step.target == name for step in body.steps):
             body.bind(value, name=name)
@@ -87,22 +74,18 @@ class Bands:
 
     def band_count(self, body: _Body, band) -> ir.Expr:
         """The window's count of offsets; for a range with a max or min of sizes and attrs
-        (NATTEN's `kernel_size`, at least 0), computed as a number where they are
-        (`_sized`)."""
+        (NATTEN's `kernel_size`, at least 0), a size of the band's own."""
         extent = dict(self.program.extents).get(band.offset_index)
         if extent is None or not extent.has(sp.Max, sp.Min):
             return ir.Var(self.index_size(body, band.offset_index))
-        count = _sized(integer(extent))
-        return count if _is_simple(count) else self.band_size(body, band, "count", count)
+        return self.band_size(body, band, "count", integer(extent))
 
     def clamped(self, body: _Body, band) -> tuple[ir.Expr, ...]:
         """A clamped start's operands of the kernels: each row's shift, and their spread
         (none for a window that starts at i)."""
         if band.shift is None:
             return ()
-        spread = _sized(integer(band.spread))
-        if not _is_simple(spread):
-            spread = self.band_size(body, band, "spread", spread)
+        spread = self.band_size(body, band, "spread", integer(band.spread))
         return self.band_shift(body, band), spread
 
     def band_source(self, body: _Body, band, labels, centre, columns, form) -> ir.Expr:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 
 from .. import ir
-from .printer import ATOM, Printer, precedence
+from .printer import ATOM, Printer, is_integer, precedence
 
 NAMES = {
     "abs": "jnp.abs",
@@ -93,28 +93,6 @@ LAYOUTS = {
     2: ("NHWC", "HWIO", "NHWC"),
     3: ("NDHWC", "DHWIO", "NDHWC"),
 }
-
-
-def is_integer(e: ir.Expr) -> bool:
-    """Whether `e` is size arithmetic (sizes, int attrs, integer literals, + - * //, max,
-    min): a Python int at run time, never a tensor."""
-    if isinstance(e, ir.Lit):
-        return e.text.removeprefix("-").isdigit()
-    if isinstance(e, ir.AxisSize):
-        return True
-    if isinstance(e, ir.Var):  # the names lowering gives sizes and int attrs
-        return e.name.startswith(("_n_", "_int_"))
-    if isinstance(e, ir.Negate):
-        return is_integer(e.operand)
-    if isinstance(e, ir.Binary):
-        return e.op in ("+", "-", "*", "//", "%") and is_integer(e.left) and is_integer(e.right)
-    if isinstance(e, ir.Whole):
-        return is_integer(e.whole) and is_integer(e.part)
-    if isinstance(e, ir.Call):
-        integral = ("maximum", "minimum", "int_max", "int_min", "to_int64", "size_limit")
-        integral = (*integral, "exact_div", "shift")
-        return e.function in integral and all(is_integer(a) for a in e.args)
-    return False
 
 
 def contraction_path(subscripts: str) -> list[tuple[int, ...]]:
@@ -245,8 +223,6 @@ class JaxPrinter(Printer):
         if is_integer(e):
             return f"min({self.arguments(e)})"
         return f"jnp.minimum({self.arguments(e)})"
-
-    call_int_max, call_int_min = call_maximum, call_minimum
 
     def call_gather(self, e: ir.Call) -> str:
         # The module's `_gather`: jnp.take, never from an empty axis.

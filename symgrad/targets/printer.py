@@ -142,3 +142,26 @@ class Printer:
             raise NotImplementedError
         parts = (self.code(x) for x in (e.predicate, e.then, e.otherwise))
         return "{}({}, lambda: {}, lambda: {})".format(self.cond_function, *parts)
+
+
+def is_integer(e: ir.Expr) -> bool:
+    """Whether `e` is size arithmetic (sizes, int attrs, integer literals, + - * //, max,
+    min): a Python int at run time (in TensorFlow, a tensor only where a size is known
+    just when the graph runs)."""
+    if isinstance(e, ir.Lit):
+        return e.text.removeprefix("-").isdigit()
+    if isinstance(e, ir.AxisSize):
+        return True
+    if isinstance(e, ir.Var):  # the names lowering gives sizes and int attrs
+        return e.name.startswith(("_n_", "_int_"))
+    if isinstance(e, ir.Negate):
+        return is_integer(e.operand)
+    if isinstance(e, ir.Binary):
+        return e.op in ("+", "-", "*", "//", "%") and is_integer(e.left) and is_integer(e.right)
+    if isinstance(e, ir.Whole):
+        return is_integer(e.whole) and is_integer(e.part)
+    if isinstance(e, ir.Call):
+        integral = ("maximum", "minimum", "to_int64", "size_limit")
+        integral = (*integral, "exact_div", "shift")
+        return e.function in integral and all(is_integer(a) for a in e.args)
+    return False

@@ -145,8 +145,6 @@ PARAMETERS = {
     "select": ("condition", "x", "y"),
     "zeros": ("shape", "dtype"),
     "maximum": ("x", "y"),
-    "int_max": ("x", "y"),
-    "int_min": ("x", "y"),
     "minimum": ("x", "y"),
     **{name: ("x", "axis", "keepdims") for name in REDUCTIONS},
 }
@@ -187,8 +185,7 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return is_python(e.left, names) and is_python(e.right, names)
     if isinstance(e, ir.Negate):
         return is_python(e.operand, names)
-    extrema = ("maximum", "minimum", "int_max", "int_min")
-    if isinstance(e, ir.Call) and e.function in (*extrema, "to_int64", *LOGIC):
+    if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "to_int64", *LOGIC):
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Call) and e.function == "size_limit":
         return is_python(e.args[0], names)
@@ -488,8 +485,6 @@ class PyTorchPrinter(Printer):
 
     def call_minimum(self, args: dict) -> str:
         return self.extremum(args, "min", "torch.minimum", "torch.clamp_max")
-
-    call_int_max, call_int_min = call_maximum, call_minimum
 
     def extremum(self, args: dict, python: str, both: str, clamp: str) -> str:
         x, y = args["x"], args["y"]

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 
 from .. import ir
-from .printer import ATOM, Printer, precedence
+from .printer import ATOM, Printer, is_integer, precedence
 
 NAMES = {
     "abs": "tf.abs",
@@ -161,9 +161,11 @@ class TensorFlowPrinter(Printer):
         return f'tf.einsum("{e.subscripts}", {operands})'
 
     def call(self, e: ir.Call) -> str:
-        if e.function in ("int_max", "int_min"):  # a number for numbers (`_band_int`)
-            builtin = e.function.removeprefix("int_")
-            return f"_band_int({builtin}, {self.arguments(e)})"
+        if self.in_module and e.function in ("maximum", "minimum") and is_integer(e):
+            # Size arithmetic: a Python int where the sizes are (the module's `_int_max`),
+            # where tf.maximum of two ints is a tensor (in a graph: a chunk plan over a
+            # tensor). explain prints sizes as tensors (`tf.shape(x)[k]`): tf.maximum.
+            return f"_int_{e.function[:3]}({self.arguments(e)})"
         if e.function == "whole":  # the module's helper, not a neutral op (EXTREMA)
             return f"_whole({self.arguments(e)})"
         if e.function == "to_int64":
