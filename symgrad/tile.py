@@ -49,7 +49,7 @@ from .segment_forms import (
 )
 from .spec import OpSpec
 
-START = "tile_start"  # the chunk's first position along the tiled index
+START = bands.TILE_START  # the chunk's first position along the tiled index
 LENGTH = "tile_length"  # the chunk's length, when no input axis gives it
 
 

@@ -85,6 +85,29 @@ CASES = {
         lets={"L": "v.shape[1]"},
         let_values={"L": 11},
     ),
+    # a dilated window (Longformer's dilation, one for every head): keys i + 2(u - w)
+    "dilated": Case(
+        "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + 2*(u - w), h, d], d)",
+        {"q": (2, 23, 3, 4), "k": (2, 19, 3, 4)},
+        attrs={"w": 3},
+        attr_types={"w": "int"},
+        ranges={"u": "2*w + 1"},
+        sizes={"u": 7},
+    ),
+    # the dilation an int attr (here 3), the window's weighted sum of values
+    "dilated_apply": Case(
+        "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + D*u - 4, h, d], u)",
+        {"p": (2, 3, 17, 4), "v": (2, 21, 3, 5)},
+        attrs={"D": 3},
+        attr_types={"D": "int"},
+    ),
+    # a window read backwards (keys i, i - 1, .., i - 3): a dilation of -1
+    "reversed": Case(
+        "y[i,u,c] = q[i,c] * k[i - u, c]",
+        {"q": (9, 2), "k": (7, 2)},
+        ranges={"u": "4"},
+        sizes={"u": 4},
+    ),
     # clamped on one side only (a causal window: keys i - 3 .. i, kept from before 0),
     # the rows longer than the keys
     "clamped_causal": Case(
@@ -131,10 +154,19 @@ def test_every_case_is_banded_and_never_gathers_its_window(name):
         "y[b,i,u] = sum(q[b,i,d] * k[b, min(i, 4) + u, d], d)",
         # a start clamped at two positions, not moving with i
         "y[b,i,u] = sum(q[b,i,d] * k[b, max(min(2*i, 3), 0) + u, d], d)",
+        # a clamped start and a dilation
+        "y[b,i,u] = sum(q[b,i,d] * k[b, max(i - 2, 0) + 2*u, d], d)",
+        # a dilation over a size (a tensor in a TensorFlow graph) or a sum of attrs
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + S*u, d], d)",
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + (D + 1)*u, d], d)",
     ],
 )
 def test_other_reads_of_a_window_stay_gathers(formula):
     case = Case(formula, {"q": (2, 5, 3), "k": (2, 6, 3)}, ranges={"u": "3"}, sizes={"u": 3})
+    if "S*u" in formula:
+        case = dataclasses.replace(case, lets={"S": "q.shape[2]"}, let_values={"S": 3})
+    if "D + 1" in formula:
+        case = dataclasses.replace(case, attrs={"D": 1}, attr_types={"D": "int"})
     if "q[b,i,u,d]" in formula:
         case = Case(formula, {"q": (2, 5, 3, 2), "k": (2, 6, 2)})
     assert bands.bands(_program(case)) == {}
@@ -163,6 +195,93 @@ def test_pytorch_and_jax_are_exact(name, target, budget, tmp_path):
     if budget is not None:
         module.MAX_TEMP_BYTES = budget
     check_target(CASES[name], module, frameworks()[target])
+
+
+# Clamped windows in an op tiled along their centre for another temporary (exp of the
+# scores): in the chunk the window is centred at i + tile_start inside the clamp, and its
+# spread would be a tensor in TensorFlow's loop and traced in JAX's (both raised).
+IN_A_LOOP = {
+    # NATTEN's attention in one formula: clamped keys and values
+    "natten_attention": Case(
+        (
+            "s[b,i,u] = sum(q[b,i,d] * k[b, max(min(i - ns, L - K), 0) + u, d], d)",
+            "y[b,i,e] = sum(exp(s[b,i,u]) * v[b, max(min(i - ns, L - K), 0) + u, e], u)",
+        ),
+        {"q": (2, 11, 3), "k": (2, 11, 3), "v": (2, 11, 4)},
+        attrs={"K": 5},
+        attr_types={"K": "int"},
+        ranges={"u": "K"},
+        sizes={"u": 5},
+        lets={"ns": "K // 2", "L": "k.shape[1]"},
+        let_values={"ns": 2, "L": 11},
+        outputs=("y",),
+    ),
+    # clamped keys, plain values
+    "clamped_then_plain": Case(
+        (
+            "s[b,i,u] = sum(q[b,i,d] * k[b, max(min(i - 2, L - 5), 0) + u, d], d)",
+            "y[b,i,e] = sum(exp(s[b,i,u]) * v[b, i + u - 2, e], u)",
+        ),
+        {"q": (2, 11, 3), "k": (2, 11, 3), "v": (2, 11, 4)},
+        ranges={"u": "5"},
+        sizes={"u": 5},
+        lets={"L": "k.shape[1]"},
+        let_values={"L": 11},
+        outputs=("y",),
+    ),
+    # a sum of exp over the clamped scores (more rows in k)
+    "clamped_logits": Case(
+        (
+            "s[b,i,u] = sum(q[b,i,d] * k[b, max(min(i - 2, L - 5), 0) + u, d], d)",
+            "y[b,i] = sum(exp(s[b,i,u]), u)",
+        ),
+        {"q": (2, 10, 3), "k": (2, 12, 3)},
+        ranges={"u": "5"},
+        sizes={"u": 5},
+        lets={"L": "k.shape[1]"},
+        let_values={"L": 12},
+        outputs=("y",),
+    ),
+}
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(IN_A_LOOP))
+def test_a_clamped_window_in_an_op_tiled_along_its_centre(name, target, tmp_path):
+    """Untiled the window is a band; in the chunk loop it stays a gather: exact in every
+    target at the default budget, in chunks of one row and in a few chunks."""
+    if target != "tensorflow":
+        pytest.importorskip("torch" if target == "pytorch" else "jax")
+    case = IN_A_LOOP[name]
+    assert bands.bands(_program(case))
+    for budget in (None, 1, 3000):
+        module = generate_for(case, target, tmp_path, prefix="BandInLoop")
+        if budget is not None:
+            module.MAX_TEMP_BYTES = budget
+        if target == "tensorflow":
+            check(dataclasses.replace(case, fd_directions=3), module)
+        else:
+            check_target(case, module, frameworks()[target])
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("dilation", [-2, 0, 1, 4])
+def test_a_dilation_attr_of_any_sign_is_exact(dilation, target, tmp_path):
+    """A dilation is an int attr, a Python int when the op is called: forwards (d < 0:
+    the offsets reversed), one row (d = 0: every offset reads it) or the plain band, in
+    every target, at one group and at a group per chunk."""
+    if target != "tensorflow":
+        pytest.importorskip("torch" if target == "pytorch" else "jax")
+    case = dataclasses.replace(CASES["dilated_apply"], attrs={"D": dilation})
+    assert bands.bands(_program(case))
+    for budget in (None, 1):
+        module = generate_for(case, target, tmp_path, prefix="BandDilation")
+        if budget is not None:
+            module.MAX_TEMP_BYTES = budget
+        if target == "tensorflow":
+            check(dataclasses.replace(case, fd_directions=3), module)
+        else:
+            check_target(case, module, frameworks()[target])
 
 
 @pytest.mark.parametrize("name", ["scores", "apply"])
