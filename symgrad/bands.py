@@ -34,6 +34,14 @@ moving `- i` into the max and min); the kernels then read the wider band
 `hi - lo`, and per group of chunks cut each row's window out of the products (scores) or
 place each row's weights in its band (apply, scatter). The bound is sound for every size,
 so every row's window lies inside the band it reads.
+
+A window may be dilated: `S[.., i + d·u + o, ..]` with d an integer or a product of int
+attrs (Longformer's dilation when every head shares it), a Python int when the op is
+called, of any sign. The kernels read it as |d| plain windows, one per residue ρ of the
+rows mod |d| (a dilated convolution's space-to-batch): rows `i = j·|d| + ρ` read the
+source's rows `ρ + o + |d|·(j + u)`, the offsets reversed for d < 0; at d = 0 every offset
+reads row `i + o`. A dilation over a let or a size (a tensor in a TensorFlow graph), or
+beside a clamped start, stays a gather.
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ class Band:
     # 0 <= shift(i) <= spread (None: no shift, spread 0)
     shift: sp.Expr | None = None
     spread: sp.Expr = sp.S.Zero
+    # a dilated window: row i reads centre + dilation * offset_index + offset (an integer
+    # literal or int attrs: a Python int at run time, of any sign; never with a shift)
+    dilation: sp.Expr = sp.S.One
 
 
 @dataclass(frozen=True)
@@ -133,18 +144,22 @@ def _windows(program: Program) -> list[tuple[Level, int, tuple[Index, Index], sp
 def _band(
     level: Level, axis: int, centre: Index, offset_index: Index, position: sp.Expr, program
 ) -> Band | None:
-    """The band of a window read at `position`: `centre + offset_index + o`, or, for a
-    clamped start, `centre + s(centre) + offset_index` with s bounded (`_interval`); None
-    for any other position (a coefficient other than 1, a start that is no max or min of
-    sums)."""
-    rest = sp.expand(position - offset_index)
-    if offset_index in rest.free_symbols:
+    """The band of a window read at `position`: `centre + d·offset_index + o` (d a
+    dilation: an integer or int attrs), or, for a clamped start, `centre + s(centre) +
+    offset_index` with s bounded (`_interval`); None for any other position (a dilation
+    over lets or sizes, a start that is no max or min of sums)."""
+    dilation = sp.expand(position).coeff(offset_index) if position.is_polynomial() else sp.S.One
+    rest = sp.expand(position - dilation * offset_index)
+    if offset_index in rest.free_symbols or not _dilation(dilation, program):
         return None
     shift = _moved_in(rest - centre)
     if not shift.free_symbols & set(level.indices):
         if not position.is_polynomial():
             return None
-        return Band(level.name, level.gather.source, axis, centre, offset_index, shift)
+        source = level.gather.source
+        return Band(level.name, source, axis, centre, offset_index, shift, dilation=dilation)
+    if dilation != 1:
+        return None
     if shift.free_symbols & set(level.indices) != {centre}:
         return None
     n = _size(program, centre)
@@ -157,6 +172,19 @@ def _band(
     if _grows(spread, n, length, program) or _in_a_loop(spread):
         return None
     return Band(level.name, level.gather.source, axis, centre, offset_index, lo, shift - lo, spread)
+
+
+def _dilation(d: sp.Expr, program: Program) -> bool:
+    """Whether a window's dilation is a nonzero integer literal or a product of int attrs
+    and an integer (a Python int when the op is called, in every target; the kernels take
+    any sign). A let or a size stays a gather: it may be a tensor in a TensorFlow graph."""
+    if d == 0 or not d.is_polynomial():
+        return False
+    attrs = {
+        sp.Symbol(f"_int_{name}", integer=True) for name, kind in program.attrs if kind == "int"
+    }
+    number, rest = d.as_coeff_Mul()
+    return number.is_Integer and set(sp.Mul.make_args(rest)) - {sp.S.One} <= attrs
 
 
 def _size(program: Program, index: Index) -> sp.Expr | None:

@@ -165,7 +165,8 @@ OPS = {
     "band_scatter": "band_scatter(p, o, offset, m): r[.., t, c] = Σ_{i + u + offset = t} "
     "p[.., i, u] o[.., i, c], t < m",
     # a clamped start (bands.py): each kernel's optional last operands (shift, spread), the
-    # window of row i at i + shift[i] + u + offset, 0 <= shift[i] <= spread
+    # window of row i at i + shift[i] + u + offset, 0 <= shift[i] <= spread; a dilated
+    # window: the keyword dilation=d (a Python int of any sign), row i at i + d·u + offset
     "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
     "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
     "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -85,6 +86,29 @@ CASES = {
         lets={"L": "v.shape[1]"},
         let_values={"L": 11},
     ),
+    # a dilated window (Longformer's dilation, one for every head): keys i + 2(u - w)
+    "dilated": Case(
+        "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + 2*(u - w), h, d], d)",
+        {"q": (2, 23, 3, 4), "k": (2, 19, 3, 4)},
+        attrs={"w": 3},
+        attr_types={"w": "int"},
+        ranges={"u": "2*w + 1"},
+        sizes={"u": 7},
+    ),
+    # the dilation an int attr (here 3), the window's weighted sum of values
+    "dilated_apply": Case(
+        "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + D*u - 4, h, d], u)",
+        {"p": (2, 3, 17, 4), "v": (2, 21, 3, 5)},
+        attrs={"D": 3},
+        attr_types={"D": "int"},
+    ),
+    # a window read backwards (keys i, i - 1, .., i - 3): a dilation of -1
+    "reversed": Case(
+        "y[i,u,c] = q[i,c] * k[i - u, c]",
+        {"q": (9, 2), "k": (7, 2)},
+        ranges={"u": "4"},
+        sizes={"u": 4},
+    ),
     # clamped on one side only (a causal window: keys i - 3 .. i, kept from before 0),
     # the rows longer than the keys
     "clamped_causal": Case(
@@ -131,10 +155,19 @@ def test_every_case_is_banded_and_never_gathers_its_window(name):
         "y[b,i,u] = sum(q[b,i,d] * k[b, min(i, 4) + u, d], d)",
         # a start clamped at two positions, not moving with i
         "y[b,i,u] = sum(q[b,i,d] * k[b, max(min(2*i, 3), 0) + u, d], d)",
+        # a clamped start and a dilation
+        "y[b,i,u] = sum(q[b,i,d] * k[b, max(i - 2, 0) + 2*u, d], d)",
+        # a dilation over a size (a tensor in a TensorFlow graph) or a sum of attrs
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + S*u, d], d)",
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + (D + 1)*u, d], d)",
     ],
 )
 def test_other_reads_of_a_window_stay_gathers(formula):
     case = Case(formula, {"q": (2, 5, 3), "k": (2, 6, 3)}, ranges={"u": "3"}, sizes={"u": 3})
+    if "S*u" in formula:
+        case = dataclasses.replace(case, lets={"S": "q.shape[2]"}, let_values={"S": 3})
+    if "D + 1" in formula:
+        case = dataclasses.replace(case, attrs={"D": 1}, attr_types={"D": "int"})
     if "q[b,i,u,d]" in formula:
         case = Case(formula, {"q": (2, 5, 3, 2), "k": (2, 6, 2)})
     assert bands.bands(_program(case)) == {}
@@ -232,6 +265,28 @@ def test_a_clamped_window_in_an_op_tiled_along_its_centre(name, target, tmp_path
             check_target(case, module, frameworks()[target])
 
 
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("dilation", [-3, -2, 0, 1, 5])
+def test_a_dilation_attr_of_any_sign_is_exact(dilation, target, tmp_path):
+    """A dilation is an int attr, a Python int when the op is called: |d| plain windows,
+    one per residue of the rows mod |d| (17 rows: residues of 6 and 5 rows at d = 3, of 4
+    and 3 at d = 5), the offsets reversed for d < 0, one row at d = 0 (every offset reads
+    it), the plain band at d = 1; in every target, at one group, at a group per chunk and
+    at a few chunks a group."""
+    if target != "tensorflow":
+        pytest.importorskip("torch" if target == "pytorch" else "jax")
+    case = dataclasses.replace(CASES["dilated_apply"], attrs={"D": dilation})
+    assert bands.bands(_program(case))
+    for budget in (None, 1, 2000):
+        module = generate_for(case, target, tmp_path, prefix="BandDilation")
+        if budget is not None:
+            module.MAX_TEMP_BYTES = budget
+        if target == "tensorflow":
+            check(dataclasses.replace(case, fd_directions=3), module)
+        else:
+            check_target(case, module, frameworks()[target])
+
+
 @pytest.mark.parametrize("name", ["scores", "apply"])
 def test_tensorflow_gradient_of_the_gradient(name, tmp_path):
     """The forward runs on inputs cut from the tape (the chunks' values are not kept);
@@ -251,7 +306,12 @@ def test_tensorflow_gradient_of_the_gradient(name, tmp_path):
 
 
 # the axis of each case's inputs that holds its rows (centre i, or the source's rows)
-ROWS = {"scores": {"q": 1, "k": 1}, "clamped": {"q": 2, "k": 2}, "clamped_apply": {"p": 1, "v": 1}}
+ROWS = {
+    "scores": {"q": 1, "k": 1},
+    "clamped": {"q": 2, "k": 2},
+    "clamped_apply": {"p": 1, "v": 1},
+    "dilated": {"q": 1, "k": 1},
+}
 
 
 def _float_inputs(case: Case, module, rng, dtype=np.float64, centre=0.0):
@@ -259,7 +319,7 @@ def _float_inputs(case: Case, module, rng, dtype=np.float64, centre=0.0):
     return [(centre + rng.standard_normal(shape)).astype(dtype) for shape in shapes]
 
 
-@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply"])
+@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply", "dilated", "dilated_apply"])
 def test_unknown_sizes_under_tf_function(name, tmp_path):
     """Every size known only when the graph runs: the kernels' plan (and a clamped start's
     shifts and spread) is computed in the graph (one group), the values the same as
@@ -283,24 +343,26 @@ def test_unknown_sizes_under_tf_function(name, tmp_path):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
 
 
-def test_jax_jit_vmap_and_grad_of_the_backward(tmp_path):
+@pytest.mark.parametrize("name", ["apply", "dilated_apply"])
+def test_jax_jit_vmap_and_grad_of_the_backward(name, tmp_path):
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)
     jnp = jax.numpy
-    module = generate_for(CASES["apply"], "jax", tmp_path, prefix="BandJax")
+    case = CASES[name]
+    module = generate_for(case, "jax", tmp_path, prefix="BandJax")
     module.MAX_TEMP_BYTES = 1
+    vjp = functools.partial(module.vjp, **case.attrs)
     rng = np.random.default_rng(2)
-    p = jnp.asarray(rng.standard_normal((4, 2, 3, 17, 6)))
-    v = jnp.asarray(rng.standard_normal((4, 2, 21, 3, 5)))
-    g = jnp.asarray(rng.standard_normal((4, 2, 17, 3, 5)))
-    batched = jax.jit(jax.vmap(module.vjp))(p, v, g)
+    p, v = (jnp.asarray(rng.standard_normal((4, *case.shapes[n]))) for n in module.INPUTS)
+    g = jnp.asarray(rng.standard_normal((4, *module.forward(p[0], v[0], **case.attrs).shape)))
+    batched = jax.jit(jax.vmap(vjp))(p, v, g)
     for n in range(4):
-        one = module.vjp(p[n], v[n], g[n])
+        one = vjp(p[n], v[n], g[n])
         for got, want in zip(batched, one, strict=True):
             np.testing.assert_allclose(np.asarray(got[n]), np.asarray(want), rtol=1e-12)
 
     def loss(p, v):  # the backward is linear in g: its gradient is exact by autodiff
-        grad_p, grad_v = module.vjp(p, v, g[0])
+        grad_p, grad_v = vjp(p, v, g[0])
         return jnp.sum(grad_p**2) + jnp.sum(grad_v**2)
 
     ours = jax.grad(loss, argnums=(0, 1))(p[0], v[0])
@@ -312,27 +374,28 @@ def test_jax_jit_vmap_and_grad_of_the_backward(tmp_path):
     assert abs((plus - minus) / (2 * step) - slope) < 1e-5 * max(1.0, abs(slope))
 
 
-def test_pytorch_compile_fullgraph_of_the_band_kernels(tmp_path):
+@pytest.mark.parametrize("name", ["scores", "dilated"])
+def test_pytorch_compile_fullgraph_of_the_band_kernels(name, tmp_path):
     """torch.compile(fullgraph=True) takes the groups of chunks, forward and backward."""
     torch = pytest.importorskip("torch")
-    module = generate_for(CASES["scores"], "pytorch", tmp_path, prefix="BandCompile")
+    case = CASES[name]
+    module = generate_for(case, "pytorch", tmp_path, prefix="BandCompile")
     rng = np.random.default_rng(3)
-    q = torch.tensor(rng.standard_normal((2, 23, 3, 4)), requires_grad=True)
-    k = torch.tensor(rng.standard_normal((2, 19, 3, 4)), requires_grad=True)
-    g = torch.tensor(rng.standard_normal((2, 3, 23, 7)))
+    q, k = (torch.tensor(rng.standard_normal(case.shapes[n]), requires_grad=True) for n in "qk")
+    g = torch.tensor(rng.standard_normal(module.forward(q, k, **case.attrs).shape))
 
     def loss(q, k):
-        return (module.forward(q, k, w=3) * g).sum()
+        return (module.forward(q, k, **case.attrs) * g).sum()
 
     default = module.MAX_TEMP_BYTES
     try:
         module.MAX_TEMP_BYTES = 1  # a group per chunk
         value = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k)
         value.backward()
-        expected = module.vjp(q.detach(), k.detach(), g, w=3)
+        expected = module.vjp(q.detach(), k.detach(), g, **case.attrs)
     finally:
         module.MAX_TEMP_BYTES = default
-    want = (module.forward(q.detach(), k.detach(), w=3) * g).sum()
+    want = (module.forward(q.detach(), k.detach(), **case.attrs) * g).sum()
     np.testing.assert_allclose(value.item(), want.item(), rtol=1e-12)
     for x, e in zip((q, k), expected, strict=True):
         np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
@@ -373,11 +436,13 @@ EMPTY_OUTPUT = {
     ("clamped", "k"): (2, 3, 13, 5),
     ("clamped_apply", "p"): (2, 0, 3),
     ("clamped_apply", "v"): (2, 11, 3),
+    ("dilated", "q"): (2, 3, 0, 7),
+    ("dilated", "k"): (2, 3, 23, 7),
 }
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply"])
+@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply", "dilated"])
 def test_a_training_step_over_no_rows(name, target, tmp_path):
     """No rows in one input, then in the other (query rows or key rows; a clamped start's
     length then 0 or not), in float32 at values of 300: the step's outputs and gradients
@@ -395,7 +460,7 @@ def test_a_training_step_over_no_rows(name, target, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply"])
+@pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply", "dilated"])
 def test_float32_far_from_the_origin(name, target, tmp_path):
     """Inputs of 100 ± 1 in float32 (products of 10^4 and sums of them; gradients of
     sum(y): sums of a window of values of 100), a group per chunk:

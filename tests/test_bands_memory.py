@@ -1,8 +1,8 @@
 """A banded window's training step (symgrad/bands.py) holds at most 4x the bytes of the
 op's inputs and outputs plus MAX_TEMP_BYTES, in every target, at sizes where the gathered
 window alone is over 4x that bound: local attention's scores and its weighted sum of
-values (Longformer's layout, w = 100 on 600 positions), and NATTEN's clamped neighbourhood
-of K = 201 in its own layout."""
+values (Longformer's layout, w = 100 on 600 positions; its scores also dilated by 2), and
+NATTEN's clamped neighbourhood of K = 201 in its own layout."""
 
 from __future__ import annotations
 
@@ -48,6 +48,15 @@ CASES = {
         attr_types={"K": "int"},
         lets={"ns": "K // 2", "L": "v.shape[2]"},
         let_values={"ns": W, "L": 600},
+    ),
+    # Longformer's window dilated by an int attr (2: a band of 401 columns read)
+    "dilated scores": Case(
+        f"y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + D*(u - {W}), h, d], d)",
+        {"q": (1, 600, 4, 32), "k": (1, 600, 4, 32)},
+        attrs={"D": 2},
+        attr_types={"D": "int"},
+        ranges={"u": str(2 * W + 1)},
+        sizes={"u": 2 * W + 1},
     ),
 }
 # the window gathered from the source: [b, i, u, h, d] in float32

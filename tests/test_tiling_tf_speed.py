@@ -20,14 +20,17 @@ from harness import Case, FakeOp, check, generate, load_module, make_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Longformer's dilated sliding-window scores, each index its own size (undilated, the window
-# is a band: chunked matrix products, no gather and no tiling, tests/test_bands.py).
+# Longformer's sliding-window scores with its per-head dilation D[h], each index its own
+# size (a dilation shared by the heads, an int, is a band: chunked matrix products, no
+# gather and no tiling, tests/test_bands.py; a tensor's stays a gather).
 LOCAL_ATTENTION = Case(
-    "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + 2*u - w, h, d], d)",
+    "y[b,h,i,u] = sum(q[b,i,h,d] * k[b, i + D[h]*(u - w), h, d], d)",
     {"q": (2, 7, 3, 5), "k": (2, 7, 3, 5)},
     attrs={"w": 2},
     ranges={"u": "2*w + 1"},
     sizes={"u": 5},
+    inputs=("q", "k", "D"),
+    index_inputs={"D": ((3,), 1, 3)},
     fd_directions=2,
 )
 
@@ -53,7 +56,7 @@ def test_a_chunk_of_one_position_sums_by_a_product_not_a_matrix_product(local_at
     grad_y = tf.ones_like(module.forward(*tensors, w=2))
     traced = module._tiled_backward.get_concrete_function(*tensors, grad_y, *plan, w=2)
     # The forward's einsum sums d (5 positions): a contraction; grad_q's sums u (one).
-    assert _einsum_equations(traced) == {"biuhd,bihd->bhiu"}
+    assert _einsum_equations(traced) == {"bihud,bihd->bhiu"}  # the window gathered per head
 
 
 def test_chunks_of_one_position_are_exact(local_attention):

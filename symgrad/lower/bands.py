@@ -36,7 +36,8 @@ class Bands:
         if form.kind == "scores":
             rows = self.band_operand(body, form.other, (*form.batch, form.centre, *columns))
             count = self.band_count(body, band)
-            value = ir.Call("band_scores", (rows, source, offset, count, *self.clamped(body, band)))
+            operands = (rows, source, offset, count, *self.clamped(body, band))
+            value = ir.Call("band_scores", operands, self.dilated(band))
             return self.scaled(body, value, form.coefficient), (
                 *form.batch,
                 form.centre,
@@ -44,7 +45,9 @@ class Bands:
             )
         weights = self.band_operand(body, form.other, (*form.batch, form.centre, form.offset_index))
         clamped = self.clamped(body, band)
-        value: ir.Expr = ir.Call("band_apply", (weights, source, offset, *clamped))
+        value: ir.Expr = ir.Call(
+            "band_apply", (weights, source, offset, *clamped), self.dilated(band)
+        )
         if not form.columns:
             value = self.band_squeeze(body, value, len(form.batch) + 1)
         return self.scaled(body, value, form.coefficient), (*form.batch, form.centre, *form.columns)
@@ -88,6 +91,14 @@ class Bands:
         spread = self.band_size(body, band, "spread", integer(band.spread))
         return self.band_shift(body, band), spread
 
+    @staticmethod
+    def dilated(band) -> tuple[tuple[str, ir.Expr], ...]:
+        """A dilated window's keyword of the kernels (none for a dilation of 1): an integer
+        or int attrs, a Python int when the op is called."""
+        if band.dilation == 1:
+            return ()
+        return (("dilation", integer(band.dilation)),)
+
     def band_source(self, body: _Body, band, labels, centre, columns, form) -> ir.Expr:
         """The window's source aligned to (batch, rows, columns)."""
         labels = tuple(_ROWS if n == band.axis else j for n, j in enumerate(labels))
@@ -120,7 +131,8 @@ class Bands:
             size = ir.Var(self.axis_size(body, band.source, band.axis))
             offset = self.band_offset(body, band)
             clamped = self.clamped(body, band)
-            value: ir.Expr = ir.Call("band_scatter", (rows, values, offset, size, *clamped))
+            operands = (rows, values, offset, size, *clamped)
+            value: ir.Expr = ir.Call("band_scatter", operands, self.dilated(band))
             kept = form.batch
             if c.summed:  # H: summed after the products
                 value = ir.Var(body.bind(value))
