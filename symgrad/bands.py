@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import indexing, patterns
+from . import indexing, patterns, splits
 from .derive import Backward, derive
 from .model import Index, Level, Program
 
@@ -148,13 +148,17 @@ def _band(
     dilation: an integer or int attrs), or, for a clamped start, `centre + s(centre) +
     offset_index` with s bounded (`_interval`); None for any other position (a dilation
     over lets or sizes, a start that is no max or min of sums)."""
-    dilation = sp.expand(position).coeff(offset_index) if position.is_polynomial() else sp.S.One
+    # polynomial in the indices: an offset may hold a floor of attrs (`i + u - K // 2`)
+    plain = position.is_polynomial(*level.indices)
+    dilation = sp.expand(position).coeff(offset_index) if plain else sp.S.One
     rest = sp.expand(position - dilation * offset_index)
     if offset_index in rest.free_symbols or not _dilation(dilation, program):
         return None
+    if rest.has(splits.Mod):  # an offset the kernels' integer arithmetic does not print
+        return None
     shift = _moved_in(rest - centre)
     if not shift.free_symbols & set(level.indices):
-        if not position.is_polynomial():
+        if not plain:
             return None
         source = level.gather.source
         return Band(level.name, source, axis, centre, offset_index, shift, dilation=dilation)

@@ -109,6 +109,22 @@ CASES = {
         ranges={"u": "4"},
         sizes={"u": 4},
     ),
+    # a centred window written as such: keys i - K // 2 .. i + K - 1 - K // 2 (an even K)
+    "centred": Case(
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + u - K // 2, d], d)",
+        {"q": (2, 11, 3), "k": (2, 9, 3)},
+        attrs={"K": 4},
+        attr_types={"K": "int"},
+        ranges={"u": "K"},
+        sizes={"u": 4},
+    ),
+    # a dilated window whose offset holds a power of the dilation (D·D: printed D * D)
+    "squared_offset": Case(
+        "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + D*(u - 1) - D*D, h, d], u)",
+        {"p": (2, 3, 13, 4), "v": (2, 15, 3, 5)},
+        attrs={"D": -2},
+        attr_types={"D": "int"},
+    ),
     # clamped on one side only (a causal window: keys i - 3 .. i, kept from before 0),
     # the rows longer than the keys
     "clamped_causal": Case(
@@ -482,3 +498,45 @@ def test_float32_far_from_the_origin(name, target, tmp_path):
         scale = np.abs(want).max()
         assert scale > 100
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_wide_window_at_a_tiny_budget_keeps_chunks_that_shrink_it(target, tmp_path):
+    """A chunk's slab of source rows (about the window's width) does not shrink with the
+    chunk's rows, its bands do: at a budget of 1 byte the plan halves c only while the bands
+    outweigh the slab (K = 201 keys of 32 columns: a plain window stops at 25 rows, a
+    clamped one, its band of 401 counted twice, at 12), not down to one row a chunk (600
+    chunks, each adding its slab in 401 parts: a graph of 10^5 ops)."""
+    if target != "tensorflow":
+        pytest.importorskip("torch" if target == "pytorch" else "jax")
+    module = generate_for(CASES["scores"], target, tmp_path, prefix="BandPlan")
+    module.MAX_TEMP_BYTES = 1
+    rng = np.random.default_rng(6)
+    make = {
+        "tensorflow": tf.constant,
+        "pytorch": lambda x: pytest.importorskip("torch").tensor(x),
+        "jax": lambda x: pytest.importorskip("jax.numpy").asarray(x),
+    }[target]
+    q, k = (make(rng.standard_normal((1, 4, 600, 32)).astype(np.float32)) for _ in "qk")
+    for clamped, (band, rows) in {False: (201, 25), True: (401, 12)}.items():
+        c, chunks, width, per_chunk = module._band_plan(600, band, q, k, clamped)
+        assert (c, chunks) == (rows, -(-600 // rows))
+        assert width // c <= 35 and per_chunk <= 400_000
+
+
+@pytest.mark.parametrize("keys", [(1, 4, 3), (1, 2, 3)])
+def test_a_strided_window_tiled_over_a_batch_of_one(keys, tmp_path):
+    """A window that stays a gather (q lacks the batch axis the keys have), tiled at 2000
+    bytes over keys of batch 1: a chunk's
+    sum of q's gradient came back from TensorFlow's loop as [None, 4, 3] against its
+    [1, 4, 3] (the loop raised); exact, keys shorter than the window's reach or not."""
+    case = Case(
+        "y[b,h,i,u] = sum(q[h,i,c] * k[b, i + 3*u - 3, c], c)",
+        {"q": (2, 5, 3), "k": keys},
+        ranges={"u": "3"},
+        sizes={"u": 3},
+        fd_directions=3,
+    )
+    module = generate(case, tmp_path, prefix="StridedOne")
+    module.MAX_TEMP_BYTES = 2000
+    check(case, module)

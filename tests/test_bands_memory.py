@@ -72,7 +72,7 @@ from peaks import io_bytes, memory_inputs, peak
 from test_bands_memory import BUDGET, CASES
 
 found = {{}}
-for name, case in CASES.items():
+for name, case in [({name!r}, CASES[{name!r}])]:
     module = generate(case, Path({folder!r}), prefix="BandMemory")
     module.MAX_TEMP_BYTES = BUDGET
     args = memory_inputs(module.INPUTS, case.shapes, tf.constant)
@@ -114,9 +114,16 @@ def test_the_sizes_are_banded():
 
 @pytest.fixture(scope="module")
 def tensorflow_steps(tmp_path_factory):
+    """Each case's steps in a fresh process: TensorFlow's allocator counts a free chunk it
+    hands out unsplit (up to twice the request) whole, so one case's leftovers moved the
+    next one's peak (the dilated scores' eager step: 0.83x the bound alone, 0.86-0.99x
+    after the other four)."""
     folder = tmp_path_factory.mktemp("bands_tf")
     tests = str(Path(__file__).resolve().parent)
-    return run_tensorflow(MEASURE.format(tests=tests, folder=str(folder)))
+    found = {}
+    for name in CASES:
+        found |= run_tensorflow(MEASURE.format(tests=tests, folder=str(folder), name=name))
+    return found
 
 
 @pytest.mark.parametrize("graph", [False, True])

@@ -287,6 +287,8 @@ def integer(e: sp.Expr) -> ir.Expr:
     if isinstance(e, sp.floor):
         numerator, denominator = sp.fraction(sp.together(e.args[0]))
         return ir.Binary("//", integer(numerator), integer(denominator))
+    if isinstance(e, splits.FloorDiv):  # `K // 2` as written (an offset of attrs or sizes)
+        return ir.Binary("//", integer(e.args[0]), integer(e.args[1]))
     if isinstance(e, sp.Max | sp.Min):
         function = "maximum" if isinstance(e, sp.Max) else "minimum"
         args = sorted(e.args, key=lambda a: (not a.is_Integer, sp.default_sort_key(a)))
@@ -302,6 +304,11 @@ def integer(e: sp.Expr) -> ir.Expr:
                 result = ir.Binary("-", result, integer(-term))
             else:
                 result = ir.Binary("+", result, integer(term))
+        return result
+    if isinstance(e, sp.Pow) and e.exp.is_Integer and e.exp > 1:  # w*w, printed so
+        result = integer(e.base)
+        for _ in range(int(e.exp) - 1):
+            result = ir.Binary("*", result, integer(e.base))
         return result
     if isinstance(e, sp.Mul):
         if e.could_extract_minus_sign():
