@@ -180,15 +180,18 @@ def _band(
 
 def _dilation(d: sp.Expr, program: Program) -> bool:
     """Whether a window's dilation is a nonzero integer literal or a product of int attrs
-    and an integer (a Python int when the op is called, in every target; the kernels take
-    any sign). A let or a size stays a gather: it may be a tensor in a TensorFlow graph."""
+    (or their powers) and an integer (a Python int when the op is called, in every target;
+    the kernels take any sign). A let or a size stays a gather: it may be a tensor in a TensorFlow graph."""
     if d == 0 or not d.is_polynomial():
         return False
     attrs = {
         sp.Symbol(f"_int_{name}", integer=True) for name, kind in program.attrs if kind == "int"
     }
     number, rest = d.as_coeff_Mul()
-    return number.is_Integer and set(sp.Mul.make_args(rest)) - {sp.S.One} <= attrs
+    factors = {
+        f.base if f.is_Pow and f.exp.is_Integer and f.exp > 0 else f for f in sp.Mul.make_args(rest)
+    }
+    return number.is_Integer and factors - {sp.S.One} <= attrs
 
 
 def _size(program: Program, index: Index) -> sp.Expr | None:

@@ -118,12 +118,13 @@ CASES = {
         ranges={"u": "K"},
         sizes={"u": 4},
     ),
-    # a dilated window whose offset holds a power of the dilation (D·D: printed D * D)
+    # a dilated window whose offset holds a power of the dilation (D·D: printed D * D),
+    # its dilation a product of powers of attrs
     "squared_offset": Case(
-        "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + D*(u - 1) - D*D, h, d], u)",
+        "y[b,i,h,d] = sum(p[b,h,i,u] * v[b, i + D*D*E*(u - 1) - D*D, h, d], u)",
         {"p": (2, 3, 13, 4), "v": (2, 15, 3, 5)},
-        attrs={"D": -2},
-        attr_types={"D": "int"},
+        attrs={"D": -2, "E": -1},
+        attr_types={"D": "int", "E": "int"},
     ),
     # clamped on one side only (a causal window: keys i - 3 .. i, kept from before 0),
     # the rows longer than the keys
