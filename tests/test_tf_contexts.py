@@ -349,3 +349,26 @@ def test_a_max_of_sizes_stays_a_number_in_a_graph(name):
 
     graph_def = step.get_concrete_function(*args).graph.as_graph_def()
     assert _constant_size_extrema(graph_def) == []
+
+
+@pytest.mark.parametrize("budget", [2**31, 10**12, 2**62, 2**70])
+def test_a_huge_budget_under_unknown_sizes_runs_one_chunk(budget, tmp_path):
+    """A budget meant as no limit, under tf.function with every size unknown: the planned
+    chunk is at most the whole (MAX_TEMP_BYTES * n // held had wrapped in int32 at 10**12,
+    a negative slice), the values those of the eager call."""
+    case = Case(
+        "y[b,i] = min(sum((x[b,i,c] - z[b,j,c])**2, c), j)", {"x": (1, 23, 2), "z": (1, 7, 2)}
+    )
+    module = generate(case, tmp_path, prefix="HugeBudget")
+    module.MAX_TEMP_BYTES = budget
+    rng = np.random.default_rng(7)
+    x, z = (tf.constant(rng.standard_normal(case.shapes[n])) for n in ("x", "z"))
+    g = tf.constant(rng.standard_normal((1, 23)))
+    specs = [tf.TensorSpec([None] * t.shape.rank, tf.float64) for t in (x, z, g)]
+    graph = tf.function(
+        lambda x, z, g: (module.forward(x, z), module.vjp(x, z, g)), input_signature=specs
+    )
+    y, grads = graph(x, z, g)
+    np.testing.assert_allclose(y.numpy(), module.forward(x, z).numpy(), rtol=1e-12)
+    for got, want in zip(grads, module.vjp(x, z, g), strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
