@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import indexing, patterns, splits
+from . import indexing, patterns
 from .derive import Backward, derive
 from .model import Index, Level, Program
 
@@ -148,13 +148,12 @@ def _band(
     dilation: an integer or int attrs), or, for a clamped start, `centre + s(centre) +
     offset_index` with s bounded (`_interval`); None for any other position (a dilation
     over lets or sizes, a start that is no max or min of sums)."""
-    # polynomial in the indices: an offset may hold a floor of attrs (`i + u - K // 2`)
+    # polynomial in the indices: an offset may hold a floor or a remainder of attrs
+    # (`i + u - K // 2`, `K % 2`)
     plain = position.is_polynomial(*level.indices)
     dilation = sp.expand(position).coeff(offset_index) if plain else sp.S.One
     rest = sp.expand(position - dilation * offset_index)
     if offset_index in rest.free_symbols or not _dilation(dilation, program):
-        return None
-    if rest.has(splits.Mod):  # an offset the kernels' integer arithmetic does not print
         return None
     shift = _moved_in(rest - centre)
     if not shift.free_symbols & set(level.indices):
@@ -181,7 +180,8 @@ def _band(
 def _dilation(d: sp.Expr, program: Program) -> bool:
     """Whether a window's dilation is a nonzero integer literal or a product of int attrs
     (or their powers) and an integer (a Python int when the op is called, in every target;
-    the kernels take any sign). A let or a size stays a gather: it may be a tensor in a TensorFlow graph."""
+    the kernels take any sign). A let or a size stays a gather: it may be a tensor in a
+    TensorFlow graph."""
     if d == 0 or not d.is_polynomial():
         return False
     attrs = {

@@ -109,9 +109,10 @@ CASES = {
         ranges={"u": "4"},
         sizes={"u": 4},
     ),
-    # a centred window written as such: keys i - K // 2 .. i + K - 1 - K // 2 (an even K)
+    # a centred window written as such: keys i - K // 2 .. i + K - 1 - K // 2 (an even K),
+    # moved by K's remainder mod 3 (an offset printed with // and %)
     "centred": Case(
-        "y[b,i,u] = sum(q[b,i,d] * k[b, i + u - K // 2, d], d)",
+        "y[b,i,u] = sum(q[b,i,d] * k[b, i + u - K // 2 + K % 3, d], d)",
         {"q": (2, 11, 3), "k": (2, 9, 3)},
         attrs={"K": 4},
         attr_types={"K": "int"},

@@ -287,8 +287,9 @@ def integer(e: sp.Expr) -> ir.Expr:
     if isinstance(e, sp.floor):
         numerator, denominator = sp.fraction(sp.together(e.args[0]))
         return ir.Binary("//", integer(numerator), integer(denominator))
-    if isinstance(e, splits.FloorDiv):  # `K // 2` as written (an offset of attrs or sizes)
-        return ir.Binary("//", integer(e.args[0]), integer(e.args[1]))
+    if isinstance(e, splits.FloorDiv | splits.Mod):  # `K // 2`, `K % 2` as written
+        op = "//" if isinstance(e, splits.FloorDiv) else "%"
+        return ir.Binary(op, integer(e.args[0]), integer(e.args[1]))
     if isinstance(e, sp.Max | sp.Min):
         function = "maximum" if isinstance(e, sp.Max) else "minimum"
         args = sorted(e.args, key=lambda a: (not a.is_Integer, sp.default_sort_key(a)))
