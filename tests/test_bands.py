@@ -337,25 +337,30 @@ def _float_inputs(case: Case, module, rng, dtype=np.float64, centre=0.0):
     return [(centre + rng.standard_normal(shape)).astype(dtype) for shape in shapes]
 
 
+@pytest.mark.parametrize("budget", [None, 1, 2000])
 @pytest.mark.parametrize("name", ["scores", "clamped", "clamped_apply", "dilated", "dilated_apply"])
-def test_unknown_sizes_under_tf_function(name, tmp_path):
+def test_unknown_sizes_under_tf_function(name, budget, tmp_path):
     """Every size known only when the graph runs: the kernels' plan (and a clamped start's
-    shifts and spread) is computed in the graph (one group), the values the same as
-    eagerly."""
+    shifts and spread) is computed in the graph, and the groups of chunks run in a
+    tf.while_loop (one group at the default budget; a chunk a group at 1 byte; a few
+    chunks a group at 2000), the values the same as eagerly at the default budget."""
     case = CASES[name]
     module = generate(case, tmp_path, prefix="BandGraph")
     rng = np.random.default_rng(1)
     args = [tf.constant(x) for x in _float_inputs(case, module, rng)]
     y = module.forward(*args, **case.attrs)
     g = tf.constant(rng.standard_normal(y.shape))
+    want = module.vjp(*args, g, **case.attrs)
     specs = [tf.TensorSpec([None] * len(x.shape), tf.float64) for x in (*args, g)]
+    module.MAX_TEMP_BYTES = budget or module.MAX_TEMP_BYTES
 
     @tf.function(input_signature=specs)
     def graph(*xs):
         return module.forward(*xs[:-1], **case.attrs), module.vjp(*xs, **case.attrs)
 
     got_y, grads = graph(*args, g)
-    want = module.vjp(*args, g, **case.attrs)
+    loops = [op for op in graph.get_concrete_function().graph.get_operations() if "While" in op.type]
+    assert loops, "the groups of chunks run in a tf.while_loop"
     np.testing.assert_allclose(got_y.numpy(), y.numpy(), rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
