@@ -359,11 +359,31 @@ def test_unknown_sizes_under_tf_function(name, budget, tmp_path):
         return module.forward(*xs[:-1], **case.attrs), module.vjp(*xs, **case.attrs)
 
     got_y, grads = graph(*args, g)
-    loops = [op for op in graph.get_concrete_function().graph.get_operations() if "While" in op.type]
+    loops = [
+        op for op in graph.get_concrete_function().graph.get_operations() if "While" in op.type
+    ]
     assert loops, "the groups of chunks run in a tf.while_loop"
     np.testing.assert_allclose(got_y.numpy(), y.numpy(), rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["scores", "clamped", "dilated"])
+def test_unknown_sizes_over_an_empty_batch_in_chunks(name, tmp_path):
+    """Sizes known only when the graph runs, no batch, a chunk a group: the scatter's loop
+    adds nothing (TensorScatterAdd refused indices into its empty rows)."""
+    case = CASES[name]
+    module = generate(case, tmp_path, prefix="BandEmpty")
+    rng = np.random.default_rng(3)
+    args = [tf.constant(x[:0]) for x in _float_inputs(case, module, rng)]
+    y = module.forward(*args, **case.attrs)
+    g = tf.zeros_like(y)
+    specs = [tf.TensorSpec([None] * len(x.shape), tf.float64) for x in (*args, g)]
+    module.MAX_TEMP_BYTES = 1
+    grads = tf.function(lambda *xs: module.vjp(*xs, **case.attrs), input_signature=specs)(*args, g)
+    for x, grad in zip(args, grads, strict=True):
+        assert grad.shape == x.shape
+        np.testing.assert_array_equal(grad.numpy(), np.zeros(x.shape))
 
 
 @pytest.mark.parametrize("name", ["apply", "dilated_apply"])

@@ -53,6 +53,28 @@ EMPTY = {
         ),
         [(2, 3, 4)],
     ),
+    # a reshape to [-1, 0] (the rows merged beside no features) is refused by PyTorch and
+    # JAX: the merged axis is spelled out
+    "segment_max_without_features": (
+        Case(
+            "y[v,f] = max(where(seg[n] == v, x[n,f], -inf), n)",
+            {"x": (6, 0)},
+            attrs={"V": 4},
+            attr_types={"V": "int"},
+            ranges={"v": "V"},
+            index_inputs={"seg": ((6,), 0, 4)},
+        ),
+        [(4, 0)],
+    ),
+    "gathered_segment_sum_without_features": (
+        Case(
+            "y[v,f] = sum(where(dst[n] == v, x[src[n],f], 0), n)",
+            {"x": (6, 0)},
+            ranges={"v": "x.shape[0]"},
+            index_inputs={"src": ((5,), 0, 6), "dst": ((5,), 0, 6)},
+        ),
+        [(6, 0)],
+    ),
     "pooling_to_nothing": (
         Case("y[b,i,c] = max(x[b, 2*i+u, c], u)", {"x": (2, 1, 3)}, ranges={"u": "2"}),
         [(2, 0, 3)],

@@ -253,7 +253,7 @@ class Gathers:
             grad = ir.Var(body.bind(ir.Cond(inside, grad, masked)))
             flat = ir.Var(body.bind(self.clipped(flat, valid)))  # small: one cond is enough
         rows = [
-            ir.Lit("-1"),
+            self.size_product(body, inner),
             *(ir.Var(self.axis_size(body, gather.source, n)) for n in range(1, rank)),
         ]
         values = ir.Call("reshape", (grad, ir.List(tuple(rows))))

@@ -60,7 +60,9 @@ class SegmentExtrema:
         others = tuple(i for i in level.indices if i != v and i not in batch)
         data, axes = self.contract(body, value, (), (*n, *others), ())
         data = self.full(body, data, axes, (*n, *others))
-        rows = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+        rows = ir.List(
+            (self.size_product(body, n), *(ir.Var(self.index_size(body, i)) for i in others))
+        )
         data = ir.Var(body.bind(ir.Call("reshape", (data, rows))))
         flat, valid = self._ids(body, ids, v, batch)
         dropped = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("-1")))))
@@ -141,7 +143,8 @@ class SegmentExtrema:
         value, axes = self.contract(body, source, (), (*batch, v, *others), ())
         table = self.full(body, value, axes, (*batch, v, *others))
         if batch:
-            sizes = ir.List((ir.Lit("-1"), *(ir.Var(self.index_size(body, i)) for i in others)))
+            rows = self.size_product(body, (*batch, v))
+            sizes = ir.List((rows, *(ir.Var(self.index_size(body, i)) for i in others)))
             table = ir.Call("reshape", (table, sizes))
         table = ir.Var(body.bind(table))
         at = ir.Var(body.bind(ir.Call("where", (valid, flat, ir.Lit("0")))))
