@@ -203,6 +203,34 @@ def test_nearest_neighbour_ties_split_equally_in_chunks(target, tmp_path):
     assert np.abs(single).max() > 0.1
 
 
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_tied_distances_of_integer_points_split_equally_whole_and_in_chunks(target, tmp_path):
+    """Farthest point, integer coordinates: exact ties among squared distances (a row of
+    three at 1) split the gradient equally, untiled as in chunks of one point. Centred on
+    the mean of three points, the expanded polynomial rounded the tie apart and the whole
+    op gave one tied point nothing (found by a grammar fuzz)."""
+    case = Case(
+        "y[b,n] = max(sum((x[b,n,c] - z[b,m,c])**2, c), m)", {"x": (1, 3, 3), "z": (1, 3, 3)}
+    )
+    module = generate(case, tmp_path, "TiedDistances", target)
+    x = np.array([[[0.0, 0.0, 1.0], [0.0, 1.0, -1.0], [0.0, 0.0, -1.0]]])
+    z = np.array([[[0.0, 0.0, -1.0], [-1.0, 1.0, -1.0], [1.0, 1.0, -1.0]]])
+    g = np.array([[1.0, 2.0, 3.0]])
+    diff = x[:, :, None] - z[:, None]  # [b, n, m, c]
+    d = (diff**2).sum(-1)
+    tied = (d == d.max(-1, keepdims=True)).astype(float)
+    w = g[..., None] * tied / tied.sum(-1, keepdims=True)
+    assert (tied.sum(-1) == 3).any()
+    want_x = (2 * w[..., None] * diff).sum(2)
+    want_z = -(2 * w[..., None] * diff).sum(1)
+    array = _as(target)
+    for budget in (module.MAX_TEMP_BYTES, 1):
+        module.MAX_TEMP_BYTES = budget
+        grad_x, grad_z = (np.asarray(a) for a in module.vjp(array(x), array(z), array(g)))
+        np.testing.assert_allclose(grad_x, want_x, rtol=0, atol=1e-12, err_msg=str(budget))
+        np.testing.assert_allclose(grad_z, want_z, rtol=0, atol=1e-12, err_msg=str(budget))
+
+
 # ----------------------------------------------------------------------------- memory
 
 

@@ -167,7 +167,7 @@ REAL = {
         ("psa_mask_collect", "pytorch"),
         ("psa_mask_distribute", "tensorflow"),
         ("mmd_rbf", "pytorch"),
-        # JAX's parts centre a chunk's rows on the mean of the input read whole
+        # JAX's parts centre a chunk's rows on the first point of the input read whole
         ("mmd_rbf", "jax"),
         ("lightconv_glu_tbc", "tensorflow"),
         # `(c // CG)*K*K` in a position: K*K was the float `square` in PyTorch, and

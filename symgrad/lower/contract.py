@@ -27,15 +27,16 @@ from .common import (
 )
 
 
-def _mean_or_zero(points: ir.Var, axes: list[int]) -> ir.Expr:
-    """The mean of `points` over `axes`, or 0 where they hold no point (a mean would be
-    nan, and nan - z then leaks into the other set's gradient through 0 * nan)."""
-    count: ir.Expr = ir.AxisSize(points.name, axes[0])
-    for axis in axes[1:]:
-        count = ir.Binary("*", count, ir.AxisSize(points.name, axis))
-    total = ir.Call("reduce_sum", (points,), (("axis", ir.Lit(repr(axes))),))
-    at_least_one = ir.Call("maximum", (count, ir.Lit("1")))
-    return ir.Binary("/", total, ir.Call("cast", (at_least_one, ir.Var("dtype"))))
+def _first_or_zero(points: ir.Var, axes: list[int], rank: int) -> ir.Expr:
+    """The first of `points` over `axes`, or 0 where they hold none: a point of the set,
+    so that the differences of points on a lattice (integers, say) stay exact and
+    distances that tie stay tied. A mean of several points rounded them apart: the
+    gradient of a max over tied squared distances went to one of them, not split."""
+    size: list[ir.Expr] = [ir.Lit("-1")] * rank
+    for axis in axes:
+        size[axis] = ir.Call("minimum", (ir.AxisSize(points.name, axis), ir.Lit("1")))
+    first = ir.Call("slice", (points, ir.List((ir.Lit("0"),) * rank), ir.List(tuple(size))))
+    return ir.Call("reduce_sum", (first,), (("axis", ir.Lit(repr(axes))),))
 
 
 class Contraction:
@@ -100,7 +101,7 @@ class Contraction:
         Expanded, `x² + z² - 2xz` cancels catastrophically for points far from the
         origin (float32 at offset 100 gives negative squared distances). Every access
         is shifted by the same center `c` over the indices all accesses share -- the
-        mean of one set of points over its other indices -- which changes nothing in
+        first of one set of points over its other indices -- which changes nothing in
         exact arithmetic: the polynomial is checked to be invariant under `u -> u + t`.
         """
         found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
@@ -118,7 +119,7 @@ class Contraction:
         center_labels = tuple(i for i in first.indices if i in common)
         points = ir.Var(body.tensors[first.base.label.name])
         body.uses_dtype = True
-        center = ir.Var(body.bind(_mean_or_zero(points, axes)))
+        center = ir.Var(body.bind(_first_or_zero(points, axes, len(first.indices))))
         mapping = {}
         for access in found:
             labels = tuple(access.indices)
