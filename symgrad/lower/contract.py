@@ -118,7 +118,6 @@ class Contraction:
         axes = [n for n, i in enumerate(first.indices) if i not in common]
         center_labels = tuple(i for i in first.indices if i in common)
         points = ir.Var(body.tensors[first.base.label.name])
-        body.uses_dtype = True
         center = ir.Var(body.bind(_first_or_zero(points, axes, len(first.indices))))
         mapping = {}
         for access in found:
