@@ -205,17 +205,20 @@ def test_nearest_neighbour_ties_split_equally_in_chunks(target, tmp_path):
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_tied_distances_of_integer_points_split_equally_whole_and_in_chunks(target, tmp_path):
-    """Farthest point, integer coordinates: exact ties among squared distances (a row of
-    three at 1) split the gradient equally, untiled as in chunks of one point. Centred on
-    the mean of three points, the expanded polynomial rounded the tie apart and the whole
-    op gave one tied point nothing (found by a grammar fuzz)."""
+    """Farthest point, integer coordinates (a batch near the origin, one far from it):
+    exact ties among squared distances (a row of three at 1) split the gradient equally,
+    untiled as in chunks of one point. Centred on the mean of the points, the expanded
+    polynomial rounded the tie apart and the whole op gave one tied point nothing (found
+    by a grammar fuzz)."""
     case = Case(
-        "y[b,n] = max(sum((x[b,n,c] - z[b,m,c])**2, c), m)", {"x": (1, 3, 3), "z": (1, 3, 3)}
+        "y[b,n] = max(sum((x[b,n,c] - z[b,m,c])**2, c), m)", {"x": (2, 5, 3), "z": (2, 4, 3)}
     )
     module = generate(case, tmp_path, "TiedDistances", target)
-    x = np.array([[[0.0, 0.0, 1.0], [0.0, 1.0, -1.0], [0.0, 0.0, -1.0]]])
-    z = np.array([[[0.0, 0.0, -1.0], [-1.0, 1.0, -1.0], [1.0, 1.0, -1.0]]])
-    g = np.array([[1.0, 2.0, 3.0]])
+    x = np.array([[0, 0, 1], [0, 1, -1], [0, 0, -1], [1, 0, 0], [2, 0, 0]], dtype=float)
+    z = np.array([[0, 0, -1], [-1, 1, -1], [1, 1, -1], [0, 1, -1]], dtype=float)
+    far = np.array([100.0, -37.0, 5.0])
+    x, z = np.stack([x, x + far]), np.stack([z, z + far])
+    g = np.arange(1.0, 11.0).reshape(2, 5)
     diff = x[:, :, None] - z[:, None]  # [b, n, m, c]
     d = (diff**2).sum(-1)
     tied = (d == d.max(-1, keepdims=True)).astype(float)
@@ -226,9 +229,29 @@ def test_tied_distances_of_integer_points_split_equally_whole_and_in_chunks(targ
     array = _as(target)
     for budget in (module.MAX_TEMP_BYTES, 1):
         module.MAX_TEMP_BYTES = budget
-        grad_x, grad_z = (np.asarray(a) for a in module.vjp(array(x), array(z), array(g)))
-        np.testing.assert_allclose(grad_x, want_x, rtol=0, atol=1e-12, err_msg=str(budget))
-        np.testing.assert_allclose(grad_z, want_z, rtol=0, atol=1e-12, err_msg=str(budget))
+        vjp = module.vjp(array(x), array(z), array(g))
+        for how, grads in (("vjp", vjp), ("training step", _step_grads(target, module, x, z, g))):
+            grad_x, grad_z = (np.asarray(a) for a in grads)
+            message = f"{how} at {budget} bytes"
+            np.testing.assert_allclose(grad_x, want_x, rtol=0, atol=1e-12, err_msg=message)
+            np.testing.assert_allclose(grad_z, want_z, rtol=0, atol=1e-12, err_msg=message)
+
+
+def _step_grads(target, module, *arrays):
+    """The gradients of sum(forward(inputs) * g) by the framework's own backward."""
+    *inputs, g = arrays
+    if target == "tensorflow":
+        xs = [tf.constant(a) for a in inputs]
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(module.forward(*xs) * g)
+        return tape.gradient(loss, xs)
+    if target == "pytorch":
+        xs = [torch.tensor(a, requires_grad=True) for a in inputs]
+        (module.forward(*xs) * torch.tensor(g)).sum().backward()
+        return [x.grad for x in xs]
+    loss = lambda *xs: jnp.sum(module.forward(*xs) * g)
+    return jax.grad(loss, argnums=tuple(range(len(inputs))))(*map(jnp.asarray, inputs))
 
 
 # ----------------------------------------------------------------------------- memory
