@@ -27,6 +27,7 @@ no slice of the output's axis.
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -93,7 +94,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         return same_size(sizes, i, k)
 
     for level in levels:
-        if level.name in kernels or block_reads.no_larger(level, program):
+        if level.name in kernels or block_reads.no_larger(level, program) or _shifted(level):
             continue
         found.append(level.indices)
         for term in level.terms:
@@ -132,6 +133,29 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         big = [b for b in big if not set(b) <= s]
         big.append(tuple(indices))
     return big
+
+
+def _shifted(level: Level) -> bool:
+    """Whether `level` gathers an input at positions each one index plus a shift free of
+    indices (`w[o, C + c]`: DGCNN's EdgeConv reads the second half of a weight [O, 2C]
+    with c over x's C channels), each index on one axis: a slice of the input, where a
+    shift past its end reads zeros (a pad that a range as long as the input's axis does
+    not need). Without this, such a slice, sized by an index of another input's axis,
+    would count as larger than its source and leave no index in every big set to tile."""
+    gather = level.gather
+    if level.kind != "gather" or gather is None:
+        return False
+    used = []
+    for position in gather.positions:
+        position = position.replace(splits.Ranged, lambda index: index)
+        found = position.free_symbols & set(level.indices)
+        if len(found) != 1 or accesses(position):
+            return False
+        (index,) = found
+        if sp.expand(position - index).free_symbols & set(level.indices):
+            return False
+        used.append(index)
+    return len(used) == len(set(used)) == len(level.indices)
 
 
 def _output_sized(program: Program) -> list[tuple[Index, ...]]:
@@ -258,6 +282,9 @@ def _masked_sets(expr: sp.Expr, indices, allowed: set[Index]) -> list[tuple[Inde
     return found
 
 
+_SHAPE_AXIS = re.compile(r"([A-Za-z_]\w*)\.shape\[(\d+)\]")
+
+
 def _size_key(program: Program):
     """An index's size, as something to compare: the first of the input axes that have
     its size (axes an index reads together have one size: `k` and `l` both read `A`'s
@@ -280,7 +307,13 @@ def _size_key(program: Program):
     def key(index: Index):
         if index in axes:
             return axes[index]
-        return str(extents.get(index, index))
+        text = str(extents.get(index, index))
+        # a range that names an input's axis (`c = "x.shape[1]"`, an index that only
+        # reads `w[o, C + c]` beside `x[b, c, n]`) has that axis's size
+        axis = _SHAPE_AXIS.fullmatch(text.replace(" ", ""))
+        if axis and axis[1] in program.inputs and int(axis[2]) < program.rank(axis[1]):
+            return find((axis[1], int(axis[2])))
+        return text
 
     return key
 

@@ -1,0 +1,147 @@
+"""A read at one index plus a shift (`w[o, C + c]`) under an explicit range no longer
+takes away the tile plan.
+
+DGCNN's EdgeConv (its published weight [O, 2C], the first half applied to the edge
+`x_j - x_i`, the second to the centre `x_i`) reads `w[o, C + c]` with c ranged over
+x's channels. The slice `w[o, C + c]` counted as a temporary larger than every input (c
+was sized by its range's text, not by x's axis, and a slice sized by another input's
+axis is not provably no larger than its source), so no output index ran through every
+large set and no plan was made: a training step held 19.2x the bound. A shifted slice
+holds at most its source's elements within the range (the rest reads zeros), and a
+range `x.shape[1]` is x's axis 1 (`tile._size_key`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
+from harness import Case, check, generate
+from peaks import jax_step_bytes, run_tensorflow
+
+from symgrad.pipeline import compile_op
+from symgrad.spec import parse_spec
+
+EDGE_CONV = (
+    "y[b,o,n] = max(sum(w[o,c] * (x[b,c,idx[b,n,k]] - x[b,c,n]) + w[o, C + c] * x[b,c,n], c), k)"
+)
+BUDGET = 2**18
+# x [B, C, N], idx [B, N, K] (K neighbours), w [O, 2C]: every index its own size
+B, C, N, K, O = 2, 16, 700, 20, 24
+
+
+def _case() -> Case:
+    return Case(
+        EDGE_CONV,
+        {"x": (2, 3, 7), "w": (5, 6)},
+        attrs={"C": 3},
+        ranges={"c": "x.shape[1]"},
+        sizes={"c": 3},
+        index_inputs={"idx": ((2, 7, 4), 0, 7)},
+        inputs=("x", "idx", "w"),
+    )
+
+
+def test_edge_conv_is_planned_along_a_point():
+    spec = parse_spec(
+        f'[ops.EdgeConv]\nformula = "{EDGE_CONV}"\ninputs = ["x", "idx", "w"]\n'
+        'attrs = {C = "int"}\nranges = {c = "x.shape[1]"}\n',
+        "edge.toml",
+    )
+    tiling = compile_op(spec.ops[0]).tiling
+    assert tiling is not None and tiling.index == "n"
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_edge_conv_in_chunks_equals_the_untiled_module(target, tmp_path):
+    case = _case()
+    if target == "tensorflow":
+        check(case, generate(case, tmp_path, prefix="EdgeExact"))
+    chunks_equal_the_untiled_module(case, target, tmp_path, "Edge")
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, C, N)).astype(np.float32)
+    idx = rng.integers(0, N, (B, N, K)).astype(np.int32)
+    w = rng.standard_normal((O, 2 * C)).astype(np.float32)
+    return x, idx, w
+
+
+def _check(target, untiled, tiled, bound):
+    print(f"EdgeConv {target}: untiled {untiled / bound:.1f}x, tiled {tiled / bound:.2f}x")
+    assert untiled > 4 * bound, f"{target}: the size does not test the bound"
+    assert tiled <= bound, f"{target}: a tiled step peaks at {tiled} > {bound}"
+
+
+def _case_module(target, folder):
+    case = Case(
+        EDGE_CONV,
+        {"x": (B, C, N), "w": (O, 2 * C)},
+        attrs={"C": C},
+        ranges={"c": "x.shape[1]"},
+        sizes={"c": C},
+        index_inputs={"idx": ((B, N, K), 0, N)},
+        inputs=("x", "idx", "w"),
+    )
+    return generate(case, folder, prefix="EdgeMemory", target=target)
+
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {folder!r})
+import tensorflow as tf
+import importlib
+from peaks import tf_step_peaks
+from test_memory_shifted_slices import _arrays, C
+
+module = importlib.import_module({stem!r})
+args = [tf.constant(a) for a in _arrays()]
+print(json.dumps(tf_step_peaks(module, args, {budget}, {{"C": C}}, [args[0], args[2]])))
+"""
+
+
+def test_tensorflow_training_step_of_edge_conv_is_bounded(tmp_path):
+    module = _case_module("tensorflow", tmp_path)
+    tests = str(Path(__file__).resolve().parent)
+    found = run_tensorflow(
+        MEASURE.format(
+            tests=tests,
+            folder=str(Path(module.__file__).parent),
+            stem=Path(module.__file__).stem,
+            budget=BUDGET,
+        )
+    )
+    _check("tensorflow", found["untiled"], found["tiled"], 4 * found["io"] + BUDGET)
+
+
+def test_pytorch_training_step_of_edge_conv_is_bounded(tmp_path):
+    torch = pytest.importorskip("torch")
+    module = _case_module("pytorch", tmp_path)
+    x, idx, w = _arrays()
+    xs = [
+        torch.tensor(x, requires_grad=True),
+        torch.tensor(idx),
+        torch.tensor(w, requires_grad=True),
+    ]
+    untiled, tiled, bound = torch_step_peaks(module, xs, {"C": C}, BUDGET)
+    _check("pytorch", untiled, tiled, bound)
+
+
+def test_jax_training_step_of_edge_conv_is_bounded(tmp_path, monkeypatch):
+    jax = pytest.importorskip("jax")
+    module = _case_module("jax", tmp_path)
+    args = [jax.numpy.asarray(a) for a in _arrays()]
+    out = jax.eval_shape(lambda *a: module.forward(*a, C=C), *args)
+    bound = 4 * (sum(a.nbytes for a in args) + out.size * out.dtype.itemsize) + BUDGET
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
+    untiled = jax_step_bytes(module, args, {"C": C}, (0, 2))
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
+    assert module._tile_plan(*args, C=C) is not None
+    _check("jax", untiled, jax_step_bytes(module, args, {"C": C}, (0, 2)), bound)
