@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from frameworks import FRAMEWORKS, run_everywhere
-from harness import Case, generate
+from frameworks import FRAMEWORKS, reference_train_step, run_everywhere, train_step
+from harness import Case, generate, make_tensors, reference
 
 CONV1D = "y[b,i,o] = sum(x[b, i + k, c] * w[k,c,o], k, c)"
 STRIDED = "y[b,i,o] = sum(x[b, 2*i + k, c] * w[k,c,o], k, c)"
+LINEAR = "h[b,t,d] = a[b,t,d] * h[b,t-1,d] + x[b,t,d]"
+IIR = "y[b,t] = sum(bb[k] * x[b,t-k], k) - sum(a[q] * y[b,t-1-q], q)"
 
 # name -> (case, the shape of each output)
 EMPTY = {
@@ -75,6 +77,23 @@ EMPTY = {
         ),
         [(6, 0)],
     ),
+    # a recurrence over no positions, or over positions of no state: PyTorch's and JAX's
+    # chunked scans had no chunk to join (one position of zeros is scanned, none kept);
+    # TF's gradient of an input read at lags gathered from an empty batch
+    "linear_recurrence_over_no_steps": (
+        Case(LINEAR, {"a": (2, 0, 3), "x": (2, 0, 3)}, low=0.5, high=0.9),
+        [(2, 0, 3)],
+    ),
+    "linear_recurrence_without_batch": (
+        Case(LINEAR, {"a": (0, 4, 3), "x": (0, 4, 3)}),
+        [(0, 4, 3)],
+    ),
+    "linear_recurrence_without_features": (
+        Case(LINEAR, {"a": (2, 4, 0), "x": (2, 4, 0)}),
+        [(2, 4, 0)],
+    ),
+    "lagged_recurrence_over_no_steps": (Case(IIR, {"bb": (3,), "a": (2,), "x": (2, 0)}), [(2, 0)]),
+    "lagged_recurrence_without_batch": (Case(IIR, {"bb": (3,), "a": (2,), "x": (0, 5)}), [(0, 5)]),
     "pooling_to_nothing": (
         Case("y[b,i,c] = max(x[b, 2*i+u, c], u)", {"x": (2, 1, 3)}, ranges={"u": "2"}),
         [(2, 0, 3)],
@@ -138,3 +157,31 @@ def test_an_absurdly_large_output_is_refused_before_allocating(scale, target, tm
         with pytest.raises(ValueError, match=expected) as error:
             call()
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("target", sorted(FRAMEWORKS))
+def test_a_recurrence_without_feedback_is_its_feedforward_part(target, tmp_path):
+    """An IIR filter given no feedback coefficients (`a` of shape (0,): lfilter's a[1:]
+    of a pure FIR filter) carries a window of no past outputs: every step had pushed its
+    output into that window, which then grew by one (JAX's scan refused the carry, TF and
+    PyTorch indexed past its end in the gradient). Its forward and a training step equal
+    the reference evaluator's of the FIR filter alone (bb and x drawn alike: `a` draws
+    nothing), and `a` gets a gradient of shape (0,)."""
+    case = Case(IIR, {"bb": (3,), "a": (0,), "x": (2, 5)})
+    fir = Case("y[b,t] = sum(bb[k] * x[b,t-k], k)", {"bb": (3,), "x": (2, 5)}, sizes={"t": 5})
+    module = generate(case, tmp_path, "NoFeedback", target)
+    fw = FRAMEWORKS[target]
+    outputs, gradients = run_everywhere(fw, module, case)
+    named = dict(zip(("bb", "x"), make_tensors(fir, ("bb", "x")), strict=True))
+    (expected,) = reference(fir, named)
+    for how, (found,) in outputs.items():
+        np.testing.assert_allclose(found, expected.numpy(), rtol=1e-12, err_msg=how)
+    step, want = train_step(fw, module, case), reference_train_step(fir, ("bb", "x"))
+    grads = dict(zip(module.INPUTS, step["grads"], strict=True))
+    assert grads.pop("a").shape == (0,)
+    for got, wanted in zip(grads.values(), want["grads"], strict=True):
+        np.testing.assert_allclose(got, wanted, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose([step["loss"], step["after"]], [want["loss"], want["after"]])
+    for how, found in gradients.items():
+        for name, g in zip(module.INPUTS, found, strict=True):
+            assert g.shape == case.shapes[name], f"{how}: {name}"
