@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import tensorflow as tf
-from harness import Case, check, generate, load_module
+from adversarial import chunks_equal_the_untiled_module, unknown_sizes_equal_eager
+from harness import Case, check, generate, load_module, make_tensors
 from target_harness import check_target, frameworks
 
 from symgrad.errors import SymgradError
@@ -112,6 +113,41 @@ def folder(tmp_path_factory):
 def test_index_tensors_and_clamps_in_tensorflow(name, folder):
     case = CASES[name]
     check(case, generate(case, folder, "Lookup"))
+
+
+# A clamp of positions read from an index tensor, or beside a segment mask: positions are
+# int64 there, and TF converted the clamp's number, its first argument, to int32 before it
+# saw them (`tf.maximum(0, p)`), in chunks and under unknown sizes.
+CLAMPED_LOOKUPS = {
+    "clamped_start_at_looked_up_positions": Case(
+        "y[b,n,d] = sum(x[b, max(min(idx[b,n] - 2, L - 5), 0) + k, d] * w[k], k)",
+        {"x": (2, 9, 3), "w": (5,)},
+        ranges={"k": "5"},
+        sizes={"k": 5},
+        lets={"L": "x.shape[1]"},
+        let_values={"L": 9},
+        index_inputs={"idx": ((2, 6), 0, 9)},
+    ),
+    "clamped_start_in_a_segment_sum": Case(
+        "y[b,v,d] = sum(where(seg[b,i] == v, "
+        "sum(x[b, max(min(i - 2, L - 5), 0) + k, d] * w[k], k), 0), i)",
+        {"x": (2, 9, 3), "w": (5,)},
+        ranges={"k": "5", "v": "4"},
+        sizes={"k": 5, "v": 4},
+        lets={"L": "x.shape[1]"},
+        let_values={"L": 9},
+        index_inputs={"seg": ((2, 9), 0, 4)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLAMPED_LOOKUPS))
+def test_a_clamp_of_int64_positions_in_chunks_and_under_unknown_sizes(name, folder):
+    case = CLAMPED_LOOKUPS[name]
+    check(case, generate(case, folder, "ClampedExact"))
+    chunks_equal_the_untiled_module(case, "tensorflow", folder, "Clamped")
+    module = generate(case, folder, "ClampedUnknown")
+    unknown_sizes_equal_eager(module, make_tensors(case, module.INPUTS), {}, seed=1)
 
 
 def _jitted(module):

@@ -80,7 +80,9 @@ class Lookups:
     def clamp(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         """`Min`/`Max` of index expressions: `minimum`/`maximum` folded over the args."""
         function = "minimum" if isinstance(e, sp.Min) else "maximum"
-        args = sorted(e.args, key=sp.default_sort_key)
+        # numbers last: TF converts a Python int first argument to int32 before it sees
+        # the int64 positions beside it (`tf.maximum(0, p)` refused p)
+        args = sorted(e.args, key=lambda a: (a.is_Integer, sp.default_sort_key(a)))
         result = self.expr(body, args[0], target)
         for arg in args[1:]:
             result = ir.Call(function, (result, self.expr(body, arg, target)))
