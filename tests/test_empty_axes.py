@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from adversarial import unknown_sizes_equal_eager
 from frameworks import FRAMEWORKS, reference_train_step, run_everywhere, train_step
 from harness import Case, generate, make_tensors, reference
 
@@ -164,9 +165,10 @@ def test_a_recurrence_without_feedback_is_its_feedforward_part(target, tmp_path)
     """An IIR filter given no feedback coefficients (`a` of shape (0,): lfilter's a[1:]
     of a pure FIR filter) carries a window of no past outputs: every step had pushed its
     output into that window, which then grew by one (JAX's scan refused the carry, TF and
-    PyTorch indexed past its end in the gradient). Its forward and a training step equal
-    the reference evaluator's of the FIR filter alone (bb and x drawn alike: `a` draws
-    nothing), and `a` gets a gradient of shape (0,)."""
+    PyTorch indexed past its end in the gradient; TF's gradient under unknown sizes
+    gathered no lags from a TensorArray of unknown element shape). Its forward and a
+    training step equal the reference evaluator's of the FIR filter alone (bb and x
+    drawn alike: `a` draws nothing), and `a` gets a gradient of shape (0,)."""
     case = Case(IIR, {"bb": (3,), "a": (0,), "x": (2, 5)})
     fir = Case("y[b,t] = sum(bb[k] * x[b,t-k], k)", {"bb": (3,), "x": (2, 5)}, sizes={"t": 5})
     module = generate(case, tmp_path, "NoFeedback", target)
@@ -185,3 +187,5 @@ def test_a_recurrence_without_feedback_is_its_feedforward_part(target, tmp_path)
     for how, found in gradients.items():
         for name, g in zip(module.INPUTS, found, strict=True):
             assert g.shape == case.shapes[name], f"{how}: {name}"
+    if target == "tensorflow":  # a TensorArray of unknown element shape gathered no lags
+        unknown_sizes_equal_eager(module, make_tensors(case, module.INPUTS), {}, seed=3)
