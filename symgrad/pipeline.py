@@ -54,6 +54,8 @@ def compile_op(op: OpSpec) -> ir.Module:
     )
     choice = tile_sum.choose(op, program, tile.choose(op, program))
     choice = tile_logsumexp.choose(op, program, choice)
+    if choice is None:  # shifted slices no index runs through (EdgeConv's `w[o, C + c]`)
+        choice = tile.choose(op, program, loose=True)
     parts = tile_parts.split(op, program, choice)
     if parts is not None:  # no one index serves the whole op: each part its own
         tiling = tile_parts.tiling(op, program, parts, _tiling)

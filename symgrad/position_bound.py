@@ -18,23 +18,15 @@ its plan uses only where one position exceeds the budget.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from . import sampled_temps
 from .model import Program
-from .tile import Choice, _size_key, tensor_sizes
+from .tile import Choice, strict_part
 
 
 def within_bound(choice: Choice, program: Program) -> bool:
     """Whether one position of `choice.index` leaves every large temporary a strict part
     of an input or output (the same sizes, perhaps under other names, and fewer axes)."""
-    key = _size_key(program)
-    sizes = tensor_sizes(program, key)
-
-    def part(indices) -> bool:
-        counted = Counter(key(i) for i in set(indices))
-        return any(counted <= other and counted != other for other in sizes)
-
+    part = strict_part(program)
     return all(part({i for i in b if i.name.replace("'", "") != choice.index}) for b in choice.big)
 
 

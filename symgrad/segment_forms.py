@@ -52,7 +52,45 @@ def eq_form(e: sp.Expr, ids: object) -> sp.Expr:
             and segment_condition(sp.Eq(*s.args[0].args), ids) is not None
         )
 
-    return e.replace(negated, lambda s: fn.select(sp.Eq(*s.args[0].args), s.args[2], s.args[1]))
+    e = e.replace(negated, lambda s: fn.select(sp.Eq(*s.args[0].args), s.args[2], s.args[1]))
+    e = e.replace(lambda s: _masked_exp(s, ids) is not None, lambda s: _masked_exp(s, ids))
+    return e.replace(lambda m: _merged_masks(m) is not None, _merged_masks)
+
+
+def _merged_masks(e: sp.Expr) -> sp.Expr | None:
+    """A product's factors `where(c, a, 0) * where(c, b, 0)` of one condition as one
+    `where(c, a * b, 0)` (the derivative of a masked exponential by its masked logits
+    is one more such factor), or None: a segment term has one mask."""
+    if not isinstance(e, sp.Mul):
+        return None
+    factors = sp.Mul.make_args(e)
+    masks = [f for f in factors if isinstance(f, fn.select) and f.args[2] == 0]
+    conditions = [m.args[0] for m in masks]
+    shared = next((c for c in conditions if conditions.count(c) > 1), None)
+    if shared is None:
+        return None
+    kept = [m for m in masks if m.args[0] == shared]
+    rest = [f for f in factors if not any(f is m for m in kept)]
+    return sp.Mul(*rest) * fn.select(shared, sp.Mul(*(m.args[1] for m in kept)), 0)
+
+
+def _masked_exp(e: sp.Expr, ids: object) -> sp.Expr | None:
+    """`exp(where(seg[n..] == v, a, -inf) + b)` as `where(seg[n..] == v, exp(a + b), 0)`,
+    or None. The stable form of a segment softmax (`masked_exp`, with L its segment
+    log-sum-exp: `exp(where(dst[n] == v, s[n,h], -inf) - L[h,v])`, GAT's attention
+    weights) is then a segment sum reading L at row dst[n], where the exponential over
+    every (n, v) was a dense [h,n,v] tensor. Equal wherever b is finite, and 0, not
+    exp(-inf + inf) = nan, at an empty segment's L = -inf."""
+    if not isinstance(e, sp.exp):
+        return None
+    for term in sp.Add.make_args(e.args[0]):
+        if (
+            isinstance(term, fn.select)
+            and term.args[2] == fn.NEG_INF
+            and segment_condition(term.args[0], ids) is not None
+        ):
+            return fn.select(term.args[0], sp.exp(e.args[0] - term + term.args[1]), 0)
+    return None
 
 
 def segment_select(e: sp.Expr, fill: sp.Expr, ids: object):
@@ -92,7 +130,10 @@ def sum_rows(select: fn.select) -> sp.Expr:
     of the ids, [r,n,c] (lower/segments.py broadcasts it there: larger than f and than
     the output [r,v,c] when the ids have an index the value lacks)."""
     (read,) = [a for a in select.args[0].args if isinstance(a, sp.Indexed) and not is_iota(a)]
-    return sp.Mul(read, select.args[1], evaluate=False)
+    (iota,) = [a for a in select.args[0].args if is_iota(a)]
+    # a read at v is read at the ids' rows (`L[h, dst[n]]`, a segment softmax's weights)
+    value = select.args[1].xreplace({iota.indices[0]: read})
+    return sp.Mul(read, value, evaluate=False)
 
 
 def extremum_rows(ids_access: sp.Indexed, value: sp.Expr, indices) -> tuple:

@@ -27,7 +27,6 @@ no slice of the output's axis.
 from __future__ import annotations
 
 import ast
-import re
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -42,6 +41,7 @@ from .lower.kernels import prefix_sum_form
 from .model import Index, Level, Program, accesses
 from .segment_cells import flat_term, unflatten
 from .segment_forms import (
+    eq_form,
     extremum_rows,
     segment_condition,
     segment_extremum,
@@ -70,6 +70,8 @@ class Choice:
     # The chunk's int attr holding the whole size of the tiled index (a `mean`'s divisor,
     # `tile_sum`): passed by the loop, so that no input has to stay uncut to give it.
     total: str | None = None
+    # The sets of `big` that are shifted slices of inputs (`choose`): no level must cut them.
+    slices: tuple[tuple[Index, ...], ...] = ()
 
 
 def _read_in_place(program: Program) -> dict:
@@ -78,7 +80,7 @@ def _read_in_place(program: Program) -> dict:
     return {**patterns.convolutions(program), **bands.bands(program)}
 
 
-def big_sets(program: Program) -> list[tuple[Index, ...]]:
+def big_sets(program: Program, slices: bool = True) -> list[tuple[Index, ...]]:
     """Index sets of the tensors the program materializes that are larger than every input
     and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
     product of plain reads is an einsum and is never materialized; nor is a polynomial,
@@ -94,7 +96,9 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
         return same_size(sizes, i, k)
 
     for level in levels:
-        if level.name in kernels or block_reads.no_larger(level, program) or _shifted(level):
+        if level.name in kernels or block_reads.no_larger(level, program):
+            continue
+        if not slices and _shifted(level):  # `choose`: no set an index must cut
             continue
         found.append(level.indices)
         for term in level.terms:
@@ -102,6 +106,7 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
             expr, indices, summed, ids, cell = flat_term(
                 term.expr, level.indices, term.summed, program.index_inputs, sizes
             )
+            expr = eq_form(expr, ids)  # a segment softmax's exponential: a segment sum
             if level.kind in ("max", "min", "logsumexp"):
                 segment = segment_extremum(level.kind, indices, expr, summed, ids)
                 if segment is None:
@@ -138,10 +143,8 @@ def big_sets(program: Program) -> list[tuple[Index, ...]]:
 def _shifted(level: Level) -> bool:
     """Whether `level` gathers an input at positions each one index plus a shift free of
     indices (`w[o, C + c]`: DGCNN's EdgeConv reads the second half of a weight [O, 2C]
-    with c over x's C channels), each index on one axis: a slice of the input, where a
-    shift past its end reads zeros (a pad that a range as long as the input's axis does
-    not need). Without this, such a slice, sized by an index of another input's axis,
-    would count as larger than its source and leave no index in every big set to tile."""
+    with c over x's C channels), each index on one axis: a slice of the input, padded
+    with zeros where its range runs past the input's end."""
     gather = level.gather
     if level.kind != "gather" or gather is None:
         return False
@@ -252,7 +255,10 @@ def _materialized(
             and factor.args[2] == 0
             and (on_indices(factor.args[0]) or segment_condition(factor.args[0], ids) is not None)
         ):
-            found += _materialized(factor.args[1], ids)
+            inner, segment = factor.args[1], segment_condition(factor.args[0], ids)
+            if segment is not None:  # reads at v are read at the ids' rows (a segment sum)
+                inner = inner.xreplace({segment[1]: segment[0]})
+            found += _materialized(inner, ids)
             if on_indices(factor.args[0]) and not mask_elsewhere:
                 found.append(factor)
             elif not on_indices(factor.args[0]):
@@ -282,9 +288,6 @@ def _masked_sets(expr: sp.Expr, indices, allowed: set[Index]) -> list[tuple[Inde
     return found
 
 
-_SHAPE_AXIS = re.compile(r"([A-Za-z_]\w*)\.shape\[(\d+)\]")
-
-
 def _size_key(program: Program):
     """An index's size, as something to compare: the first of the input axes that have
     its size (axes an index reads together have one size: `k` and `l` both read `A`'s
@@ -307,13 +310,7 @@ def _size_key(program: Program):
     def key(index: Index):
         if index in axes:
             return axes[index]
-        text = str(extents.get(index, index))
-        # a range that names an input's axis (`c = "x.shape[1]"`, an index that only
-        # reads `w[o, C + c]` beside `x[b, c, n]`) has that axis's size
-        axis = _SHAPE_AXIS.fullmatch(text.replace(" ", ""))
-        if axis and axis[1] in program.inputs and int(axis[2]) < program.rank(axis[1]):
-            return find((axis[1], int(axis[2])))
-        return text
+        return str(extents.get(index, index))
 
     return key
 
@@ -337,15 +334,26 @@ def choose(
     exclude: frozenset[str] = frozenset(),
     *,
     plain: bool = False,
+    loose: bool = False,
 ) -> Choice | None:
     """The index to tile and the chunk's spec, or None when nothing needs tiling (no
     temporary is larger than the inputs and outputs) or no index can be tiled. Indices
     named in `exclude` are not chosen (an outer level's, `tile_nest`). `plain`: choose an
     output index even when nothing needs tiling (a small stage, `tile_stages`, run as one
-    chunk)."""
-    big = big_sets(program)
-    if not big and not plain:
+    chunk).
+
+    A shifted slice of an input (`_shifted`) is larger than it only where its range runs
+    past the input's end, which the sizes at call time alone tell: its set asks for a
+    plan (`x[b, t + S]` with t over another input's long axis), and the index cut runs
+    through it; but with `loose` (where no index or summed index serves them all,
+    `pipeline.compile_op`), and below an outer level (`exclude`), it need not where other
+    sets are large (EdgeConv's `w[o, C + c]` has no point index n; CCNet's
+    `a[b, u, i, j]` has no channel c)."""
+    found = left_large(program, big_sets(program), exclude)
+    hard = left_large(program, big_sets(program, slices=False), exclude)
+    if not found and not plain:
         return None
+    big = (hard or found) if loose or exclude else found
     trees = [ast.parse(text.strip(" "), mode="exec") for text in op.formulas]
     free = [set(o.level.indices) for o in program.outputs]
     candidates = [
@@ -407,7 +415,36 @@ def choose(
         *((a, "int") for a in (start, length) if a),
     )
     chunk = replace(op, formulas=formulas, attrs=attrs, ranges=ranges, inputs=program.inputs)
-    return Choice(name, sliced, tuple(big), chunk, start, length)
+    big = (*big, *(b for b in found if b not in big and index in b))  # slices it cuts
+    slices = tuple(b for b in big if b not in hard)
+    return Choice(name, sliced, big, chunk, start, length, slices=slices)
+
+
+def strict_part(program: Program):
+    """`part(indices)`: whether a tensor over these indices is a strict part of an input
+    or output (the same sizes, perhaps under other names, and fewer axes): at most half
+    of it, so that the bound, 4x the inputs and outputs, holds 8 of them at any size."""
+    key = _size_key(program)
+    sizes = tensor_sizes(program, key)
+
+    def part(indices) -> bool:
+        counted = Counter(key(i) for i in set(indices))
+        return any(counted <= other and counted != other for other in sizes)
+
+    return part
+
+
+def left_large(program: Program, big, held: frozenset[str]) -> list:
+    """The sets of `big` not a strict part of an input or output at one position of the
+    indices named in `held` (an outer level's, `tile_nest`): a level below must cut
+    those, and need not cut the rest. Grouped-query attention's keys gathered to every
+    query head, `k[b, j, h // G, d]` over [b,j,h,d], are a strict part of `k` at one head:
+    its second level may cut the rows i, which that gather lacks, where requiring every
+    set left only the batch (one position of h held the scores [b,i,j] of a whole head)."""
+    if not held:
+        return list(big)
+    part = strict_part(program)
+    return [b for b in big if not part({i for i in b if i.name.replace("'", "") not in held})]
 
 
 def _sampled_whole_input(program: Program):

@@ -42,7 +42,7 @@ from __future__ import annotations
 import ast
 from dataclasses import replace
 
-from . import ir, tile, tile_once
+from . import ir, sampled_temps, tile, tile_once
 from .derive import derive
 from .lower import lower
 from .model import Program, build
@@ -106,8 +106,10 @@ def _below(choice: tile.Choice, program: Program, levels: list[tile.Choice]):
     below = tile.choose(deepest, build(deepest), exclude=taken)
     if below is None or below.index not in outputs:
         return None
-    if not all(any(i.name == below.index for i in b) for b in choice.big):
-        return None  # a temporary it does not cut
+    hard = [b for b in choice.big if b not in choice.slices]
+    large = tile.left_large(build(deepest), hard, taken)
+    if not all(any(i.name == below.index for i in b) for b in large):
+        return None  # a temporary it does not cut, large at one position of the levels above
     if len(levels) > 1 and not _displacement(below.index, deepest):
         return None  # below the second level, only a window's displacement
     return below
@@ -178,7 +180,7 @@ def _inner(choice: tile.Choice, program: Program, tiling: ir.Tiling, level: tile
         length=level.length,
         sliced=level.sliced,
         output_axes=tuple(tile.output_axis(index, o) for o in program.outputs),
-        count=_count(choice, tiling, level.index),
+        count=_count(choice, program, tiling, level.index),
     )
 
 
@@ -199,7 +201,17 @@ def _level(level: tile.Choice, chunk: ir.Module, max_temp_bytes: int) -> ir.Tili
     )
 
 
-def _count(choice: tile.Choice, tiling: ir.Tiling, name: str) -> str:
-    """The size variable of index `name`: the first temporary's volume names its axes' sizes
-    in its indices' order (every temporary has `name`, `nest` checked)."""
-    return next(s for i, s in zip(choice.big[0], tiling.volumes[0], strict=True) if i.name == name)
+def _count(choice: tile.Choice, program: Program, tiling: ir.Tiling, name: str) -> str:
+    """The size variable of index `name`: a temporary's volume names its axes' sizes in
+    its indices' order (the first temporary with `name`; every one still large at one
+    position of the levels above has it, `_below` checked). Each set's volume is repeated
+    by its weight in the plan (`sampled_temps.weight`)."""
+    volumes = iter(tiling.volumes)
+    for indices in choice.big:
+        volume = next(volumes)
+        for i, size in zip(indices, volume, strict=True):
+            if i.name == name:
+                return size
+        for _ in range(sampled_temps.weight(indices, program) - 1):
+            next(volumes)
+    raise AssertionError(f"no large temporary has {name}")

@@ -1,14 +1,19 @@
 """A read at one index plus a shift (`w[o, C + c]`) under an explicit range no longer
-takes away the tile plan.
+takes away the tile plan, nor makes one where it must not.
 
 DGCNN's EdgeConv (its published weight [O, 2C], the first half applied to the edge
 `x_j - x_i`, the second to the centre `x_i`) reads `w[o, C + c]` with c ranged over
-x's channels. The slice `w[o, C + c]` counted as a temporary larger than every input (c
-was sized by its range's text, not by x's axis, and a slice sized by another input's
-axis is not provably no larger than its source), so no output index ran through every
-large set and no plan was made: a training step held 19.2x the bound. A shifted slice
-holds at most its source's elements within the range (the rest reads zeros), and a
-range `x.shape[1]` is x's axis 1 (`tile._size_key`).
+x's channels. The slice `w[o, C + c]` counts as a temporary that may be larger than
+every input (sized by x's axis, not w's), and no output index runs through it and the
+edge features [b,c,n,k] both, so no plan was made: a training step held 19.2x the bound.
+A shifted slice is larger than its input only where its range runs past the input's end,
+which only the sizes at call time tell: where no index (nor a summed one) serves every
+large set, the op is cut along one that serves the rest (`tile.choose`, `loose`).
+
+The slice still asks for a plan, and the index cut still runs through it where one does
+(`test_a_slice_past_its_inputs_end_is_still_bounded`): `x[b, t + S]` with t over `w`'s
+20,000 columns against x's 10 is 64 x 20,000, and a first version that never counted
+slices held 27x the bound there.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ def _arrays():
 
 
 def _check(target, untiled, tiled, bound):
-    print(f"EdgeConv {target}: untiled {untiled / bound:.1f}x, tiled {tiled / bound:.2f}x")
+    print(f"{target}: untiled {untiled / bound:.1f}x, tiled {tiled / bound:.2f}x")
     assert untiled > 4 * bound, f"{target}: the size does not test the bound"
     assert tiled <= bound, f"{target}: a tiled step peaks at {tiled} > {bound}"
 
@@ -145,3 +150,25 @@ def test_jax_training_step_of_edge_conv_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
     assert module._tile_plan(*args, C=C) is not None
     _check("jax", untiled, jax_step_bytes(module, args, {"C": C}, (0, 2)), bound)
+
+
+PAST_THE_END = {  # formula -> attrs; x [64, 10], w [1, 20000], t over w's columns
+    "y[b,o] = sum(x[b, t + S] * w[o,t], t)": {"S": 3},
+    "y[b,o] = sum(exp(x[b, t + S]) * w[o,t], t)": {"S": 3},
+    "y[b,o] = sum(exp(x[b, t]) * w[o,t], t)": {},
+}
+
+
+@pytest.mark.parametrize("formula", sorted(PAST_THE_END))
+def test_a_slice_past_its_inputs_end_is_still_bounded(formula, tmp_path):
+    torch = pytest.importorskip("torch")
+    attrs = PAST_THE_END[formula]
+    case = Case(formula, {"x": (64, 10), "w": (1, 20000)}, attrs=attrs, ranges={"t": "w.shape[1]"})
+    module = generate(case, tmp_path, prefix="PastEnd", target="pytorch")
+    rng = np.random.default_rng(0)
+    xs = [
+        torch.tensor(rng.uniform(-1, 1, case.shapes[n]).astype(np.float32), requires_grad=True)
+        for n in module.INPUTS
+    ]
+    untiled, tiled, bound = torch_step_peaks(module, xs, attrs, 2**16)
+    _check("pytorch", untiled, tiled, bound)

@@ -5,10 +5,11 @@
                            where(v > i, g[b,c,v,j] * a[b, W + v - 1, i, j], 0)), v)
 
 Tiled along the rows `i`, then the channels `c`. Its reads `g[b,c,i,u]` and
-`a[b, W + v, i, j]` are slices of its inputs (`tile._shifted`), so one position of both
-holds `[b,v,j]` (0.60 MB at CCNet's size, 2x512x97x97; `benchmarks/one_position.py`). They
-once counted as larger than every input, which left the batch `b` as the second level,
-one position of which held the column product `[c,v,j]` (9.3x the default budget). The
+`a[b, W + v, i, j]` are shifted slices of its inputs (`tile._shifted`), which a level
+below the first need not cut, so one position of both holds `[b,v,j]` (0.61 MB at
+CCNet's size, 2x512x97x97; `benchmarks/one_position.py`). Required of every level, they
+left the batch `b` as the second level, one position of which held the column product
+`[c,v,j]` (9.3x the default budget). The
 peak tests take one batch position and many channels (where one position of (i, b) was
 as large as the whole of `g`): the untiled step is 3.1-6.1x the bound; PyTorch holds
 0.54x of it, JAX 0.75x and TensorFlow 0.55x, its chunk's products run in order

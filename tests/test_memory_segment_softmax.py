@@ -1,0 +1,183 @@
+"""A softmax over segments of gathered rows (GAT's aggregation) is segment sums, not a
+dense mask over every (edge, node) pair.
+
+    y[v,h,f] = sum(where(dst[n] == v, exp(s[n,h]) * x[src[n],h,f], 0), n)
+               / sum(where(dst[n] == v, exp(s[n,h]), 0), n)
+
+The masked exponential's stable form, `exp(where(dst[n] == v, s[n,h], -inf) - L[h,v])`
+with L the segment log-sum-exp, was lowered as a dense softmax over [h,v,n]: E x V x H,
+10^4 times the inputs at a small graph's size, in the forward and the gradient alike. It is
+`where(dst[n] == v, exp(s[n,h] - L[h, dst[n]]), 0)` (`segment_forms.eq_form`): a segment
+sum reading L at each edge's row, and the planner sees the gathered rows [n,h,f] as the
+only large temporary. At a node with no incoming edge the formula is 0 / 0; the segment
+sums give 0 there, as GAT's kernels do (`test_a_node_without_edges_gets_zero`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
+from frameworks import FRAMEWORKS
+from harness import Case, check, generate
+from peaks import jax_step_bytes, run_tensorflow
+
+FORMULA = (
+    "y[v,h,f] = sum(where(dst[n] == v, exp(s[n,h]) * x[src[n],h,f], 0), n)"
+    " / sum(where(dst[n] == v, exp(s[n,h]), 0), n)"
+)
+BUDGET = 2**18
+# s [E, H] edge logits, x [V, H, F] node features, src and dst [E]
+E, V, H, F = 40000, 3000, 4, 16
+
+
+def _case(e, v, h, f, low=-1.0, high=1.0) -> Case:
+    return Case(
+        FORMULA,
+        {"s": (e, h), "x": (v, h, f)},
+        ranges={"v": "x.shape[0]"},
+        sizes={"v": v},
+        index_inputs={"src": ((e,), 0, v), "dst": ((e,), 0, v)},
+        inputs=("s", "x", "src", "dst"),
+        low=low,
+        high=high,
+    )
+
+
+# 40 edges into 5 nodes (seeded: every node has one), 3 heads, 2 features
+SMALL = _case(40, 5, 3, 2)
+
+
+def test_no_dense_edge_by_node_tensor_is_planned(tmp_path):
+    module = generate(SMALL, tmp_path, prefix="GatPlan")
+    doc = module.__doc__
+    assert "[n,h,f]" in doc and "[h,n,v]" not in doc, doc
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_segment_softmax_in_chunks_equals_the_untiled_module(target, tmp_path):
+    if target == "tensorflow":
+        check(SMALL, generate(SMALL, tmp_path, prefix="GatExact"))
+    chunks_equal_the_untiled_module(SMALL, target, tmp_path, "Gat")
+
+
+def test_logits_in_the_hundreds_in_float32(tmp_path):
+    """Logits about 300 (exp overflows float32 past 88): the segment log-sum-exp keeps
+    the weights finite; float32 against float64 on the same (float32) values, within
+    float32's rounding of a logit near 300 (3e-5 relative to a weight)."""
+    case = _case(40, 5, 3, 2, low=290.0, high=310.0)
+    module = generate(case, tmp_path, prefix="GatLarge")
+    rng = np.random.default_rng(2)
+    # float32 values, so that float64 sees the same inputs
+    s = rng.uniform(290, 310, (40, 3)).astype(np.float32).astype(np.float64)
+    x = rng.standard_normal((5, 3, 2)).astype(np.float32).astype(np.float64)
+    src, dst = rng.integers(0, 5, 40), np.arange(40) % 5
+    want = module.forward(tf.constant(s), tf.constant(x), tf.constant(src), tf.constant(dst))
+    got = module.forward(
+        tf.constant(s, tf.float32), tf.constant(x, tf.float32), tf.constant(src), tf.constant(dst)
+    )
+    assert np.all(np.isfinite(got.numpy()))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_node_without_edges_gets_zero(target, tmp_path):
+    """Node 3 has no incoming edge: its output is 0 (the written ratio is 0 / 0), and
+    the others and every gradient are those of the graph without it."""
+    fw = FRAMEWORKS[target]
+    if target == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    module = generate(SMALL, tmp_path, prefix="GatEmpty", target=target)
+    rng = np.random.default_rng(4)
+    s, x = rng.standard_normal((6, 2)), rng.standard_normal((5, 2, 3))
+    src, dst = np.array([0, 1, 2, 3, 4, 0]), np.array([0, 1, 2, 4, 4, 1])
+    args = [fw.tensor(a) for a in (s, x, src, dst)]
+    y = fw.numpy(module.forward(*args))
+    np.testing.assert_array_equal(y[3], 0.0)
+    weights = np.exp(s) / np.array([np.exp(s[dst == d]).sum(0) for d in dst])
+    want = np.zeros((5, 2, 3))
+    np.add.at(want, dst, weights[:, :, None] * x[src])
+    np.testing.assert_allclose(y, want, rtol=1e-12)
+    grads = module.vjp(*args, fw.tensor(np.ones((5, 2, 3))))
+    assert all(np.all(np.isfinite(fw.numpy(g))) for g in grads[:2])
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    s = rng.standard_normal((E, H)).astype(np.float32)
+    x = rng.standard_normal((V, H, F)).astype(np.float32)
+    src = rng.integers(0, V, E).astype(np.int32)
+    dst = rng.integers(0, V, E).astype(np.int32)
+    return s, x, src, dst
+
+
+def _check(target, untiled, tiled, bound):
+    print(f"GAT {target}: untiled {untiled / bound:.2f}x, tiled {tiled / bound:.2f}x")
+    assert untiled > 2 * bound, f"{target}: the size does not test the bound"
+    assert tiled <= bound, f"{target}: a tiled step peaks at {tiled} > {bound}"
+
+
+def _module(target, folder):
+    return generate(_case(E, V, H, F), folder, prefix="GatMemory", target=target)
+
+
+MEASURE = """
+import json, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {folder!r})
+import tensorflow as tf
+import importlib
+from peaks import tf_step_peaks
+from test_memory_segment_softmax import _arrays
+
+module = importlib.import_module({stem!r})
+args = [tf.constant(a) for a in _arrays()]
+print(json.dumps(tf_step_peaks(module, args, {budget}, {{}}, args[:2])))
+"""
+
+
+def test_tensorflow_training_step_of_a_segment_softmax_is_bounded(tmp_path):
+    module = _module("tensorflow", tmp_path)
+    tests = str(Path(__file__).resolve().parent)
+    script = MEASURE.format(
+        tests=tests,
+        folder=str(Path(module.__file__).parent),
+        stem=Path(module.__file__).stem,
+        budget=BUDGET,
+    )
+    found = run_tensorflow(script)
+    _check("tensorflow", found["untiled"], found["tiled"], 4 * found["io"] + BUDGET)
+
+
+def test_pytorch_training_step_of_a_segment_softmax_is_bounded(tmp_path):
+    torch = pytest.importorskip("torch")
+    module = _module("pytorch", tmp_path)
+    s, x, src, dst = _arrays()
+    xs = [
+        torch.tensor(s, requires_grad=True),
+        torch.tensor(x, requires_grad=True),
+        torch.tensor(src),
+        torch.tensor(dst),
+    ]
+    untiled, tiled, bound = torch_step_peaks(module, xs, {}, BUDGET)
+    _check("pytorch", untiled, tiled, bound)
+
+
+def test_jax_training_step_of_a_segment_softmax_is_bounded(tmp_path, monkeypatch):
+    jax = pytest.importorskip("jax")
+    module = _module("jax", tmp_path)
+    args = [jax.numpy.asarray(a) for a in _arrays()]
+    out = jax.eval_shape(module.forward, *args)
+    bound = 4 * (sum(a.nbytes for a in args) + out.size * out.dtype.itemsize) + BUDGET
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
+    untiled = jax_step_bytes(module, args, wrt=(0, 1))
+    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
+    assert module._tile_plan(*args) is not None
+    _check("jax", untiled, jax_step_bytes(module, args, wrt=(0, 1)), bound)
