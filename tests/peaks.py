@@ -273,3 +273,61 @@ def tf_swapped_plan_peaks(folder, stem, arrays, attrs, budget, plan, swap) -> di
         plan=plan,
     )
     return run_tensorflow(script)
+
+
+MODULE_STEP = """
+import importlib, json, sys
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {folder!r})
+import tensorflow as tf
+from peaks import tf_step_peaks
+from {arrays_from} import {arrays}
+
+module = importlib.import_module({stem!r})
+args = [tf.constant(a) for a in {arrays}()]
+watched = None if {watched!r} is None else [args[k] for k in {watched!r}]
+found = tf_step_peaks(module, args, {budget}, {attrs!r}, watched)
+found["plan"] = [int(n) for n in module._tile_plan(*args, **{attrs!r})]
+print(json.dumps(found))
+"""
+
+
+def tf_module_step_peaks(module, arrays: str, budget: int, attrs=None, watched=None) -> dict:
+    """`tf_step_peaks` of a generated TensorFlow module, in a fresh process
+    (`run_tensorflow`): its inputs from `arrays` ("test_file._function", float32 arrays
+    in the module's order), the gradient of those at positions `watched` (every one by
+    default); and its plan at `budget` ("plan")."""
+    arrays_from, arrays_name = arrays.rsplit(".", 1)
+    script = MODULE_STEP.format(
+        tests=str(Path(__file__).resolve().parent),
+        folder=str(Path(module.__file__).parent),
+        stem=Path(module.__file__).stem,
+        arrays_from=arrays_from,
+        arrays=arrays_name,
+        budget=budget,
+        attrs=dict(attrs or {}),
+        watched=None if watched is None else tuple(watched),
+    )
+    return run_tensorflow(script)
+
+
+def jax_step_peaks(module, args, budget: int, attrs=None, wrt=None) -> tuple[int, int, int]:
+    """(untiled, tiled, bound) for a jitted JAX training step (`jax_step_bytes`) untiled
+    and at `budget`, where the module must plan; the bound is 4x the bytes of the inputs
+    and outputs plus the budget. The module's MAX_TEMP_BYTES is restored after."""
+    import jax
+
+    attrs = attrs or {}
+    out = jax.eval_shape(lambda *a: module.forward(*a, **attrs), *args)
+    outs = out if isinstance(out, tuple) else (out,)
+    held = sum(a.nbytes for a in args) + sum(o.size * o.dtype.itemsize for o in outs)
+    saved = module.MAX_TEMP_BYTES
+    try:
+        module.MAX_TEMP_BYTES = 2**40
+        untiled = jax_step_bytes(module, args, attrs, wrt)
+        module.MAX_TEMP_BYTES = budget
+        assert module._tile_plan(*args, **attrs) is not None
+        tiled = jax_step_bytes(module, args, attrs, wrt)
+    finally:
+        module.MAX_TEMP_BYTES = saved
+    return untiled, tiled, 4 * held + budget

@@ -11,8 +11,6 @@ the rows i: 0.53x (PyTorch), 0.55x (TensorFlow), 0.66x (JAX).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -20,7 +18,7 @@ tf = pytest.importorskip("tensorflow")
 
 from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, generate
-from peaks import jax_step_bytes, run_tensorflow
+from peaks import jax_step_peaks, tf_module_step_peaks
 
 SCORES = "sum(q[b,i,h,d] * k[b,j,h // G,d], d)"
 FORMULA = f"y[b,i,h,e] = sum(exp({SCORES}) * v[b,j,h // G,e], j) / sum(exp({SCORES}), j)"
@@ -61,33 +59,9 @@ def _check(target, untiled, tiled, bound, plan):
     assert tiled <= bound, f"{target}: a tiled step peaks at {tiled} > {bound}"
 
 
-MEASURE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-sys.path.insert(0, {folder!r})
-import tensorflow as tf
-import importlib
-from peaks import tf_step_peaks
-from test_memory_grouped_heads import _arrays, G
-
-module = importlib.import_module({stem!r})
-args = [tf.constant(a) for a in _arrays()]
-found = tf_step_peaks(module, args, {budget}, {{"G": G}})
-found["plan"] = [int(n) for n in module._tile_plan(*args, G=G)]
-print(json.dumps(found))
-"""
-
-
 def test_tensorflow_training_step_of_grouped_query_attention_is_bounded(tmp_path):
     module = _module("tensorflow", tmp_path)
-    tests = str(Path(__file__).resolve().parent)
-    script = MEASURE.format(
-        tests=tests,
-        folder=str(Path(module.__file__).parent),
-        stem=Path(module.__file__).stem,
-        budget=BUDGET,
-    )
-    found = run_tensorflow(script)
+    found = tf_module_step_peaks(module, "test_memory_grouped_heads._arrays", BUDGET, {"G": G})
     bound = 4 * found["io"] + BUDGET
     _check("tensorflow", found["untiled"], found["tiled"], bound, found["plan"])
 
@@ -104,10 +78,6 @@ def test_jax_training_step_of_grouped_query_attention_is_bounded(tmp_path, monke
     jax = pytest.importorskip("jax")
     module = _module("jax", tmp_path)
     args = [jax.numpy.asarray(a) for a in _arrays()]
-    out = jax.eval_shape(lambda *a: module.forward(*a, G=G), *args)
-    bound = 4 * (sum(a.nbytes for a in args) + out.size * out.dtype.itemsize) + BUDGET
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    untiled = jax_step_bytes(module, args, {"G": G})
+    untiled, tiled, bound = jax_step_peaks(module, args, BUDGET, {"G": G})
     monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
-    plan = module._tile_plan(*args, G=G)
-    _check("jax", untiled, jax_step_bytes(module, args, {"G": G}), bound, plan)
+    _check("jax", untiled, tiled, bound, module._tile_plan(*args, G=G))

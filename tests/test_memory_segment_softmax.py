@@ -15,8 +15,6 @@ sums give 0 there, as GAT's kernels do (`test_a_node_without_edges_gets_zero`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -25,7 +23,7 @@ tf = pytest.importorskip("tensorflow")
 from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from frameworks import FRAMEWORKS
 from harness import Case, check, generate
-from peaks import jax_step_bytes, run_tensorflow
+from peaks import jax_step_peaks, tf_module_step_peaks
 
 FORMULA = (
     "y[v,h,f] = sum(where(dst[n] == v, exp(s[n,h]) * x[src[n],h,f], 0), n)"
@@ -128,31 +126,10 @@ def _module(target, folder):
     return generate(_case(E, V, H, F), folder, prefix="GatMemory", target=target)
 
 
-MEASURE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-sys.path.insert(0, {folder!r})
-import tensorflow as tf
-import importlib
-from peaks import tf_step_peaks
-from test_memory_segment_softmax import _arrays
-
-module = importlib.import_module({stem!r})
-args = [tf.constant(a) for a in _arrays()]
-print(json.dumps(tf_step_peaks(module, args, {budget}, {{}}, args[:2])))
-"""
-
-
 def test_tensorflow_training_step_of_a_segment_softmax_is_bounded(tmp_path):
     module = _module("tensorflow", tmp_path)
-    tests = str(Path(__file__).resolve().parent)
-    script = MEASURE.format(
-        tests=tests,
-        folder=str(Path(module.__file__).parent),
-        stem=Path(module.__file__).stem,
-        budget=BUDGET,
-    )
-    found = run_tensorflow(script)
+    arrays = "test_memory_segment_softmax._arrays"
+    found = tf_module_step_peaks(module, arrays, BUDGET, watched=(0, 1))
     _check("tensorflow", found["untiled"], found["tiled"], 4 * found["io"] + BUDGET)
 
 
@@ -170,14 +147,8 @@ def test_pytorch_training_step_of_a_segment_softmax_is_bounded(tmp_path):
     _check("pytorch", untiled, tiled, bound)
 
 
-def test_jax_training_step_of_a_segment_softmax_is_bounded(tmp_path, monkeypatch):
+def test_jax_training_step_of_a_segment_softmax_is_bounded(tmp_path):
     jax = pytest.importorskip("jax")
     module = _module("jax", tmp_path)
     args = [jax.numpy.asarray(a) for a in _arrays()]
-    out = jax.eval_shape(module.forward, *args)
-    bound = 4 * (sum(a.nbytes for a in args) + out.size * out.dtype.itemsize) + BUDGET
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    untiled = jax_step_bytes(module, args, wrt=(0, 1))
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
-    assert module._tile_plan(*args) is not None
-    _check("jax", untiled, jax_step_bytes(module, args, wrt=(0, 1)), bound)
+    _check("jax", *jax_step_peaks(module, args, BUDGET, wrt=(0, 1)))

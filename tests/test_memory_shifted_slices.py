@@ -18,8 +18,6 @@ slices held 27x the bound there.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -27,7 +25,7 @@ tf = pytest.importorskip("tensorflow")
 
 from adversarial import chunks_equal_the_untiled_module, torch_step_peaks
 from harness import Case, check, generate
-from peaks import jax_step_bytes, run_tensorflow
+from peaks import jax_step_peaks, tf_module_step_peaks
 
 from symgrad.pipeline import compile_op
 from symgrad.spec import parse_spec
@@ -97,32 +95,10 @@ def _case_module(target, folder):
     return generate(case, folder, prefix="EdgeMemory", target=target)
 
 
-MEASURE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-sys.path.insert(0, {folder!r})
-import tensorflow as tf
-import importlib
-from peaks import tf_step_peaks
-from test_memory_shifted_slices import _arrays, C
-
-module = importlib.import_module({stem!r})
-args = [tf.constant(a) for a in _arrays()]
-print(json.dumps(tf_step_peaks(module, args, {budget}, {{"C": C}}, [args[0], args[2]])))
-"""
-
-
 def test_tensorflow_training_step_of_edge_conv_is_bounded(tmp_path):
     module = _case_module("tensorflow", tmp_path)
-    tests = str(Path(__file__).resolve().parent)
-    found = run_tensorflow(
-        MEASURE.format(
-            tests=tests,
-            folder=str(Path(module.__file__).parent),
-            stem=Path(module.__file__).stem,
-            budget=BUDGET,
-        )
-    )
+    arrays = "test_memory_shifted_slices._arrays"
+    found = tf_module_step_peaks(module, arrays, BUDGET, {"C": C}, watched=(0, 2))
     _check("tensorflow", found["untiled"], found["tiled"], 4 * found["io"] + BUDGET)
 
 
@@ -139,17 +115,11 @@ def test_pytorch_training_step_of_edge_conv_is_bounded(tmp_path):
     _check("pytorch", untiled, tiled, bound)
 
 
-def test_jax_training_step_of_edge_conv_is_bounded(tmp_path, monkeypatch):
+def test_jax_training_step_of_edge_conv_is_bounded(tmp_path):
     jax = pytest.importorskip("jax")
     module = _case_module("jax", tmp_path)
     args = [jax.numpy.asarray(a) for a in _arrays()]
-    out = jax.eval_shape(lambda *a: module.forward(*a, C=C), *args)
-    bound = 4 * (sum(a.nbytes for a in args) + out.size * out.dtype.itemsize) + BUDGET
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", 2**40)
-    untiled = jax_step_bytes(module, args, {"C": C}, (0, 2))
-    monkeypatch.setattr(module, "MAX_TEMP_BYTES", BUDGET)
-    assert module._tile_plan(*args, C=C) is not None
-    _check("jax", untiled, jax_step_bytes(module, args, {"C": C}, (0, 2)), bound)
+    _check("jax", *jax_step_peaks(module, args, BUDGET, {"C": C}, wrt=(0, 2)))
 
 
 PAST_THE_END = {  # formula -> attrs; x [64, 10], w [1, 20000], t over w's columns
