@@ -337,6 +337,21 @@ class Pointwise:
         zeros = ir.Call("zeros_like", (ir.Var(weights),))
         return body.bind(ir.Call("where", (keep, ir.Var(weights), zeros)))
 
+    def may_be_masked(self, logits: sp.Expr, seen: frozenset = frozenset()) -> bool:
+        """Whether `logits` hold -inf as written: in themselves, or in a level they read
+        (`exp(where(dst[n] != v, -inf, s[n,h]))` makes the masked logits a level of their
+        own, whose row of a node with no edges is all -inf)."""
+        if logits.has(fn.NEG_INF):
+            return True
+        for access in logits.atoms(sp.Indexed):
+            name = access.base.label.name
+            level = self.levels.get(name)
+            if level is None or name in seen:
+                continue
+            if any(self.may_be_masked(t.expr, seen | {name}) for t in level.terms):
+                return True
+        return False
+
     def softmax(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr | None:
         """`exp(u - L)` with `L = log Σ_m exp(u)`: one fused `tf.nn.softmax(u)` over m.
 
@@ -364,7 +379,7 @@ class Pointwise:
                 if not _is_simple(operand):
                     operand = ir.Var(body.bind(operand))
                 weights = body.bind(ir.Call("softmax", (operand,), (("axis", ir.Lit("-1")),)))
-                if logits.has(fn.NEG_INF) and body.part == "backward":  # masked
+                if self.may_be_masked(logits) and body.part == "backward":
                     weights = self.empty_rows_weigh_nothing(body, operand, weights)
                 return self.align(body, ir.Var(weights), order, target)
         return None
