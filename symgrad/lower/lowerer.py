@@ -3,6 +3,8 @@ concern, and `lower`, which assembles the module's function bodies."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sympy as sp
 
 from .. import bands, ir, lets, masked_values, patterns, sampling
@@ -92,6 +94,14 @@ class Lowerer(
                 if source is not None and tuple(terms[0].expr.indices) == output.level.indices:
                     self.logsumexp_of[output.level.name] = source
                     self.is_output.add(source.name)
+                elif (  # its axes in another order (`y[v,h] = _lse[h,v]`): the same values
+                    source is not None
+                    and tuple(terms[0].expr.indices) == source.indices
+                    and set(source.indices) == set(output.level.indices)
+                ):
+                    self.logsumexp_of[output.level.name] = replace(
+                        source, indices=output.level.indices
+                    )
 
     def index_size(self, body: _Body, index: Index) -> str:
         if index in self.cell_keys:
