@@ -80,14 +80,45 @@ def _read_in_place(program: Program) -> dict:
     return {**patterns.convolutions(program), **bands.bands(program)}
 
 
-def big_sets(program: Program, slices: bool = True) -> list[tuple[Index, ...]]:
+def big_sets(program: Program) -> list[tuple[Index, ...]]:
     """Index sets of the tensors the program materializes that are larger than every input
     and output: levels, reduced operands of extrema, and nonlinear factors of terms (a
     product of plain reads is an einsum and is never materialized; nor is a polynomial,
     which lowering expands; nor a block read's gather, `block_reads`); and, at any size,
     the sets of sampled reads' corners (`sampled_temps`) and of outputs larger than every
     input computed in several steps (`output_temps`)."""
+    return big_and_hard(program)[0]
+
+
+def big_and_hard(program: Program) -> tuple[list, list]:
+    """`big_sets`, and the same without the shifted slices of inputs (`_shifted`): the
+    sets an index cut must run through (`choose`), from one pass over the program."""
+    found, slices, always = _found_sets(program)
+    small = _no_larger(program)
+    hard = [indices for k, indices in enumerate(found) if k not in slices]
+    return _merged(found, always, small), _merged(hard, always, small)
+
+
+def _merged(found, always, small) -> list[tuple[Index, ...]]:
+    """The sets of `found` larger than every input and output (`small`), but those in
+    `always`, with none inside another."""
+    big: list[tuple[Index, ...]] = []
+    for indices in found:
+        s = set(indices)
+        if small(s) and indices not in always:
+            continue  # no larger than an input or output (the same sizes, other names)
+        if any(s <= set(other) for other in big):
+            continue
+        big = [b for b in big if not set(b) <= s]
+        big.append(tuple(indices))
+    return big
+
+
+def _found_sets(program: Program) -> tuple[list, set[int], tuple]:
+    """Every set `big_sets` weighs, in order; the positions of those that are shifted
+    slices; and the sets kept at any size (sampled reads' corners, output temporaries)."""
     found: list[tuple[Index, ...]] = []
+    slices: set[int] = set()
     levels: list[Level] = [*program.intermediates, *(o.level for o in program.outputs)]
     kernels = _read_in_place(program)
     sizes = size_sources(program)
@@ -98,8 +129,8 @@ def big_sets(program: Program, slices: bool = True) -> list[tuple[Index, ...]]:
     for level in levels:
         if level.name in kernels or block_reads.no_larger(level, program):
             continue
-        if not slices and _shifted(level):  # `choose`: no set an index must cut
-            continue
+        if _shifted(level):  # no set an index must cut (`choose`)
+            slices.add(len(found))
         found.append(level.indices)
         for term in level.terms:
             # a mask over several coordinates (segment_cells.py): a segment by one id
@@ -123,21 +154,8 @@ def big_sets(program: Program, slices: bool = True) -> list[tuple[Index, ...]]:
             ]
             if inside:
                 found += [unflatten(m, cell) for m in _masked_sets(expr, indices, allowed)]
-    sampled = sampled_temps.sets(program)
-    found += sampled
-    output_sized = _output_sized(program)
-    found += output_sized
-    small = _no_larger(program)
-    big: list[tuple[Index, ...]] = []
-    for indices in found:
-        s = set(indices)
-        if small(s) and indices not in (*sampled, *output_sized):
-            continue  # no larger than an input or output (the same sizes, other names)
-        if any(s <= set(other) for other in big):
-            continue
-        big = [b for b in big if not set(b) <= s]
-        big.append(tuple(indices))
-    return big
+    always = (*sampled_temps.sets(program), *_output_sized(program))
+    return [*found, *always], slices, always
 
 
 def _shifted(level: Level) -> bool:
@@ -349,8 +367,7 @@ def choose(
     `pipeline.compile_op`), and below an outer level (`exclude`), it need not where other
     sets are large (EdgeConv's `w[o, C + c]` has no point index n; CCNet's
     `a[b, u, i, j]` has no channel c)."""
-    found = left_large(program, big_sets(program), exclude)
-    hard = left_large(program, big_sets(program, slices=False), exclude)
+    found, hard = (left_large(program, b, exclude) for b in big_and_hard(program))
     if not found and not plain:
         return None
     big = (hard or found) if loose or exclude else found
