@@ -21,7 +21,7 @@ import opt_einsum
 import sympy as sp
 
 from . import functions as fn
-from . import indexing, internals, lets, logaddexp, masked_exp, sampling, splits
+from . import indexing, internals, lets, logaddexp, masked_exp, sampling, segment_forms, splits
 from . import lookups as lookups_
 from .compared import compared_only
 from .errors import SymgradError
@@ -407,6 +407,8 @@ class _Builder:
         logsumexps = {lv.name for lv in self.intermediates if lv.kind == "logsumexp"}
 
         def nonlinear(f: sp.Function) -> bool:
+            if segment_forms.is_segment_mask(f, self.index_inputs):
+                return False
             read = {a.base.label.name for a in f.atoms(sp.Indexed)}
             # exp(L) of a logsumexp L is how `sum(exp(u))` reads: `log` undoes it.
             return bool(read) and not (isinstance(f, sp.exp) and read <= logsumexps)

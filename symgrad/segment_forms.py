@@ -42,6 +42,17 @@ def segment_condition(condition: sp.Expr, ids: object) -> tuple[sp.Indexed, sp.S
     return left, v
 
 
+def is_segment_mask(e: sp.Expr, ids: object) -> bool:
+    """`where(seg[n..] == v, a, b)` (or `!=`): a mask that picks rows, no nonlinearity of
+    its own. The builder keeps it inside the function it is written in
+    (`model.share_nested`), so `exp(where(dst[n] == v, s[n,h], -inf))` reaches
+    `_masked_exp` as one expression, not as a dense [n,h,v] intermediate of masked
+    logits."""
+    if not isinstance(e, fn.select) or not isinstance(e.args[0], (sp.Eq, sp.Ne)):
+        return False
+    return segment_condition(sp.Eq(*e.args[0].args), ids) is not None
+
+
 def eq_form(e: sp.Expr, ids: object) -> sp.Expr:
     """`e` with every `where(seg[n..] != v, a, b)` written `where(seg[n..] == v, b, a)`."""
 

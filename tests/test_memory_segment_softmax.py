@@ -29,14 +29,22 @@ FORMULA = (
     "y[v,h,f] = sum(where(dst[n] == v, exp(s[n,h]) * x[src[n],h,f], 0), n)"
     " / sum(where(dst[n] == v, exp(s[n,h]), 0), n)"
 )
+# The same softmax with -inf inside the exponential, as PyG and DGL's docs write a masked
+# softmax: the masked logits must not become a dense [n,h,v] level of their own
+# (`segment_forms.is_segment_mask`).
+INF_INSIDE = (
+    "y[v,h,f] = sum(exp(where(dst[n] == v, s[n,h], -inf)) * x[src[n],h,f], n)"
+    " / sum(exp(where(dst[n] != v, -inf, s[n,h])), n)"
+)
+SPELLINGS = [FORMULA, INF_INSIDE]
 BUDGET = 2**18
 # s [E, H] edge logits, x [V, H, F] node features, src and dst [E]
 E, V, H, F = 40000, 3000, 4, 16
 
 
-def _case(e, v, h, f, low=-1.0, high=1.0) -> Case:
+def _case(e, v, h, f, low=-1.0, high=1.0, formula=FORMULA) -> Case:
     return Case(
-        FORMULA,
+        formula,
         {"s": (e, h), "x": (v, h, f)},
         ranges={"v": "x.shape[0]"},
         sizes={"v": v},
@@ -51,10 +59,11 @@ def _case(e, v, h, f, low=-1.0, high=1.0) -> Case:
 SMALL = _case(40, 5, 3, 2)
 
 
-def test_no_dense_edge_by_node_tensor_is_planned(tmp_path):
-    module = generate(SMALL, tmp_path, prefix="GatPlan")
+@pytest.mark.parametrize("formula", SPELLINGS)
+def test_no_dense_edge_by_node_tensor_is_planned(formula, tmp_path):
+    module = generate(_case(40, 5, 3, 2, formula=formula), tmp_path, prefix="GatPlan")
     doc = module.__doc__
-    assert "[n,h,f]" in doc and "[h,n,v]" not in doc, doc
+    assert "temporaries over [n,h,f] outgrow" in doc, doc
 
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
@@ -83,16 +92,20 @@ def test_logits_in_the_hundreds_in_float32(tmp_path):
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("formula", SPELLINGS)
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_a_node_without_edges_gets_zero(target, tmp_path):
+def test_a_node_without_edges_gets_zero(target, formula, tmp_path):
     """Node 3 has no incoming edge: its output is 0 (the written ratio is 0 / 0), and
-    the others and every gradient are those of the graph without it."""
+    the others and every gradient are those of the graph without it, whether the mask
+    is written around the exponential or -inf inside it."""
     fw = FRAMEWORKS[target]
     if target == "jax":
         import jax
 
         jax.config.update("jax_enable_x64", True)
-    module = generate(SMALL, tmp_path, prefix="GatEmpty", target=target)
+    module = generate(
+        _case(40, 5, 3, 2, formula=formula), tmp_path, prefix="GatEmpty", target=target
+    )
     rng = np.random.default_rng(4)
     s, x = rng.standard_normal((6, 2)), rng.standard_normal((5, 2, 3))
     src, dst = np.array([0, 1, 2, 3, 4, 0]), np.array([0, 1, 2, 4, 4, 1])
@@ -159,15 +172,15 @@ MASKED_LSE = "log(sum(exp(where(dst[n] != v, -inf, s[n,h])), n))"
 
 @pytest.mark.parametrize("formula", [f"y[v,h] = {MASKED_LSE} * w[v,h]", f"y[v,h] = {MASKED_LSE}"])
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
-def test_masked_logits_of_their_own_weigh_an_empty_node_nothing_in_chunks(
-    target, formula, tmp_path
-):
-    """`exp(where(dst[n] != v, -inf, s[n,h]))` makes the masked logits a level of their
-    own: the softmax that is the log-sum-exp's gradient was not known to be masked, and a
-    node with no edges (all -inf: 0 / 0) sent nan to every edge once chunks of v read
-    its rows through a dense mask (untiled, a gather skipped them). The log-sum-exp as
-    the output itself, over its axes in another order (`y[v,h]` of `L[h,v]`), was not
-    known as one: its gradient was `exp(s - y)`, nan there too."""
+def test_masked_logits_of_their_own_weigh_an_empty_node_nothing(target, formula, tmp_path):
+    """`exp(where(dst[n] != v, -inf, s[n,h]))` made the masked logits a dense [n,h,v]
+    level of their own: the softmax that is the log-sum-exp's gradient was not known to
+    be masked, and a node with no edges (all -inf: 0 / 0) sent nan to every edge once
+    chunks of v read its rows through a dense mask. The mask now stays inside the
+    exponential (`segment_forms.is_segment_mask`): a segment log-sum-exp, nothing to cut
+    into chunks, and every edge's gradient its softmax weight at its own node. The
+    log-sum-exp as the output itself, over its axes in another order (`y[v,h]` of
+    `L[h,v]`), is known as one: its gradient was `exp(s - y)`."""
     fw = FRAMEWORKS[target]
     if target == "jax":
         import jax
@@ -186,17 +199,53 @@ def test_masked_logits_of_their_own_weigh_an_empty_node_nothing_in_chunks(
         inputs=("s", "w", "dst") if weighted else ("s", "dst"),
     )
     module = generate(case, tmp_path, prefix="MaskedLse", target=target)
+    assert not hasattr(module, "_tile_plan"), "a segment log-sum-exp holds no dense mask"
     rng = np.random.default_rng(5)
     s, w = rng.standard_normal((12, 2)), rng.standard_normal((4, 2))
     dst = np.array([0, 2, 3] * 4)  # node 1 has no edge
     named = {"s": s, "w": w, "dst": dst}
     args = [fw.tensor(named[n]) for n in module.INPUTS]
-    cotangent = fw.tensor(np.ones((4, 2)))
-    module.MAX_TEMP_BYTES = 2**40
-    want = [fw.numpy(g) for g in module.vjp(*args, cotangent, **attrs) if g is not None]
-    module.MAX_TEMP_BYTES = 1
-    assert module._tile_plan(*args, **attrs) is not None
-    got = [fw.numpy(g) for g in module.vjp(*args, cotangent, **attrs) if g is not None]
+    g = rng.standard_normal((4, 2))
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.array([np.exp(s[dst == v]).sum(0) for v in range(4)]))
+    factor = g * w if weighted else g
+    want = [factor[dst] * np.exp(s - lse[dst])] + ([lse * g] if weighted else [])
+    got = [fw.numpy(x) for x in module.vjp(*args, fw.tensor(g), **attrs) if x is not None]
     assert np.all(np.isfinite(got[0]))  # grad_w at node 1 is its log-sum-exp, -inf
-    for g, wanted in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, wanted, rtol=1e-12, atol=1e-12)
+    for x, wanted in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, wanted, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_masked_logits_of_their_own_weigh_an_empty_row_nothing_in_chunks(target, tmp_path):
+    """The same guard where the mask is not a segment's and the masked logits stay a
+    level of their own: a strictly causal log-sum-exp, whose first row has no term (all
+    -inf: 0 / 0). Untiled and in chunks of rows, every gradient is finite and equal."""
+    fw = FRAMEWORKS[target]
+    if target == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    case = Case(
+        "y[i,h] = log(sum(exp(where(j >= i, -inf, s[j,h])), j)) * w[i,h]",
+        {"s": (7, 3), "w": (7, 3)},
+    )
+    module = generate(case, tmp_path, prefix="CausalLse", target=target)
+    rng = np.random.default_rng(6)
+    s, w, g = (rng.standard_normal((7, 3)) for _ in range(3))
+    args = [fw.tensor(s), fw.tensor(w)]
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.stack([np.exp(s[:i]).sum(0) for i in range(7)]))
+    weights = np.array(
+        [[np.exp(s[j] - lse[i]) if j < i else 0 * s[j] for j in range(7)] for i in range(7)]
+    )
+    want = [np.einsum("ih,ijh->jh", g * w, weights), lse * g]
+    module.MAX_TEMP_BYTES = 2**40
+    untiled = [fw.numpy(x) for x in module.vjp(*args, fw.tensor(g))]
+    module.MAX_TEMP_BYTES = 1
+    assert module._tile_plan(*args) is not None
+    tiled = [fw.numpy(x) for x in module.vjp(*args, fw.tensor(g))]
+    assert np.all(np.isfinite(tiled[0])) and np.all(np.isfinite(untiled[0]))
+    for got in (untiled, tiled):
+        for x, wanted in zip(got, want, strict=True):
+            np.testing.assert_allclose(x, wanted, rtol=1e-12, atol=1e-12)
