@@ -249,3 +249,51 @@ def test_masked_logits_of_their_own_weigh_an_empty_row_nothing_in_chunks(target,
     for got in (untiled, tiled):
         for x, wanted in zip(got, want, strict=True):
             np.testing.assert_allclose(x, wanted, rtol=1e-12, atol=1e-12)
+
+
+def _reachable(function) -> set[str]:
+    """The nodes of a FunctionDef that its results and control results depend on: what
+    a call of it runs (TensorFlow prunes the rest of a function's body)."""
+    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in function.node_def}
+    stack = [r.split(":")[0] for r in (*function.ret.values(), *function.control_ret.values())]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in inputs:
+            continue
+        seen.add(name)
+        stack.extend(inputs[name])
+    return seen
+
+
+def test_tensorflow_chunks_of_the_gradient_compute_no_output(tmp_path, monkeypatch):
+    """A chunk's gradient that reads none of the chunk's outputs waits for its
+    intermediates alone (`_after`), so its loop never computes the outputs: here the
+    segment sum of every edge's gathered row, once per chunk of the backward (GAT's step
+    in chunks of its features took 3.1x its untiled time, 2.8x without that sum). The
+    chunk's outputs are marked, and no result of the backward's loop body reaches them."""
+    module = generate(SMALL, tmp_path, prefix="GatPruned")
+    compute = module._compute
+
+    def marked(*args, **kwargs):
+        outputs, saved = compute(*args, **kwargs)
+        return tuple(tf.identity(o, name="chunk_output") for o in outputs), saved
+
+    monkeypatch.setattr(module, "_compute", marked)
+    rng = np.random.default_rng(3)
+    s, x = rng.standard_normal((40, 3)), rng.standard_normal((5, 3, 2))
+    src, dst = rng.integers(0, 5, 40), np.arange(40) % 5
+    args = [tf.constant(a) for a in (s, x, src, dst)]
+    module.MAX_TEMP_BYTES = 1
+    plan = module._tile_plan(*args)
+    grad_y = tf.ones((5, 3, 2), tf.float64)
+    traced = module._tiled_backward.get_concrete_function(*args, grad_y, *plan)
+    bodies = [f for f in traced.graph.as_graph_def().library.function if f.node_def]
+    marks = [(f, n.name) for f in bodies for n in f.node_def if "chunk_output" in n.name]
+    assert marks, "the chunk's outputs were not traced into the loop"
+    for function, name in marks:
+        assert name not in _reachable(function), f"{function.signature.name} computes {name}"
+    got = module.vjp(*args, grad_y)
+    module.MAX_TEMP_BYTES = 2**40
+    for g, want in zip(got[:2], module.vjp(*args, grad_y)[:2], strict=True):
+        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(want), rtol=1e-12)
