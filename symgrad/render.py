@@ -129,16 +129,37 @@ def _hoist(module: ir.Module, target) -> dict | None:
     from .targets.pytorch import is_python
 
     levels = (tiling, tiling.inner) if tiling.inner else (tiling,)
-    names = {n for level in levels for n in (level.start, level.length) if n}
-    cut = {x for level in levels for x, _ in level.sliced}
-    variant = names | {f"_int_{n}" for n in names} | cut
+    variant = _variant(levels)
     program = tiling.program
     forward = tile_hoist.split(program.forward, variant, is_python, program.saved)
     chunk = {*program.grads, *program.outputs, *program.saved}
     backward = tile_hoist.split(program.backward, variant | chunk, is_python)
-    if forward is None and backward is None:
+    whole = {"forward_whole": None, "backward_whole": None}
+    if tiling.inner and target.printer.hoists_whole:
+        # the second tier: invariant while the inner level is one chunk (`tile_hoist`)
+        outer = _variant((tiling,))
+        axes: dict[str, set[int]] = {}
+        for x, axis in tiling.sliced:
+            axes.setdefault(x, set()).add(axis)
+        rest = forward.rest_block() if forward else program.forward
+        whole["forward_whole"] = tile_hoist.split(
+            rest, outer, is_python, program.saved, prefix=tile_hoist.WHOLE, cut_axes=axes
+        )
+        rest = backward.rest_block() if backward else program.backward
+        whole["backward_whole"] = tile_hoist.split(
+            rest, outer | chunk, is_python, prefix=tile_hoist.WHOLE, cut_axes=axes
+        )
+    if forward is None and backward is None and not any(whole.values()):
         return None
-    return {"forward": forward, "backward": backward}
+    return {"forward": forward, "backward": backward, **whole}
+
+
+def _variant(levels) -> set[str]:
+    """The names a chunk of these levels changes: their starts and lengths (as attrs and
+    as `_int_` ints) and the inputs they cut."""
+    names = {n for level in levels for n in (level.start, level.length) if n}
+    cut = {x for level in levels for x, _ in level.sliced}
+    return names | {f"_int_{n}" for n in names} | cut
 
 
 def tile_nest_context(module: ir.Module) -> dict:

@@ -18,6 +18,14 @@ same bit for bit.
 
 They are held for the whole loop: the loop keeps them only while their bytes are within
 the inputs' (else every chunk computes them again, as before).
+
+A tiling in two levels has a second tier (`WHOLE`): what the chunks compute alike while
+the inner level is one chunk, the steps left that read neither the outer level's start
+or length nor an input it cuts. Where the inner level cuts the rows of what the outer
+level's chunks share, as GAT's segment log-sum-exp over the heads when the outer level
+cuts its features, every outer chunk computed it again. At call time, where the plan
+gives the inner level one chunk (static sizes), the loop computes them once
+(`_compute_outer_once`, TensorFlow); otherwise each chunk does, from the values it is given.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from . import ir
 
 PREFIX = "_once"  # the names given to extracted subexpressions: _once1, _once2, ...
+WHOLE = "_shared"  # the second tier's: _shared1, _shared2, ...
 
 # Subexpressions worth a step of their own: an op (a leaf is a name or a number already).
 _OPS = (ir.View, ir.Call, ir.Binary, ir.Negate, ir.Einsum)
@@ -70,20 +79,41 @@ def split(
     variant: set[str],
     is_python: Callable[[ir.Expr, frozenset[str]], bool],
     results: tuple[str, ...] = (),
+    prefix: str = PREFIX,
+    cut_axes: dict[str, set[int]] | None = None,
 ) -> Hoist | None:
     """`block` with its chunk-invariant steps marked (see the module's docstring); None
     when no tensor op is invariant. `variant`: the names a chunk changes (its starts and
     lengths, as attrs and as `_int_` ints; inputs cut to it; in the backward the chunk's
     incoming gradients, outputs and intermediates); `results`: names the block gives
-    besides its returns (the forward's intermediates for the gradient)."""
+    besides its returns (the forward's intermediates for the gradient); `prefix`: the
+    stem of the extracted subexpressions' names; `cut_axes` (input -> the axes a chunk
+    cuts), where given: a cut input's dtype and its sizes along the other axes are the
+    same in every chunk (the second tier's `x.shape[0]` of an `x` cut along axis 2)."""
     dependent = set(variant)
     numbers: set[str] = set()
     made: dict[ir.Expr, str] = {}
     steps: list[ir.Assign] = []
     once: set[str] = set()
 
+    def changing(e: ir.Expr) -> set[str]:
+        """The names `e` reads whose values a chunk may change."""
+        if cut_axes is None:
+            return ir.names_in(e)
+        if isinstance(e, ir.AxisSize) and e.axis not in cut_axes.get(e.tensor, {e.axis}):
+            return set()
+        if isinstance(e, ir.DType) and e.tensor in cut_axes:
+            return set()
+        if isinstance(e, ir.Call) and e.function == "size_limit":
+            # its value is its size; computed whole, it checks the whole op's output
+            return changing(e.args[0])
+        if isinstance(e, ir.Var | ir.DType | ir.AxisSize | ir.FloatSize | ir.Shape):
+            return ir.names_in(e)
+        found = set().union(*(changing(c) for c in ir.children(e)))
+        return found | {e.name} if isinstance(e, ir.Whole) else found
+
     def invariant(e: ir.Expr) -> bool:
-        return not (ir.names_in(e) & dependent)
+        return not (changing(e) & dependent)
 
     def swap(e: ir.Expr) -> ir.Expr | None:
         if isinstance(e, ir.Cond | ir.Whole):  # a branch runs only where taken: kept
@@ -93,7 +123,7 @@ def split(
         if not ir.names_in(e) or _scalar(e):  # numbers alone, or a zero of the dtype
             return None
         if e not in made:
-            made[e] = f"{PREFIX}{len(made) + 1}"
+            made[e] = f"{prefix}{len(made) + 1}"
             steps.append(ir.Assign(made[e], e))
             once.add(made[e])
         return ir.Var(made[e])

@@ -297,3 +297,48 @@ def test_tensorflow_chunks_of_the_gradient_compute_no_output(tmp_path, monkeypat
     module.MAX_TEMP_BYTES = 2**40
     for g, want in zip(got[:2], module.vjp(*args, grad_y)[:2], strict=True):
         np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(want), rtol=1e-12)
+
+
+def _ops_in_loops(traced) -> set[str]:
+    """The op types inside the loop bodies of a traced TensorFlow function."""
+    library = traced.graph.as_graph_def().library.function
+    return {n.op for f in library if "body" in f.signature.name for n in f.node_def}
+
+
+@pytest.mark.parametrize("loop", ["_tiled_compute", "_tiled_backward"])
+def test_tensorflow_chunks_of_the_features_share_one_segment_log_sum_exp(
+    loop, tmp_path, monkeypatch
+):
+    """Cut along the features, with the heads its inner level, every chunk computed the
+    segment log-sum-exp over the heads again: it reads s, which only the inner level cuts.
+    Where the plan gives the inner level one chunk, the loop computes it once
+    (`_compute_outer_once`, `tile_hoist.WHOLE`): no segment max runs in the loop, and every
+    output and gradient is bit for bit that of chunks that compute it themselves."""
+    module = generate(_case(40, 5, 3, 6), tmp_path, prefix="GatWhole")
+    rng = np.random.default_rng(8)
+    s, x = rng.standard_normal((40, 3)), rng.standard_normal((5, 3, 6))
+    src, dst = rng.integers(0, 5, 40), np.arange(40) % 5
+    args = [tf.constant(a) for a in (s, x, src, dst)]
+    # a budget that holds the shared values (an eighth of it, `_kept_once`): 3 chunks
+    module.MAX_TEMP_BYTES = 16384
+    n, c, n2, c2 = plan = module._tile_plan(*args)
+    assert c < n and c2 >= n2, plan  # chunks of f, one chunk of h
+    grad_y = tf.constant(rng.standard_normal((5, 3, 6)))
+    extra = (grad_y,) if loop == "_tiled_backward" else ()
+    traced = getattr(module, loop).get_concrete_function(*args, *extra, *plan)
+    assert "UnsortedSegmentMax" not in _ops_in_loops(traced)
+    assert "UnsortedSegmentSum" in _ops_in_loops(traced)  # the chunk's own sums
+
+    def step():
+        return [tf.convert_to_tensor(g).numpy() for g in (module.forward(*args),)] + [
+            tf.convert_to_tensor(g).numpy() for g in module.vjp(*args, grad_y)[:2]
+        ]
+
+    shared = step()
+    monkeypatch.setattr(module, "_one_chunk", lambda n, c: False)
+    alone = step()
+    module.MAX_TEMP_BYTES = 2**40
+    whole = step()
+    for got, fallback, want in zip(shared, alone, whole, strict=True):
+        np.testing.assert_array_equal(got, fallback)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)

@@ -10,6 +10,7 @@ untiled call gives bit for bit the numbers of the module that kept both programs
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 from pathlib import Path
 
@@ -213,7 +214,10 @@ def test_pytorch_recomputes_the_intermediates_with_the_one_program(name, tmp_pat
 
 def test_the_untiled_call_runs_the_ops_of_the_two_program_module(tmp_path, monkeypatch):
     """What the untiled path costs: the same TF graph ops and the same PyTorch dispatches,
-    op for op, as the module that kept both programs (a start of 0 adds nothing)."""
+    op for op, as the module that kept both programs (a start of 0 adds nothing). The TF
+    graph's ops are compared as a multiset: the one program computes what a nested loop's
+    chunks share (`_compute_outer_once`) before its other steps, the same ops made in
+    another order."""
     tf = pytest.importorskip("tensorflow")
     torch = pytest.importorskip("torch")
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -240,7 +244,7 @@ def test_the_untiled_call_runs_the_ops_of_the_two_program_module(tmp_path, monke
         xs = [tf.constant(a) for a in arrays]
         graph = tf.function(step).get_concrete_function(*xs).graph
         graphs.append([op.type for op in graph.get_operations()])
-    assert graphs[0] == graphs[1]
+    assert collections.Counter(graphs[0]) == collections.Counter(graphs[1])
     dispatched = []
     for module in _both(_spec_op("LightconvSame"), "pytorch", tmp_path, monkeypatch):
         xs = [torch.tensor(a, requires_grad=True) for a in arrays]

@@ -57,6 +57,9 @@ class Printer:
     # paying their dispatch, rather than as one compiled loop whose compiler moves
     # invariant code out of it itself.
     hoists = False
+    # and the second tier of a tiling in two levels, while its inner level is one chunk
+    # (`tile_hoist.WHOLE`): the TensorFlow templates only
+    hoists_whole = False
 
     def __init__(self, in_module: bool = True) -> None:
         self.in_module = in_module

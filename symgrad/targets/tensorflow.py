@@ -134,6 +134,7 @@ class TensorFlowPrinter(Printer):
     # (TensorFlow's graph optimizer does not move invariant nodes out of a loop by
     # default); under XLA the compiler would, and does no harm to what is moved already.
     hoists = True
+    hoists_whole = True
 
     def cond(self, e: ir.Cond) -> str:
         # A kept Cond's predicate may be the Python bool a chunk loop hands its chunks
