@@ -86,6 +86,9 @@ class _Body:
     # A value lowered to read an earlier step -> the same value as the formula writes it
     # (what another body, the backward, lowers it to and borrows by).
     written_as: dict[ir.Expr, ir.Expr] = field(default_factory=dict)
+    # A max's (min's) operand by its formula -> (the variable holding it, its axes): its
+    # ties compare that very tensor (pointwise.py, `step_eq`).
+    reduced: dict[sp.Expr, tuple[str, tuple]] = field(default_factory=dict)
 
     def fresh(self) -> str:
         self.counter += 1

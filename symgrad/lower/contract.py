@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import opt_einsum
 import sympy as sp
+from sympy.core.relational import Relational
 
+from .. import functions as fn
 from .. import ir
 from ..model import Index, tensor
 from .common import (
@@ -81,7 +83,14 @@ class Contraction:
                 centered = self.centered(body, factor)
                 if centered is not None:
                     e = e.xreplace({factor: centered})
-                expanded = sp.expand(e, power_base=False, power_exp=False, log=False)
+                # A comparison stays as written: a max's tie test `[(x - z)**2 == m]`
+                # (`step_eq`) against the max of `(x - z)**2` never holds once its
+                # left side is `x**2 - 2*x*z + z**2` (rounded otherwise): every
+                # gradient was 0.
+                kept = {r: sp.Dummy() for r in e.atoms(Relational, fn._Step)}
+                expanded = sp.expand(
+                    e.xreplace(kept), power_base=False, power_exp=False, log=False
+                ).xreplace({d: r for r, d in kept.items()})
                 parts = sp.Add.make_args(expanded)
                 if 1 < len(parts) <= MAX_EXPANDED_TERMS:
                     pieces = []

@@ -217,6 +217,7 @@ class Lowerer(
             operand = self.expr(body, term.expr, order)
             if not _is_simple(operand):
                 operand = ir.Var(body.bind(operand))
+            body.reduced.setdefault(term.expr, (operand.name, order))
             axes = ir.Lit(repr(list(range(len(level.indices), len(order)))))
             return ir.Call(function, (operand,), (("axis", axes),))
         if level.kind == "logsumexp":

@@ -28,6 +28,7 @@ from .common import (
     _print_order,
     _tensor_argument,
     _word,
+    align,
 )
 
 
@@ -206,8 +207,52 @@ class Pointwise:
                     read = ir.Binary("==", ir.Var(body.memo[args[0]]), args[1])
                     body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
                     return ir.Call("cast", (read, ir.Var("dtype")))
+                # (a read of one tensor, `_s1`, is the max's very operand already)
+                computed = not isinstance(args[0], ir.Var) and not (
+                    isinstance(args[0], ir.View) and isinstance(args[0].operand, ir.Var)
+                )
+                reduced = self.reduced_value(body, e) if func is fn.step_eq and computed else None
+                if reduced is not None and set(reduced[1]) <= set(target):
+                    # The same where the ties want the value in another layout: the max
+                    # reduced `B[k,j] * D[i,j] * u[i]` over [i,k,j], the ties read it as
+                    # [k,j,i], and TF's graph optimizer ordered the two products apart
+                    # (it multiplies the smaller operands first): 1 ulp off, no entry
+                    # tied, and a nan or a wrong gradient under tf.function.
+                    name, labels = reduced
+                    read = ir.Binary("==", align(ir.Var(name), labels, target), args[1])
+                    body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
+                    return ir.Call("cast", (read, ir.Var("dtype")))
                 return mask
         raise AssertionError(f"cannot lower {e!r}")
+
+    def reduced_value(self, body: _Body, e: fn.step_eq) -> tuple[str, tuple] | None:
+        """The tensor a max's (min's) ties `e` = `[value == max]` compare: the one the max
+        reduced, in this body; else (the gradient's body) the value computed as the max
+        computes it, in its layout, which TF's graph optimizer then orders as it orders
+        the max's own (a chunk's forward and gradient are one graph: one computation)."""
+        found = body.reduced.get(e.args[0])
+        if found is not None:
+            return found
+        extremum = e.args[1]
+        if not isinstance(extremum, sp.Indexed):
+            return None
+        name = extremum.base.label.name
+        level = next((lv for lv in body.program.intermediates if lv.name == name), None)
+        if level is None or level.kind not in ("max", "min") or len(level.terms) != 1:
+            return None
+        (term,) = level.terms
+        at = tuple(extremum.indices)  # the gradient's names for the max's indices
+        if len(set(at)) != len(at) or set(at) & set(term.summed):
+            return None
+        value = term.expr.xreplace(dict(zip(level.indices, at, strict=True)))
+        if value != e.args[0]:
+            return None
+        order = (*at, *term.summed)
+        operand = self.expr(body, value, order)
+        if not isinstance(operand, ir.Var):
+            operand = ir.Var(body.bind(operand))
+        body.reduced[value] = (operand.name, order)
+        return body.reduced[value]
 
     def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         """A pointwise value where TF wants a tensor of the computation dtype (a branch

@@ -1,0 +1,104 @@
+"""A max's (min's) gradient goes to the entries equal to it: `[value == max]`. The test
+must compare the value as the max was computed from it. A polynomial factor of the same
+term (`2*x - 2*z`, the derivative of `(x - z)**2`) is expanded into monomials for the
+contraction (`lower/contract.py`), and the expansion reached inside the tie test too:
+`x**2 - 2*x*z + z**2 == min` almost never holds for the min of `(x - z)**2`, and every
+gradient was 0 (all targets, untiled and in chunks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from frameworks import FRAMEWORKS
+from harness import Case, generate
+
+
+def _nearest(x, z):
+    """y[i] = min_j (x[i] - z[j])**2 and its gradients for an incoming gradient g, by
+    the arg-min (random values: no ties)."""
+    d = (x[:, None] - z[None, :]) ** 2
+    j = d.argmin(1)
+    return d.min(1), j
+
+
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_the_min_of_a_square_sends_its_gradient_to_the_arg_min(target, budget, tmp_path):
+    fw = FRAMEWORKS[target]
+    if target == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    case = Case("y[i] = min((x[i] - z[j])**2, j)", {"x": (5,), "z": (7,)}, inputs=("x", "z"))
+    module = generate(case, tmp_path, prefix="NearestSquare", target=target)
+    rng = np.random.default_rng(96)
+    x, z, g = rng.standard_normal(5), rng.standard_normal(7), rng.standard_normal(5)
+    y, j = _nearest(x, z)
+    want_x = 2 * g * (x - z[j])
+    want_z = np.zeros(7)
+    np.add.at(want_z, j, -2 * g * (x - z[j]))
+    module.MAX_TEMP_BYTES = budget
+    args = [fw.tensor(a) for a in (x, z)]
+    np.testing.assert_allclose(fw.numpy(module.forward(*args)), y, rtol=1e-12)
+    got_x, got_z = (fw.numpy(t) for t in module.vjp(*args, fw.tensor(g)))
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(got_z, want_z, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "formula",
+    ["y[i,l] = max((C[j,l] + P[i,l])**2, j)", "y[i,l] = max(log(1 + (C[j,l] + P[i,l])**2), j)"],
+)
+def test_the_max_of_a_polynomial_of_two_point_sets_is_exact(formula, tmp_path):
+    """Other spellings of the same trap (a square of a sum of two point sets inside a
+    max), against TF autodiff and finite differences."""
+    from harness import check
+
+    case = Case(formula, {"C": (7, 3), "P": (5, 3)}, inputs=("C", "P"))
+    check(case, generate(case, tmp_path, prefix="PolyMax"))
+
+
+def _min_of_products(B, D, u, gy):
+    """y[i,k] = exp(tanh(min_j D[i,j] B[k,j] u[i-1]) / 2) (u[-1] reads 0: row 0 ties
+    over every j) and the gradient of u, ties split equally, in NumPy."""
+    g = np.concatenate([[0.0], u[:-1]])
+    v = D[:, None, :] * B[None, :, :] * g[:, None, None]  # [i,k,j]
+    m = v.min(2)
+    y = np.exp(0.5 * np.tanh(m))
+    tie = v == m[..., None]
+    dm = gy * y * 0.5 * (1 - np.tanh(m) ** 2)
+    dg = (dm[..., None] * tie / tie.sum(2, keepdims=True) * D[:, None, :] * B[None]).sum((1, 2))
+    return y, np.concatenate([dg[1:], [0.0]])
+
+
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+def test_ties_of_a_min_of_three_factors_hold_under_tf_function(budget, tmp_path):
+    """The min reduced `D[i,j] * B[k,j] * u[i-1]` over [i,k,j] and its ties compared the
+    same product computed again over [k,j,i]: inside a graph (the user's tf.function, or
+    the chunk loop), TF's arithmetic optimizer multiplied the two in different orders (the
+    smaller operands first), 1 ulp apart, and no entry tied: nan in the gradient. The
+    ties now compare the tensor the min reduced (`Pointwise.reduced_value`)."""
+    import tensorflow as tf
+
+    case = Case(
+        "y[i,k] = exp(0.5 * (tanh(min(D[i, j] * B[k, j] * u[i - 1], j))))",
+        {"B": (3, 7), "D": (5, 7), "u": (5,)},
+        inputs=("B", "D", "u"),
+    )
+    module = generate(case, tmp_path, prefix="MinOfProducts")
+    rng = np.random.default_rng(1163)
+    B, D, u, gy = (
+        rng.standard_normal((3, 7)),
+        rng.standard_normal((5, 7)),
+        *(rng.standard_normal(s) for s in (5, (5, 3))),
+    )
+    y, want_u = _min_of_products(B, D, u, gy)
+    module.MAX_TEMP_BYTES = budget
+    args = [tf.constant(a) for a in (B, D, u, gy)]
+    for vjp in (module.vjp, tf.function(module.vjp)):
+        got_u = vjp(*args)[2].numpy()
+        np.testing.assert_allclose(got_u, want_u, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(module.forward(*args[:3]).numpy(), y, rtol=1e-12)
