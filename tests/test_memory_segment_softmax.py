@@ -342,3 +342,57 @@ def test_tensorflow_chunks_of_the_features_share_one_segment_log_sum_exp(
     for got, fallback, want in zip(shared, alone, whole, strict=True):
         np.testing.assert_array_equal(got, fallback)
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+NODE_LOGITS = (
+    "y[v,h] = sum(where(dst[n] == v, exp(a[src[n],h] * b[v,h]) * w[n,h], 0), n)"
+    " / sum(where(dst[n] == v, exp(a[src[n],h] * b[v,h]), 0), n)"
+)
+
+
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_logits_of_a_node_and_an_edge_weigh_an_empty_node_nothing(target, budget, tmp_path):
+    """Logits that read the node (`a[src[n],h] * b[v,h]`) are no segment's: the softmax
+    stays dense, and its gradient reads `a[src[n]]` as n and as n', two names the fused,
+    guarded softmax did not match. At a node with no edge its log-sum-exp is -inf, and
+    the bare `exp(u - L)` was exp(nan): every entry of grad_a was nan. It weighs that row
+    nothing now (`Pointwise.masked_weights`); the gradients, whole and in chunks, equal
+    central differences of the forward in one piece, which is 0 at the empty node."""
+    fw = FRAMEWORKS[target]
+    if target == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    case = Case(
+        NODE_LOGITS,
+        {"a": (4, 2), "b": (5, 2), "w": (6, 2)},
+        ranges={"v": "b.shape[0]"},
+        sizes={"v": 5},
+        index_inputs={"src": ((6,), 0, 4), "dst": ((6,), 0, 5)},
+        inputs=("a", "b", "w", "src", "dst"),
+    )
+    module = generate(case, tmp_path, prefix="NodeLogits", target=target)
+    rng = np.random.default_rng(11)
+    a, b, w, g = (rng.standard_normal(s) for s in ((4, 2), (5, 2), (6, 2), (5, 2)))
+    src, dst = np.array([0, 1, 2, 3, 1, 2]), np.array([1, 0, 0, 2, 2, 4])  # node 3: none
+
+    def loss(a, b, w):  # the forward in one piece (in chunks it is nan at node 3: open)
+        module.MAX_TEMP_BYTES = 2**40
+        y = fw.numpy(module.forward(*(fw.tensor(t) for t in (a, b, w, src, dst))))
+        return float(np.sum(y * g))
+
+    np.testing.assert_array_equal(
+        fw.numpy(module.forward(*(fw.tensor(t) for t in (a, b, w, src, dst))))[3], 0.0
+    )
+    module.MAX_TEMP_BYTES = budget
+    got = module.vjp(*(fw.tensor(t) for t in (a, b, w, src, dst)), fw.tensor(g))
+    values = [a, b, w]
+    for k, grad in enumerate(got[:3]):
+        want = np.zeros_like(values[k])
+        for at in np.ndindex(values[k].shape):
+            up, down = ([v.copy() for v in values] for _ in range(2))
+            up[k][at] += 1e-6
+            down[k][at] -= 1e-6
+            want[at] = (loss(*up) - loss(*down)) / 2e-6
+        np.testing.assert_allclose(fw.numpy(grad), want, rtol=1e-6, atol=1e-8)

@@ -159,6 +159,10 @@ class Pointwise:
             softmax = self.softmax(body, e, target)
             if softmax is not None:
                 return softmax
+            if body.part == "backward":
+                guarded = self.masked_weights(body, e, target)
+                if guarded is not None:
+                    return guarded
         if isinstance(e, fn.select):
             cond, then, otherwise = e.args
             if len(target) > wide_select.MAX_SELECT_RANK:  # past tf.where's rank
@@ -381,6 +385,26 @@ class Pointwise:
         keep = ir.Call("is_finite", (ir.Call("reduce_max", (operand,), last),))
         zeros = ir.Call("zeros_like", (ir.Var(weights),))
         return body.bind(ir.Call("where", (keep, ir.Var(weights), zeros)))
+
+    def masked_weights(self, body: _Body, e: sp.exp, target: tuple[Index, ...]) -> ir.Expr | None:
+        """`exp(u - L)` in the gradient, with L a log-sum-exp and u masked logits that the
+        fused softmax did not match (a gathered `a[src[n]]` read twice, as n and n', is two
+        names for one set of logits): 0 where L is not finite, as the guarded softmax
+        (`empty_rows_weigh_nothing`). Unguarded, a node with no edges (L = -inf) made
+        exp(-inf + inf) = nan, and nan times its 0 mask reached every edge's gradient."""
+        for term in sp.Add.make_args(e.args[0]):
+            coefficient, access = term.as_coeff_Mul()
+            if coefficient != -1 or not isinstance(access, sp.Indexed):
+                continue
+            if access.base.label.name not in self.logsumexp_of:
+                continue
+            if not self.may_be_masked(e.args[0] - term):
+                return None
+            argument = _tensor_argument(body, self.expr(body, e.args[0], target))
+            weights = ir.Var(body.bind(ir.Call(UNARY[sp.exp], (argument,))))
+            keep = ir.Call("is_finite", (self.expr(body, access, target),))
+            return ir.Call("where", (keep, weights, ir.Call("zeros_like", (weights,))))
+        return None
 
     def may_be_masked(self, logits: sp.Expr, seen: frozenset = frozenset()) -> bool:
         """Whether `logits` hold -inf as written: in themselves, or in a level they read
