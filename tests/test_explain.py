@@ -343,23 +343,38 @@ def test_the_forward_code_shown_is_the_generated_compute(op, capsys):
     want = [ast.dump(s) for s in steps(compute)]
     assert want, op
     got = _assignments("\n".join(_forward_lines(text)))
-    if name != "_compute" or "_compute_once" not in functions:
+    tiers = [f for f in ("_compute_once", "_compute_outer_once") if f in functions]
+    if name != "_compute" or not tiers:
         assert got == want
         return
-    # Chunk-invariant steps computed before a chunk loop (`tile_hoist`): the program is
-    # `_compute_once`'s steps and `_compute`'s, each in its order, with the parts taken
-    # out of `_compute`'s steps (`_once1`, ...) back in their place.
-    once = steps(functions["_compute_once"])
-    parts = {s.targets[0].id: s.value for s in once if s.targets[0].id.startswith("_once")}
+    # Chunk-invariant steps computed before a chunk loop (`tile_hoist`, and its second
+    # tier for a loop in two levels): the program is `_compute_once`'s steps,
+    # `_compute_outer_once`'s and `_compute`'s, each in its order, with the parts taken
+    # out of later steps (`_once1`, `_shared1`, ...) back in their place.
+    found = {f: steps(functions[f]) for f in tiers}
+    parts = {
+        s.targets[0].id: s.value
+        for f in tiers
+        for s in found[f]
+        if s.targets[0].id.startswith(("_once", "_shared"))
+    }
 
     class Inline(ast.NodeTransformer):
-        def visit_Name(self, node):
-            return parts.get(node.id, node)
+        def visit_Name(self, node):  # a part may hold an earlier tier's parts
+            if node.id not in parts:
+                return node
+            return self.visit(ast.parse(ast.unparse(parts[node.id]), mode="eval").body)
 
-    once = [ast.dump(s) for s in once if s.targets[0].id not in parts]
-    rest = [ast.dump(Inline().visit(ast.parse(ast.unparse(s)).body[0])) for s in steps(compute)]
-    assert [a for a in got if a in once] == once
-    assert [a for a in got if a not in once] == rest
+    def inlined(s):
+        return ast.dump(Inline().visit(ast.parse(ast.unparse(s)).body[0]))
+
+    hoisted = []
+    for f in tiers:
+        tier = [inlined(s) for s in found[f] if s.targets[0].id not in parts]
+        assert [a for a in got if a in tier] == tier, f
+        hoisted += tier
+    rest = [inlined(s) for s in steps(compute)]
+    assert [a for a in got if a not in hoisted] == rest
 
 
 def test_the_forward_of_pairwise_distances_shows_the_expansion(capsys):
