@@ -101,6 +101,7 @@ def render(module: ir.Module, target: str = "tensorflow") -> str:
             vjp_reads_forward=bool(read & {*module.outputs, *module.saved}),
             tile_grads=_tile_grads(module),
             program_recomputes=tile_once.program_recomputes(module),
+            chunk_saved_only=tile_once.chunk_saved_only(module),
             tile_parts=_tile_parts(module),
             tile_sources=_tile_sources(module),
             tile_output_axes=_axes_and_ranks(

@@ -67,6 +67,17 @@ def merge(module: ir.Module) -> tuple[ir.Module, str]:
     return replace(module, tiling=replace(tiling, chunk=chunk, program=program)), ""
 
 
+def chunk_saved_only(module: ir.Module) -> bool:
+    """Whether a tiled module's chunk gradient reads none of the chunk's outputs: its
+    tiled backward then recomputes only the intermediates (PyTorch's `_chunk_saved` or
+    `_recompute`) or waits for them alone (TensorFlow's `_after`, so the loop's graph never
+    computes the outputs)."""
+    tiling = module.tiling
+    return tiling is not None and not ir.names_read(tiling.chunk.backward) & set(
+        tiling.chunk.outputs
+    )
+
+
 def program_recomputes(module: ir.Module) -> bool:
     """Whether a module with one program recomputes its intermediates with it too, so that
     one `_recompute` (PyTorch) serves the untiled backward and every chunk's.
@@ -80,7 +91,7 @@ def program_recomputes(module: ir.Module) -> bool:
     tiling = module.tiling
     if tiling is None or tiling.program is None or not module.saved:
         return False
-    if ir.names_read(tiling.chunk.backward) & set(tiling.chunk.outputs):
+    if not chunk_saved_only(module):
         return False
     plain = ir.prune(module.forward, module.saved, set(module.inputs))
     return plain.steps == module.recompute.steps

@@ -17,8 +17,7 @@ from harness import Case, generate
 
 
 def _nearest(x, z):
-    """y[i] = min_j (x[i] - z[j])**2 and its gradients for an incoming gradient g, by
-    the arg-min (random values: no ties)."""
+    """y[i] = min_j (x[i] - z[j])**2 and its arg-min j (random values: no ties)."""
     d = (x[:, None] - z[None, :]) ** 2
     j = d.argmin(1)
     return d.min(1), j

@@ -202,32 +202,37 @@ class Pointwise:
             if func in MASKS:
                 body.uses_dtype = True
                 mask = ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
-                if func is fn.step_eq and args[0] in body.memo:
-                    # A max's ties compare the very tensor the max reduced: a second copy
-                    # of it (`log(1 + s)`) is the same value only if TF's graph optimizer
-                    # merges the two copies; unmerged, it can fuse one of them (Log and Neg
-                    # into one kernel) and round it 1 ulp apart, and then no entry ties
-                    # (a 0/0 gradient; tests/test_tf_monotone_extrema.py).
-                    read = ir.Binary("==", ir.Var(body.memo[args[0]]), args[1])
-                    body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
-                    return ir.Call("cast", (read, ir.Var("dtype")))
-                # (a read of one tensor, `_s1`, is the max's very operand already)
-                computed = not isinstance(args[0], ir.Var) and not (
-                    isinstance(args[0], ir.View) and isinstance(args[0].operand, ir.Var)
-                )
-                reduced = self.reduced_value(body, e) if func is fn.step_eq and computed else None
-                if reduced is not None and set(reduced[1]) <= set(target):
-                    # The same where the ties want the value in another layout: the max
-                    # reduced `B[k,j] * D[i,j] * u[i]` over [i,k,j], the ties read it as
-                    # [k,j,i], and TF's graph optimizer ordered the two products apart
-                    # (it multiplies the smaller operands first): 1 ulp off, no entry
-                    # tied, and a nan or a wrong gradient under tf.function.
-                    name, labels = reduced
-                    read = ir.Binary("==", align(ir.Var(name), labels, target), args[1])
+                same = self.reduced_tensor(body, e, args[0], target) if func is fn.step_eq else None
+                if same is not None:
+                    read = ir.Binary("==", same, args[1])
                     body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
                     return ir.Call("cast", (read, ir.Var("dtype")))
                 return mask
         raise AssertionError(f"cannot lower {e!r}")
+
+    def reduced_tensor(
+        self, body: _Body, e: fn.step_eq, value: ir.Expr, target: tuple[Index, ...]
+    ) -> ir.Expr | None:
+        """What a max's ties `e` = `[value == max]` compare, aligned to `target`: the very
+        tensor the max reduced, or None (then `value`, as lowered, is compared).
+
+        A second copy of it is the same value only if TF's graph optimizer merges the two
+        copies. Unmerged, it can fuse one of them (Log and Neg into one kernel,
+        tests/test_tf_monotone_extrema.py) or, where the ties want it in another layout
+        (the max reduced `B[k,j] * D[i,j] * u[i]` over [i,k,j], the ties read it as
+        [k,j,i]), multiply the products in another order (the smaller operands first):
+        1 ulp off, no entry tied, and a nan or a wrong gradient under tf.function."""
+        if value in body.memo:
+            return ir.Var(body.memo[value])
+        if isinstance(value, ir.Var) or (
+            isinstance(value, ir.View) and isinstance(value.operand, ir.Var)
+        ):  # a read of one tensor (`_s1`): the max's very operand already
+            return None
+        reduced = self.reduced_value(body, e)
+        if reduced is None or not set(reduced[1]) <= set(target):
+            return None
+        name, labels = reduced
+        return align(ir.Var(name), labels, target)
 
     def reduced_value(self, body: _Body, e: fn.step_eq) -> tuple[str, tuple] | None:
         """The tensor a max's (min's) ties `e` = `[value == max]` compare: the one the max
