@@ -101,3 +101,59 @@ def test_ties_of_a_min_of_three_factors_hold_under_tf_function(budget, tmp_path)
         got_u = vjp(*args)[2].numpy()
         np.testing.assert_allclose(got_u, want_u, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(module.forward(*args[:3]).numpy(), y, rtol=1e-12)
+
+
+def _masked_max_of_products(A, B, P, gy):
+    """y[j,k,i] = max_l where(k != l, A[i,k] B[k,j] P[i,l], 0) and its gradients, ties
+    split equally, in NumPy."""
+    K, L = A.shape[1], P.shape[1]
+    keep = (np.arange(K)[:, None] != np.arange(L)[None, :])[None, :, None, :]
+    v = np.where(keep, A[:, :, None, None] * B[None, :, :, None] * P[:, None, None, :], 0.0)
+    m = v.max(3)
+    tie = v == m[..., None]
+    w = gy.transpose(2, 1, 0)[..., None] * tie / tie.sum(3, keepdims=True) * keep
+    return (
+        m.transpose(2, 1, 0),
+        np.einsum("ikjl,kj,il->ik", w, B, P),
+        np.einsum("ikjl,ik,il->kj", w, A, P),
+        np.einsum("ikjl,ik,kj->il", w, A, B),
+    )
+
+
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_ties_of_a_masked_max_of_products_hold_in_chunks(target, budget, tmp_path):
+    """A chunk's forward and gradient are one graph in TF's loop, and the gradient's
+    copy of the product came out 1 ulp off the forward's: no entry tied, and the
+    gradients were wrong by units (every seed, eagerly and under tf.function). The
+    gradient now takes the max and its ties again from its own copy (`lower/ties.py`).
+    Row i = 2 is all zeros: every l ties."""
+    fw = FRAMEWORKS[target]
+    if target == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    case = Case(
+        "y[j,k,i] = max(where(k != l, A[i,k]*B[k,j]*P[i,l], 0), l)",
+        {"A": (7, 3), "B": (3, 5), "P": (7, 4)},
+        inputs=("A", "B", "P"),
+    )
+    module = generate(case, tmp_path, prefix="MaskedMaxOfProducts", target=target)
+    module.MAX_TEMP_BYTES = budget
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        A, B, P = (rng.standard_normal(s) for s in ((7, 3), (3, 5), (7, 4)))
+        P[2] = 0.0
+        gy = rng.standard_normal((5, 3, 7))
+        y, *want = _masked_max_of_products(A, B, P, gy)
+        args = [fw.tensor(a) for a in (A, B, P)]
+        vjps = [module.vjp]
+        if target == "tensorflow":
+            import tensorflow as tf
+
+            vjps.append(tf.function(module.vjp))
+        for vjp in vjps:
+            got = [fw.numpy(t) for t in vjp(*args, fw.tensor(gy))]
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(fw.numpy(module.forward(*args)), y, rtol=1e-12)

@@ -89,6 +89,12 @@ class _Body:
     # A max's (min's) operand by its formula -> (the variable holding it, its axes): its
     # ties compare that very tensor (pointwise.py, `step_eq`).
     reduced: dict[sp.Expr, tuple[str, tuple]] = field(default_factory=dict)
+    # Of those, the ones the gradient's body computed again (ties.py), and per extremum
+    # read (its name, its indices): the count of ties its last test took again (None: the
+    # saved count), and the extrema whose saved count was read before any test.
+    recomputed: set[sp.Expr] = field(default_factory=set)
+    tie_counts: dict[tuple[str, tuple], str | None] = field(default_factory=dict)
+    saved_ties: set[tuple[str, tuple]] = field(default_factory=set)
 
     def fresh(self) -> str:
         self.counter += 1

@@ -37,10 +37,12 @@ from .segment_cells import SegmentCells
 from .segment_extrema import SegmentExtrema
 from .segments import Segments
 from .separable import SeparableGathers
+from .ties import Ties
 
 
 class Lowerer(
     Pointwise,
+    Ties,
     Contraction,
     Kernels,
     Bands,

@@ -28,7 +28,6 @@ from .common import (
     _print_order,
     _tensor_argument,
     _word,
-    align,
 )
 
 
@@ -199,69 +198,12 @@ class Pointwise:
                 return ir.Call(UNARY[func], args)
             if func in BINARY:
                 return ir.Call(BINARY[func], args)
+            if func is fn.step_eq:  # a max's ties (ties.py)
+                return self.tie_mask(body, e, args, target)
             if func in MASKS:
                 body.uses_dtype = True
-                mask = ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
-                same = self.reduced_tensor(body, e, args[0], target) if func is fn.step_eq else None
-                if same is not None:
-                    read = ir.Binary("==", same, args[1])
-                    body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
-                    return ir.Call("cast", (read, ir.Var("dtype")))
-                return mask
+                return ir.Call("cast", (ir.Binary(MASKS[func], *args), ir.Var("dtype")))
         raise AssertionError(f"cannot lower {e!r}")
-
-    def reduced_tensor(
-        self, body: _Body, e: fn.step_eq, value: ir.Expr, target: tuple[Index, ...]
-    ) -> ir.Expr | None:
-        """What a max's ties `e` = `[value == max]` compare, aligned to `target`: the very
-        tensor the max reduced, or None (then `value`, as lowered, is compared).
-
-        A second copy of it is the same value only if TF's graph optimizer merges the two
-        copies. Unmerged, it can fuse one of them (Log and Neg into one kernel,
-        tests/test_tf_monotone_extrema.py) or, where the ties want it in another layout
-        (the max reduced `B[k,j] * D[i,j] * u[i]` over [i,k,j], the ties read it as
-        [k,j,i]), multiply the products in another order (the smaller operands first):
-        1 ulp off, no entry tied, and a nan or a wrong gradient under tf.function."""
-        if value in body.memo:
-            return ir.Var(body.memo[value])
-        if isinstance(value, ir.Var) or (
-            isinstance(value, ir.View) and isinstance(value.operand, ir.Var)
-        ):  # a read of one tensor (`_s1`): the max's very operand already
-            return None
-        reduced = self.reduced_value(body, e)
-        if reduced is None or not set(reduced[1]) <= set(target):
-            return None
-        name, labels = reduced
-        return align(ir.Var(name), labels, target)
-
-    def reduced_value(self, body: _Body, e: fn.step_eq) -> tuple[str, tuple] | None:
-        """The tensor a max's (min's) ties `e` = `[value == max]` compare: the one the max
-        reduced, in this body; else (the gradient's body) the value computed as the max
-        computes it, in its layout, which TF's graph optimizer then orders as it orders
-        the max's own (a chunk's forward and gradient are one graph: one computation)."""
-        found = body.reduced.get(e.args[0])
-        if found is not None:
-            return found
-        extremum = e.args[1]
-        if not isinstance(extremum, sp.Indexed):
-            return None
-        name = extremum.base.label.name
-        level = next((lv for lv in body.program.intermediates if lv.name == name), None)
-        if level is None or level.kind not in ("max", "min") or len(level.terms) != 1:
-            return None
-        (term,) = level.terms
-        at = tuple(extremum.indices)  # the gradient's names for the max's indices
-        if len(set(at)) != len(at) or set(at) & set(term.summed):
-            return None
-        value = term.expr.xreplace(dict(zip(level.indices, at, strict=True)))
-        if value != e.args[0]:
-            return None
-        order = (*at, *term.summed)
-        operand = self.expr(body, value, order)
-        if not isinstance(operand, ir.Var):
-            operand = ir.Var(body.bind(operand))
-        body.reduced[value] = (operand.name, order)
-        return body.reduced[value]
 
     def value(self, body: _Body, e: sp.Expr, target: tuple[Index, ...]) -> ir.Expr:
         """A pointwise value where TF wants a tensor of the computation dtype (a branch
@@ -472,7 +414,8 @@ class Pointwise:
         if name in self.program.index_inputs:  # compared and added with tf.range values
             operand = ir.Var(body.bind(ir.Call("to_int64", (ir.Var(name),))))
             return self.align(body, operand, labels, target)
-        operand: ir.Expr = ir.Var(body.tensors[name])
+        count = self.tie_count(body, name, labels)  # a max's ties, counted again (ties.py)
+        operand: ir.Expr = ir.Var(body.tensors[name] if count is None else count)
         if len(set(labels)) != len(labels):
             unique = tuple(dict.fromkeys(labels))
             letters = _letters([labels, unique], self.preferred)
