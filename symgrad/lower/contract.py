@@ -29,16 +29,55 @@ from .common import (
 )
 
 
-def _first_or_zero(points: ir.Var, axes: list[int], rank: int) -> ir.Expr:
+def _first_or_zero(points: ir.Var, axes: list[int], rank: int, sized: str) -> ir.Expr:
     """The first of `points` over `axes`, or 0 where they hold none: a point of the set,
     so that the differences of points on a lattice (integers, say) stay exact and
     distances that tie stay tied. A mean of several points rounded them apart: the
     gradient of a max over tied squared distances went to one of them, not split."""
     size: list[ir.Expr] = [ir.Lit("-1")] * rank
     for axis in axes:
-        size[axis] = ir.Call("minimum", (ir.AxisSize(points.name, axis), ir.Lit("1")))
+        size[axis] = ir.Call("minimum", (ir.AxisSize(sized, axis), ir.Lit("1")))
     first = ir.Call("slice", (points, ir.List((ir.Lit("0"),) * rank), ir.List(tuple(size))))
     return ir.Call("reduce_sum", (first,), (("axis", ir.Lit(repr(axes))),))
+
+
+def _may_cancel(factor: sp.Expr) -> bool:
+    """Whether expanding `factor` into monomials may cancel where the factor itself is
+    small: a sum of degree 2 or more in its accesses (`(x - s*z)**2` with an attr s, no
+    shift by a number moves its points). Such a factor is computed as written, over the
+    points of both sets: `x² - 2sxz + s²z²` is 0 in float32 far from the origin where
+    the square is not (a sum of degree 1 rounds expanded as it does whole)."""
+    accesses = factor.atoms(sp.Indexed)
+    expanded = sp.expand(factor)
+    return isinstance(expanded, sp.Add) and sp.Poly(expanded, *accesses).total_degree() >= 2
+
+
+def _shift_directions(factor: sp.Expr, found: list) -> list[dict]:
+    """A basis of the directions σ (one number per access) along which the polynomial
+    `factor` does not change, `u -> u + σ_u t` for every t: its derivative along σ,
+    Σ_u σ_u ∂factor/∂u, is identically 0, a linear system in σ (SymPy's nullspace)."""
+    sigma = [sp.Dummy(f"s{n}") for n in range(len(found))]
+    along = sp.expand(sum((s * sp.diff(factor, a) for s, a in zip(sigma, found)), sp.S.Zero))
+    if along == 0:
+        return [dict.fromkeys(found, sp.S.One)] if found else []
+    equations = sp.Poly(along, *found).coeffs()
+    matrix, _ = sp.linear_eq_to_matrix(equations, sigma)
+    directions = [dict(zip(found, vector, strict=True)) for vector in matrix.nullspace()]
+    # a shift by a number per access (an attr's value is not known when lowering)
+    return [d for d in directions if all(v.is_Rational for v in d.values())]
+
+
+def _invariant_signs(factor: sp.Expr, found: list, spread: list) -> dict | None:
+    """A direction of `found` (`_shift_directions`, the other accesses held) that moves
+    the first set of points `spread[0]`, scaled to move it by 1 (`(x - z)**2`: both by
+    1; `(x + z)**2`: z by -1; `(x - 2z)**2`: z by 1/2), or None."""
+    if not spread:
+        return None
+    for direction in _shift_directions(factor, found):
+        if direction[spread[0]] != 0:
+            scale = direction[spread[0]]
+            return {a: sp.nsimplify(v / scale) for a, v in direction.items()}
+    return None
 
 
 class Contraction:
@@ -83,6 +122,8 @@ class Contraction:
                 centered = self.centered(body, factor)
                 if centered is not None:
                     e = e.xreplace({factor: centered})
+                elif _may_cancel(factor):
+                    continue
                 # A comparison stays as written: a max's tie test `[(x - z)**2 == m]`
                 # (`step_eq`) against the max of `(x - z)**2` never holds once its
                 # left side is `x**2 - 2*x*z + z**2` (rounded otherwise): every
@@ -108,38 +149,109 @@ class Contraction:
         moved next to the origin, before it is expanded into monomials.
 
         Expanded, `x² + z² - 2xz` cancels catastrophically for points far from the
-        origin (float32 at offset 100 gives negative squared distances). Every access
-        is shifted by the same center `c` over the indices all accesses share -- the
-        first of one set of points over its other indices -- which changes nothing in
-        exact arithmetic: the polynomial is checked to be invariant under `u -> u + t`.
+        origin (float32 at offset 100 gives negative squared distances). Points are
+        shifted by a center `c` over the indices all accesses share -- the first of one
+        set of points over its other indices -- which changes nothing in exact
+        arithmetic: the polynomial is checked to be invariant under `u -> u + σ_u t`,
+        each access moved with its sign (`(x + z)**2` moves z the other way), or not at
+        all. An access over shared indices alone that the polynomial reads only beside
+        a set of points (`t[c]` in `(x[i,c] - z[j,c] - t[c])**2`) is first added into
+        that set (`z + t`): centred or not, `z² + t² + 2zt` cancelled as well (float32 at
+        offset 1e4 gave 0 for 3.7).
         """
         found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
         if any(len(set(a.indices)) != len(a.indices) for a in found):
             return None
-        shift = sp.Dummy("t")
-        if sp.expand(factor.xreplace({a: a + shift for a in found}) - factor) != 0:
-            return None
         common = set.intersection(*(set(a.indices) for a in found))
+        # The sets of points first, an offset held: added to points next to the origin
+        # (`z - c + t`, c near -t) it rounds as the difference as written does; added
+        # to points far from it (`x + t/2`) it rounded off 1e-3 of a square of 2.
         spread = [a for a in found if not set(a.indices) <= common]
-        if not spread:
-            return None
-        first = spread[0]  # a set of points: an access with indices the others lack
+        signs = _invariant_signs(factor, spread, spread)
+        origins: dict[str, str] = {}
+        if signs is not None:
+            factor = self.moved(body, factor, signs, common, origins)
+        folded = self.folded_offsets(body, factor, common, origins)
+        if folded != factor:  # the offset went into one set: moved again, both together
+            factor = folded
+            spread = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+            again = _invariant_signs(factor, spread, spread)
+            if again is not None:
+                factor = self.moved(body, factor, again, common, origins)
+            return factor
+        return factor if signs is not None else None
+
+    def moved(
+        self, body: _Body, factor: sp.Expr, signs: dict, common: set, origins: dict[str, str]
+    ) -> sp.Expr:
+        """`factor` over its accesses moved by `signs` times the center: the first point
+        of the first set moved, over its other indices."""
+        moved = [a for a in signs if signs[a] != 0]
+        first = next(a for a in moved if not set(a.indices) <= common)
         axes = [n for n, i in enumerate(first.indices) if i not in common]
         center_labels = tuple(i for i in first.indices if i in common)
         points = ir.Var(body.tensors[first.base.label.name])
-        center = ir.Var(body.bind(_first_or_zero(points, axes, len(first.indices))))
+        sized = origins.get(first.base.label.name, points.name)  # a step's own name is
+        # not renamed where another body borrows the step (`_f1` for `_t1`)
+        center = ir.Var(body.bind(_first_or_zero(points, axes, len(first.indices), sized)))
         mapping = {}
-        for access in found:
+        for access in moved:
             labels = tuple(access.indices)
+            sign = signs[access]
+            moved_by = self.align(body, center, center_labels, labels)
+            if abs(sign) != 1:  # `(x - 2z)**2`: z moves by c / 2
+                moved_by = ir.Binary("*", ir.Lit(repr(float(abs(sign)))), moved_by)
             shifted = ir.Binary(
-                "-",
-                ir.Var(body.tensors[access.base.label.name]),
-                self.align(body, center, center_labels, labels),
+                "-" if sign > 0 else "+", ir.Var(body.tensors[access.base.label.name]), moved_by
             )
             name = body.bind(shifted)
             body.tensors[name] = name
+            origins[name] = origins.get(
+                access.base.label.name, body.tensors[access.base.label.name]
+            )
             mapping[access] = tensor(name)[labels]
         return factor.xreplace(mapping)
+
+    def folded_offsets(
+        self, body: _Body, factor: sp.Expr, common: set[Index], origins: dict[str, str]
+    ) -> sp.Expr:
+        """`factor` with each access over shared indices alone that it reads only as
+        `u + κ f` for a set of points u added into u (`f -> 0`, `u -> u + κ f`);
+        `origins` gets each tensor made, as the input whose shape it has."""
+        found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+        for offset in [a for a in found if set(a.indices) <= common]:
+            for points in [a for a in found if not set(a.indices) <= common]:
+                # factor reads (points, offset) as points + κ offset: invariant along
+                # (points: κ, offset: -1), which the other accesses do not move
+                sign = next(
+                    (
+                        -d[points] / d[offset]
+                        for d in _shift_directions(factor, found)
+                        if d[offset] != 0
+                        and d[points] != 0
+                        and all(v == 0 for a, v in d.items() if a not in (points, offset))
+                    ),
+                    None,
+                )
+                if sign is None:
+                    continue
+                labels = tuple(points.indices)
+                read = self.align(
+                    body, ir.Var(body.tensors[offset.base.label.name]), offset.indices, labels
+                )
+                if abs(sign) != 1:
+                    read = ir.Binary("*", ir.Lit(repr(float(abs(sign)))), read)
+                added = ir.Binary(
+                    "+" if sign > 0 else "-", ir.Var(body.tensors[points.base.label.name]), read
+                )
+                name = body.bind(added)
+                body.tensors[name] = name
+                origin = points.base.label.name
+                origins[name] = origins.get(origin, body.tensors[origin])
+                factor = factor.xreplace({points: tensor(name)[labels], offset: 0})
+                found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+                break
+        return factor
 
     def contract(
         self,

@@ -1,0 +1,140 @@
+"""A polynomial over two sets of points is expanded into monomials for its contraction
+(`x² - 2xz + z²`: einsums, no [i,j,c] tensor), and the expansion cancels where the
+polynomial is small beside its monomials: float32 points far from the origin. Points are
+moved next to the origin first, along any direction the polynomial does not change
+(`lower/contract.py`, `centered`): `(x - z)**2` moves both sets alike, `(x + z)**2` moves
+z the other way, `(x - 2z)**2` moves z half as far, and an offset over the shared axes
+alone (`t[c]` in `(x - z - t)**2`) is first added into a set of points. A polynomial no
+shift by a number leaves unchanged (`(x - s*z)**2`, s an attr) is not expanded. Before,
+only a shift of every access alike was tried, and the others were expanded as they
+came: at offset 1e4 the results were off by 60% to 380%, 0 where 3.7 was right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from frameworks import FRAMEWORKS
+from harness import Case, check, generate
+
+OFFSET = 1e4
+X, Z, T = (5, 3), (7, 3), (3,)
+
+
+def _points(seed):
+    rng = np.random.default_rng(seed)
+    x = OFFSET + rng.standard_normal(X)
+    z = OFFSET + rng.standard_normal(Z)
+    t = OFFSET + rng.standard_normal(T)
+    return x, z, t
+
+
+# formula, its inputs, float64 inputs far from the origin, the result in NumPy
+CASES = {
+    "offset": (
+        "y[i,j] = sum((x[i,c] - z[j,c] - t[c])**2, c)",
+        lambda x, z, t: (x + OFFSET, z, t),
+        lambda x, z, t: ((x[:, None] - z[None] - t) ** 2).sum(2),
+    ),
+    "opposite": (
+        "y[i,j] = sum((x[i,c] + z[j,c])**2, c)",
+        lambda x, z, t: (x, -z),
+        lambda x, z: ((x[:, None] + z[None]) ** 2).sum(2),
+    ),
+    "scaled": (
+        "y[i,j] = sum((x[i,c] - 2*z[j,c])**2, c)",
+        lambda x, z, t: (x, z / 2),
+        lambda x, z: ((x[:, None] - 2 * z[None]) ** 2).sum(2),
+    ),
+    "half_offset": (
+        "y[i,j] = sum((x[i,c] - z[j,c] + t[c]/2)**2, c)",
+        lambda x, z, t: (x, z + OFFSET / 2, t),
+        lambda x, z, t: ((x[:, None] - z[None] + t / 2) ** 2).sum(2),
+    ),
+    "weighted": (
+        "y[i,j] = sum((x[i,c] - z[j,c])**2 * w[c], c)",
+        lambda x, z, t: (x, z, np.array([1.0, 2.0, 3.0])),
+        lambda x, z, w: (((x[:, None] - z[None]) ** 2) * w).sum(2),
+    ),
+    "nearest_offset": (
+        "y[i] = min(sum((x[i,c] - z[j,c] - t[c])**2, c), j)",
+        lambda x, z, t: (x + OFFSET, z, t),
+        lambda x, z, t: ((x[:, None] - z[None] - t) ** 2).sum(2).min(1),
+    ),
+}
+SHAPES = {"x": X, "z": Z, "t": T, "w": T}
+
+
+def _case(formula):
+    names = [n for n in ("x", "z", "t", "w") if f"{n}[" in formula]
+    return Case(formula, {n: SHAPES[n] for n in names}, inputs=tuple(names))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_float32_points_far_from_the_origin_keep_their_polynomial(name, target, budget, tmp_path):
+    formula, inputs, numpy_result = CASES[name]
+    fw = FRAMEWORKS[target]
+    module = generate(_case(formula), tmp_path, prefix=name.title().replace("_", ""), target=target)
+    module.MAX_TEMP_BYTES = budget
+    for seed in range(2):
+        values = [v.astype(np.float32) for v in inputs(*_points(seed))]
+        want = numpy_result(*(v.astype(np.float64) for v in values))  # of the rounded inputs
+        # as written, in float32: the rounding of the differences themselves
+        direct = np.abs(numpy_result(*values) - want).max()
+        got = fw.numpy(module.forward(*(fw.tensor(v) for v in values)))
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * direct + 1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_float32_gradient_of_an_offset_polynomial(target, tmp_path):
+    """The gradient of the offset square, `grad_x[i,c] = 2 Σ_j g (x - z - t)`, in
+    float32 at offset 1e4 against NumPy in float64."""
+    fw = FRAMEWORKS[target]
+    formula, inputs, _ = CASES["offset"]
+    module = generate(_case(formula), tmp_path, prefix="OffsetGradient", target=target)
+    x, z, t = (v.astype(np.float32) for v in inputs(*_points(7)))
+    g = np.random.default_rng(8).standard_normal((5, 7)).astype(np.float32)
+    d = x.astype(np.float64)[:, None] - z[None] - t  # [i,j,c]
+    want_x = 2 * np.einsum("ij,ijc->ic", g, d)
+    want_z = -2 * np.einsum("ij,ijc->jc", g, d)
+    got_x, got_z, got_t = (
+        fw.numpy(v) for v in module.vjp(*(fw.tensor(v) for v in (x, z, t)), fw.tensor(g))
+    )
+    scale = np.abs(want_x).max()
+    np.testing.assert_allclose(got_x, want_x, atol=1e-4 * scale)
+    np.testing.assert_allclose(got_z, want_z, atol=1e-4 * scale)
+    np.testing.assert_allclose(got_t, want_z.sum(0), atol=1e-4 * scale)
+
+
+def test_a_polynomial_no_number_shifts_is_computed_as_written(tmp_path):
+    """`(x - s*z)**2`, s an attr: exact in float64 (TF autodiff and finite differences),
+    and in float32 far from the origin, whole and in chunks."""
+    import tensorflow as tf
+
+    case = Case(
+        "y[i,j] = sum((x[i,c] - s*z[j,c])**2, c)",
+        {"x": X, "z": Z},
+        inputs=("x", "z"),
+        attrs={"s": 2.0},
+        attr_types={"s": "float"},
+    )
+    module = generate(case, tmp_path, prefix="AttrScaled")
+    check(case, module)
+    x, z, _ = _points(3)
+    x, z = x.astype(np.float32), (z / 2).astype(np.float32)
+    want = ((x.astype(np.float64)[:, None] - 2 * z.astype(np.float64)[None]) ** 2).sum(2)
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        got = module.forward(tf.constant(x), tf.constant(z), s=2.0).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * want.max())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_moved_polynomials_are_exact(name, tmp_path):
+    """Each moved polynomial against TF autodiff and finite differences in float64."""
+    case = _case(CASES[name][0])
+    check(case, generate(case, tmp_path, prefix=name.title().replace("_", "")))
