@@ -358,7 +358,9 @@ def test_logits_of_a_node_and_an_edge_weigh_an_empty_node_nothing(target, budget
     guarded softmax did not match. At a node with no edge its log-sum-exp is -inf, and
     the bare `exp(u - L)` was exp(nan): every entry of grad_a was nan. It weighs that row
     nothing now (`Pointwise.masked_weights`); the gradients, whole and in chunks, equal
-    central differences of the forward in one piece, which is 0 at the empty node."""
+    central differences of the forward in one piece, which is 0 at the empty node. The
+    forward in chunks is dense (its shifted ids are no segment's) and was nan there; it
+    weighs the row nothing too (`Pointwise.segment_masked`) and equals the op's."""
     fw = FRAMEWORKS[target]
     if target == "jax":
         import jax
@@ -377,15 +379,17 @@ def test_logits_of_a_node_and_an_edge_weigh_an_empty_node_nothing(target, budget
     a, b, w, g = (rng.standard_normal(s) for s in ((4, 2), (5, 2), (6, 2), (5, 2)))
     src, dst = np.array([0, 1, 2, 3, 1, 2]), np.array([1, 0, 0, 2, 2, 4])  # node 3: none
 
-    def loss(a, b, w):  # the forward in one piece (in chunks it is nan at node 3: open)
+    def loss(a, b, w):  # the forward in one piece
         module.MAX_TEMP_BYTES = 2**40
         y = fw.numpy(module.forward(*(fw.tensor(t) for t in (a, b, w, src, dst))))
         return float(np.sum(y * g))
 
-    np.testing.assert_array_equal(
-        fw.numpy(module.forward(*(fw.tensor(t) for t in (a, b, w, src, dst))))[3], 0.0
-    )
+    whole = fw.numpy(module.forward(*(fw.tensor(t) for t in (a, b, w, src, dst))))
+    np.testing.assert_array_equal(whole[3], 0.0)
     module.MAX_TEMP_BYTES = budget
+    # in chunks too (its dense forward was exp(-inf + inf) = nan at node 3)
+    y = fw.numpy(module.forward(*(fw.tensor(t) for t in (a, b, w, src, dst))))
+    np.testing.assert_allclose(y, whole, rtol=1e-12, atol=0)
     got = module.vjp(*(fw.tensor(t) for t in (a, b, w, src, dst)), fw.tensor(g))
     values = [a, b, w]
     for k, grad in enumerate(got[:3]):

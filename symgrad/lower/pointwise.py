@@ -158,7 +158,7 @@ class Pointwise:
             softmax = self.softmax(body, e, target)
             if softmax is not None:
                 return softmax
-            if body.part == "backward":
+            if body.part == "backward" or self.segment_masked(e.args[0]):
                 guarded = self.masked_weights(body, e, target)
                 if guarded is not None:
                     return guarded
@@ -352,6 +352,25 @@ class Pointwise:
             keep = ir.Call("is_finite", (self.expr(body, access, target),))
             return ir.Call("where", (keep, weights, ir.Call("zeros_like", (weights,))))
         return None
+
+    def segment_masked(self, logits: sp.Expr) -> bool:
+        """Whether `logits` are masked by a comparison of an index tensor (`where(dst[n]
+        == v, u, -inf)`, in a chunk `dst[n] == v + tile_start`): a segment's, whose sums
+        the op in one piece takes over the segment's rows alone, 0 where it has none.
+        A chunk's forward is dense where the op's is segment sums (the shifted ids are
+        no segment's), and there `exp(u - L)` at a node with no edge is exp(-inf + inf):
+        it weighs nothing there (`masked_weights`), as the op's segment sum does."""
+
+        def by_ids(c: sp.Basic) -> bool:
+            return isinstance(c, sp.Eq | sp.Ne) and any(
+                isinstance(side, sp.Indexed) and side.base.label.name in self.program.index_inputs
+                for side in c.args
+            )
+
+        return any(
+            isinstance(s, fn.select) and s.has(fn.NEG_INF) and by_ids(s.args[0])
+            for s in logits.atoms(fn.select)
+        )
 
     def may_be_masked(self, logits: sp.Expr, seen: frozenset = frozenset()) -> bool:
         """Whether `logits` hold -inf as written: in themselves, or in a level they read
