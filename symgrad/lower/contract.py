@@ -204,23 +204,33 @@ class Contraction:
         sized = origins.get(first.base.label.name, points.name)  # a step's own name is
         # not renamed where another body borrows the step (`_f1` for `_t1`)
         center = ir.Var(body.bind(_first_or_zero(points, axes, len(first.indices), sized)))
-        mapping = {}
-        for access in moved:
-            labels = tuple(access.indices)
-            sign = signs[access]
-            moved_by = self.align(body, center, center_labels, labels)
-            if abs(sign) != 1:  # `(x - 2z)**2`: z moves by c / 2
-                moved_by = ir.Binary("*", ir.Lit(repr(float(abs(sign)))), moved_by)
-            shifted = ir.Binary(
-                "-" if sign > 0 else "+", ir.Var(body.tensors[access.base.label.name]), moved_by
-            )
-            name = body.bind(shifted)
-            body.tensors[name] = name
-            origins[name] = origins.get(
-                access.base.label.name, body.tensors[access.base.label.name]
-            )
-            mapping[access] = tensor(name)[labels]
+        mapping = {  # `(x - 2z)**2`: z moves by c / 2
+            access: self.added(body, access, -signs[access], center, center_labels, origins)
+            for access in moved
+        }
         return factor.xreplace(mapping)
+
+    def added(
+        self,
+        body: _Body,
+        access: sp.Indexed,
+        coefficient: sp.Rational,
+        other: ir.Expr,
+        labels: tuple[Index, ...],
+        origins: dict[str, str],
+    ) -> sp.Indexed:
+        """`access + coefficient * other` (`other` over `labels`, aligned to the access)
+        as a tensor of the body, read as the access is; `origins` records the input
+        whose shape it has."""
+        read = self.align(body, other, labels, tuple(access.indices))
+        if abs(coefficient) != 1:
+            read = ir.Binary("*", ir.Lit(repr(float(abs(coefficient)))), read)
+        source = access.base.label.name
+        total = ir.Binary("+" if coefficient > 0 else "-", ir.Var(body.tensors[source]), read)
+        name = body.bind(total)
+        body.tensors[name] = name
+        origins[name] = origins.get(source, body.tensors[source])
+        return tensor(name)[tuple(access.indices)]
 
     def folded_offsets(
         self, body: _Body, factor: sp.Expr, common: set[Index], origins: dict[str, str]
@@ -230,13 +240,14 @@ class Contraction:
         `origins` gets each tensor made, as the input whose shape it has."""
         found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
         for offset in [a for a in found if set(a.indices) <= common]:
+            directions = _shift_directions(factor, found)  # of the factor as it is now
             for points in [a for a in found if not set(a.indices) <= common]:
                 # factor reads (points, offset) as points + κ offset: invariant along
                 # (points: κ, offset: -1), which the other accesses do not move
                 sign = next(
                     (
                         -d[points] / d[offset]
-                        for d in _shift_directions(factor, found)
+                        for d in directions
                         if d[offset] != 0
                         and d[points] != 0
                         and all(v == 0 for a, v in d.items() if a not in (points, offset))
@@ -245,20 +256,11 @@ class Contraction:
                 )
                 if sign is None:
                     continue
-                labels = tuple(points.indices)
-                read = self.align(
-                    body, ir.Var(body.tensors[offset.base.label.name]), offset.indices, labels
+                offset_tensor = ir.Var(body.tensors[offset.base.label.name])
+                sum_read = self.added(
+                    body, points, sign, offset_tensor, tuple(offset.indices), origins
                 )
-                if abs(sign) != 1:
-                    read = ir.Binary("*", ir.Lit(repr(float(abs(sign)))), read)
-                added = ir.Binary(
-                    "+" if sign > 0 else "-", ir.Var(body.tensors[points.base.label.name]), read
-                )
-                name = body.bind(added)
-                body.tensors[name] = name
-                origin = points.base.label.name
-                origins[name] = origins.get(origin, body.tensors[origin])
-                factor = factor.xreplace({points: tensor(name)[labels], offset: 0})
+                factor = factor.xreplace({points: sum_read, offset: 0})
                 found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
                 break
         return factor
