@@ -41,22 +41,6 @@ def _first_or_zero(points: ir.Var, axes: list[int], rank: int, sized: str) -> ir
     return ir.Call("reduce_sum", (first,), (("axis", ir.Lit(repr(axes))),))
 
 
-def _may_cancel(factor: sp.Expr) -> bool:
-    """Whether expanding `factor` into monomials may cancel where the factor itself is
-    small: it holds a power of a sum of accesses (`(x - s*z)**2` with an attr s, which no
-    shift by a number moves). Such a factor is computed as written, over the points of
-    both sets: `x² - 2sxz + s²z²` is 0 in float32 far from the origin where the square
-    is not. A product of a weight and a difference (`w[o,c] * (x[idx] - x[n])`,
-    EdgeConv) is expanded as before, into einsums of x."""
-    return any(
-        p.exp.is_Integer
-        and p.exp >= 2
-        and isinstance(p.base, sp.Add)
-        and len(p.base.atoms(sp.Indexed)) >= 2
-        for p in factor.atoms(sp.Pow)
-    )
-
-
 def _shift_directions(factor: sp.Expr, found: list) -> list[dict]:
     """A basis of the directions σ (one number per access) along which the polynomial
     `factor` does not change, `u -> u + σ_u t` for every t: its derivative along σ,
@@ -72,17 +56,61 @@ def _shift_directions(factor: sp.Expr, found: list) -> list[dict]:
     return [d for d in directions if all(v.is_Rational for v in d.values())]
 
 
-def _invariant_signs(factor: sp.Expr, found: list, spread: list) -> dict | None:
-    """A direction of `found` (`_shift_directions`, the other accesses held) that moves
-    the first set of points `spread[0]`, scaled to move it by 1 (`(x - z)**2`: both by
-    1; `(x + z)**2`: z by -1; `(x - 2z)**2`: z by 1/2), or None."""
-    if not spread:
-        return None
-    for direction in _shift_directions(factor, found):
-        if direction[spread[0]] != 0:
-            scale = direction[spread[0]]
-            return {a: sp.nsimplify(v / scale) for a, v in direction.items()}
-    return None
+def _invariant_basis(factor: sp.Expr, spread: list) -> list[tuple[sp.Indexed, dict]]:
+    """The directions of `spread` along which `factor` does not change
+    (`_shift_directions`), in reduced row echelon form over `spread`'s order: each moves
+    its own set of points (its pivot) by 1 and no other direction's pivot. `(x - z)**2`:
+    both by 1; `(x + z)**2`: z by -1; `(x - 2z)**2`: z by 1/2; `(x - z)**2 * (u - v)**2`:
+    x and z by 1, then u and v by 1, each pair moved to its own origin."""
+    directions = _shift_directions(factor, spread) if spread else []
+    if not directions:
+        return []
+    # A pivot from the set read in the most sums first: `(x - z) * (u - z)` moves all
+    # three alike, by z's first point, next to both x and u. Moved by u's (far from x,
+    # as u - z says nothing of u - x), `x'z'` and `z'²` cancelled: 641 off in 2e5.
+    sums = [f.base if f.is_Pow else f for f in sp.Mul.make_args(factor)]
+    spread = sorted(
+        spread, key=lambda a: -sum(1 for s in sums if s.is_Add and s.has(a))
+    )  # stable: `spread`'s own order among equals
+    rows, pivots = sp.Matrix([[d[a] for a in spread] for d in directions]).rref()
+    return [
+        (spread[p], {a: rows[r, n] for n, a in enumerate(spread)}) for r, p in enumerate(pivots)
+    ]
+
+
+def _expands_safely(polynomial: sp.Expr) -> bool:
+    """Whether the product of polynomial factors `polynomial` may be expanded into
+    monomials: where it multiplies sums of accesses together (a power of a sum, or a
+    product of two), no such sum reads a set of points that no direction the product is
+    invariant along moves (`_invariant_basis`). `(x - s*z)**2`, s an attr, moves by no
+    number: expanded, `x² - 2sxz + s²z²` is 0 in float32 far from the origin where the
+    square is not, and `(x - s*z) * (u - v)` cancels so however u and v move. A single
+    sum (`w[o,c] * (x[idx] - x[n])`, EdgeConv) is expanded as before, into einsums of
+    x. Reads at looked-up positions are never moved (`Contraction.centered`)."""
+    sums = [
+        (f.base if f.is_Pow else f, f.exp if f.is_Pow else sp.S.One)
+        for f in sp.Mul.make_args(polynomial)
+    ]
+    sums = [(s, n) for s, n in sums if s.is_Add and len(s.atoms(sp.Indexed)) >= 2 and n.is_Integer]
+    if sum(n for _, n in sums) < 2:
+        return True
+    found = sorted(polynomial.atoms(sp.Indexed), key=sp.default_sort_key)
+    common = set.intersection(*(set(a.indices) for a in found))
+    spread = [a for a in found if not set(a.indices) <= common]
+    moved: set = set()
+    if not _unmovable(found):
+        for _, direction in _invariant_basis(polynomial, spread):
+            moved |= {a for a, v in direction.items() if v != 0}
+    return all(not (s.atoms(sp.Indexed) & set(spread)) - moved for s, _ in sums)
+
+
+def _unmovable(found: list) -> bool:
+    """Whether a set of accesses is read where moving it is not done: at repeated indices,
+    or at looked-up positions (`x[b,c,idx[b,n,k]] - x[b,c,n]`): moved, that held one more
+    copy of x in PyTorch (EdgeConv, 1.23x the step's bound)."""
+    return any(len(set(a.indices)) != len(a.indices) for a in found) or any(
+        not isinstance(p, sp.Symbol) for a in found for p in a.indices
+    )
 
 
 class Contraction:
@@ -115,34 +143,38 @@ class Contraction:
         masked = self.masked_sum(body, e, summed, out, eyes)
         if masked is not None:
             return masked
-        factors = sp.Mul.make_args(e)
+        # The polynomial factors no single operand covers, centred together: a product
+        # `(x - z) * (u - v)` moves x and z to one origin and u and v to another;
+        # centred one factor at a time, the rest of the product was expanded far from
+        # the origin (float32 at 1e4 and -3e4: 356 for 194).
         operand_sets = [set(a.indices) for a in e.atoms(sp.Indexed)]
-        for factor in factors:
-            if isinstance(factor, sp.Indexed) or not factor.atoms(sp.Indexed):
-                continue
-            needed = _index_set(factor)
-            if any(needed <= s for s in operand_sets):
-                continue
-            if factor.is_polynomial(*factor.atoms(sp.Indexed)):
-                centered = self.centered(body, factor)
-                if centered is not None:
-                    e = e.xreplace({factor: centered})
-                elif _may_cancel(factor):
-                    continue
-                # A comparison stays as written: a max's tie test `[(x - z)**2 == m]`
-                # (`step_eq`) against the max of `(x - z)**2` never holds once its
-                # left side is `x**2 - 2*x*z + z**2` (rounded otherwise): every
-                # gradient was 0.
-                kept = {r: sp.Dummy() for r in e.atoms(Relational, fn._Step)}
-                expanded = sp.expand(
-                    e.xreplace(kept), power_base=False, power_exp=False, log=False
-                ).xreplace({d: r for r, d in kept.items()})
-                parts = sp.Add.make_args(expanded)
-                if 1 < len(parts) <= MAX_EXPANDED_TERMS:
-                    pieces = []
-                    for part in parts:
-                        pieces += self.term(body, part, summed, out, eyes)
-                    return pieces
+        polynomial = [
+            factor
+            for factor in sp.Mul.make_args(e)
+            if not isinstance(factor, sp.Indexed)
+            and factor.atoms(sp.Indexed)
+            and not any(_index_set(factor) <= s for s in operand_sets)
+            and factor.is_polynomial(*factor.atoms(sp.Indexed))
+        ]
+        group = sp.Mul(*polynomial)
+        if polynomial and _expands_safely(group):
+            centered = self.centered(body, group)
+            if centered is not None:
+                rest = [f for f in sp.Mul.make_args(e) if f not in polynomial]
+                e = sp.Mul(*rest) * centered
+            # A comparison stays as written: a max's tie test `[(x - z)**2 == m]`
+            # (`step_eq`) against the max of `(x - z)**2` never holds once its left side
+            # is `x**2 - 2*x*z + z**2` (rounded otherwise): every gradient was 0.
+            kept = {r: sp.Dummy() for r in e.atoms(Relational, fn._Step)}
+            expanded = sp.expand(
+                e.xreplace(kept), power_base=False, power_exp=False, log=False
+            ).xreplace({d: r for r, d in kept.items()})
+            parts = sp.Add.make_args(expanded)
+            if 1 < len(parts) <= MAX_EXPANDED_TERMS:
+                pieces = []
+                for part in parts:
+                    pieces += self.term(body, part, summed, out, eyes)
+                return pieces
         return [self.contract(body, e, summed, out, eyes)]
 
     def same_size(self, i: Index, k: Index) -> bool:
@@ -165,50 +197,56 @@ class Contraction:
         offset 1e4 gave 0 for 3.7).
         """
         found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
-        if any(len(set(a.indices)) != len(a.indices) for a in found):
-            return None
-        if any(not isinstance(p, sp.Symbol) for a in found for p in a.indices):
-            # a read at looked-up positions (`x[b,c,idx[b,n,k]] - x[b,c,n]`) is left as
-            # it is: moved, it held one more copy of x in PyTorch (EdgeConv, 1.23x the
-            # step's bound)
+        if _unmovable(found):
             return None
         common = set.intersection(*(set(a.indices) for a in found))
         # The sets of points first, an offset held: added to points next to the origin
         # (`z - c + t`, c near -t) it rounds as the difference as written does; added
         # to points far from it (`x + t/2`) it rounded off 1e-3 of a square of 2.
         spread = [a for a in found if not set(a.indices) <= common]
-        signs = _invariant_signs(factor, spread, spread)
         origins: dict[str, str] = {}
-        if signs is not None:
-            factor = self.moved(body, factor, signs, common, origins)
-        folded = self.folded_offsets(body, factor, common, origins)
-        if folded != factor:  # the offset went into one set: moved again, both together
-            factor = folded
-            spread = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
-            again = _invariant_signs(factor, spread, spread)
-            if again is not None:
-                factor = self.moved(body, factor, again, common, origins)
-            return factor
-        return factor if signs is not None else None
+        moved = self.moved_to_origins(body, factor, spread, common, origins)
+        folded = self.folded_offsets(body, moved, common, origins)
+        if folded != moved:  # the offset went into one set: moved again, both together
+            spread = sorted(folded.atoms(sp.Indexed), key=sp.default_sort_key)
+            return self.moved_to_origins(body, folded, spread, common, origins)
+        return moved if moved != factor else None
+
+    def moved_to_origins(
+        self, body: _Body, factor: sp.Expr, spread: list, common: set, origins: dict[str, str]
+    ) -> sp.Expr:
+        """`factor` moved along each direction of `_invariant_basis`, by the first point
+        of its pivot set: the pivot moves next to the origin, and no other pivot moves."""
+        current = {a: a for a in spread}
+        for pivot, direction in _invariant_basis(factor, spread):
+            signs = {current[a]: v for a, v in direction.items()}
+            factor, renamed = self.moved(body, factor, current[pivot], signs, common, origins)
+            current = {a: renamed.get(c, c) for a, c in current.items()}
+        return factor
 
     def moved(
-        self, body: _Body, factor: sp.Expr, signs: dict, common: set, origins: dict[str, str]
-    ) -> sp.Expr:
-        """`factor` over its accesses moved by `signs` times the center: the first point
-        of the first set moved, over its other indices."""
-        moved = [a for a in signs if signs[a] != 0]
-        first = next(a for a in moved if not set(a.indices) <= common)
-        axes = [n for n, i in enumerate(first.indices) if i not in common]
-        center_labels = tuple(i for i in first.indices if i in common)
-        points = ir.Var(body.tensors[first.base.label.name])
-        sized = origins.get(first.base.label.name, points.name)  # a step's own name is
+        self,
+        body: _Body,
+        factor: sp.Expr,
+        pivot: sp.Indexed,
+        signs: dict,
+        common: set,
+        origins: dict[str, str],
+    ) -> tuple[sp.Expr, dict]:
+        """`factor` over its accesses moved by `signs` times the center, the first point
+        of the set `pivot` over its other indices; and the accesses it renamed."""
+        axes = [n for n, i in enumerate(pivot.indices) if i not in common]
+        center_labels = tuple(i for i in pivot.indices if i in common)
+        points = ir.Var(body.tensors[pivot.base.label.name])
+        sized = origins.get(pivot.base.label.name, points.name)  # a step's own name is
         # not renamed where another body borrows the step (`_f1` for `_t1`)
-        center = ir.Var(body.bind(_first_or_zero(points, axes, len(first.indices), sized)))
+        center = ir.Var(body.bind(_first_or_zero(points, axes, len(pivot.indices), sized)))
         mapping = {  # `(x - 2z)**2`: z moves by c / 2
-            access: self.added(body, access, -signs[access], center, center_labels, origins)
-            for access in moved
+            access: self.added(body, access, -v, center, center_labels, origins)
+            for access, v in signs.items()
+            if v != 0
         }
-        return factor.xreplace(mapping)
+        return factor.xreplace(mapping), mapping
 
     def added(
         self,
