@@ -72,7 +72,18 @@ CASES = {
     "MemHausdorff": ("mem_hausdorff", {"x": (8, 2048, 3), "z": (8, 1536, 3)}, {}),
     # StyleGAN2's 2x upsampling with a 4x4 filter (pads as its Upsample layer): 32 -> 64
     "MemUpfirdn2d": ("mem_upfirdn2d", {"x": (4, 64, 32, 32), "f": (4, 4)}, UPSAMPLE_2X),
+    # GAT's first layer on Cora: 2708 nodes, 10556 edges and a self-loop per node, 8 heads
+    # of 8 features; src and dst are node ids (`INDEX_INPUTS`)
+    "MemGatAggregate": (
+        "mem_gat_aggregate",
+        {"s": (13264, 8), "x": (2708, 8, 8), "src": (13264,), "dst": (13264,)},
+        {},
+    ),
 }
+
+# integer inputs: name -> the number of ids; the first `high` entries are 0 .. high - 1
+# (every node has an edge: GAT adds a self-loop per node), the rest uniform in [0, high)
+INDEX_INPUTS = {"MemGatAggregate": {"src": 2708, "dst": 2708}}
 
 
 # Environment of every measured process: its frameworks' thread counts (see the docstring).
@@ -92,9 +103,20 @@ import json, os, resource, statistics, sys, time
 import numpy as np
 sys.path.insert(0, {folder!r})
 target, name, shapes, attrs = {target!r}, {name!r}, {shapes!r}, {attrs!r}
+index = {index!r}
 module = __import__(name)
 rng = np.random.default_rng(0)
-arrays = [rng.standard_normal(shapes[n]).astype(np.float32) for n in module.INPUTS]
+
+def ids(shape, high):
+    a = rng.integers(0, high, shape)
+    a[: min(high, shape[0])] = np.arange(min(high, shape[0]))
+    return a.astype(np.int32)
+
+arrays = [
+    ids(shapes[n], index[n]) if n in index else rng.standard_normal(shapes[n]).astype(np.float32)
+    for n in module.INPUTS
+]
+floats = [k for k, n in enumerate(module.INPUTS) if n not in index]  # the inputs with a gradient
 io = sum(a.nbytes for a in arrays)
 result = {{}}
 
@@ -111,10 +133,10 @@ if target == "tensorflow":
     args = [tf.constant(a) for a in arrays]
     def step():
         with tf.GradientTape() as tape:
-            tape.watch(args)
+            tape.watch([args[k] for k in floats])
             y = outputs(module.forward(*args, **attrs))
             loss = tf.add_n([tf.reduce_sum(o * o) for o in y])
-        return [g.numpy() for g in tape.gradient(loss, args)], y
+        return [g.numpy() for g in tape.gradient(loss, [args[k] for k in floats])], y
     _, y = step()
     io += sum(o.numpy().nbytes for o in y)
     tf.config.experimental.reset_memory_stats("CPU:0")
@@ -129,11 +151,13 @@ if target == "tensorflow":
 elif target == "pytorch":
     import torch
     torch.set_num_threads(int(os.environ["SYMGRAD_BENCH_THREADS"]))
-    args = [torch.from_numpy(a).requires_grad_() for a in arrays]
+    args = [torch.from_numpy(a) for a in arrays]
+    for k in floats:
+        args[k].requires_grad_()
     def step():
         y = outputs(module.forward(*args, **attrs))
         loss = sum((o * o).sum() for o in y)
-        grads = torch.autograd.grad(loss, args)
+        grads = torch.autograd.grad(loss, [args[k] for k in floats])
         return grads, y
     _, y = step()
     io += sum(o.numel() * 4 for o in y)
@@ -152,7 +176,7 @@ else:
     args = [jnp.asarray(a) for a in arrays]
     def loss(*a):
         return sum(jnp.sum(o * o) for o in outputs(module.forward(*a, **attrs)))
-    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+    grad = jax.jit(jax.grad(loss, argnums=tuple(floats)))
     y = outputs(jax.jit(lambda *a: module.forward(*a, **attrs))(*args))
     io += sum(o.size * 4 for o in y)
     stats = grad.lower(*args).compile().memory_analysis()
@@ -174,7 +198,10 @@ def measure(folder: Path, target: str, op: str, case: tuple | None = None) -> di
     """One training step of `op` (or of `case`: module name, shapes, attrs) from the
     modules in `folder`, in a fresh process: its peak bytes, median time and io bytes."""
     name, shapes, attrs = case or CASES[op]
-    code = STEP.format(folder=str(folder), target=target, name=name, shapes=shapes, attrs=attrs)
+    index = INDEX_INPUTS.get(op, {})
+    code = STEP.format(
+        folder=str(folder), target=target, name=name, shapes=shapes, attrs=attrs, index=index
+    )
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.update(thread_env(THREADS["threads"]))
     run = subprocess.run(
