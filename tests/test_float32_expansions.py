@@ -209,3 +209,46 @@ def test_pairs_moved_to_their_own_origins_are_exact(name, tmp_path):
     """Each against TF autodiff and finite differences in float64."""
     case, _, _ = _pair_case(name)
     check(case, generate(case, tmp_path, prefix=name.title().replace("_", "")))
+
+
+NAN_CASES = {
+    "distance": (
+        "y[i,j] = sum((x[i,c] - z[j,c])**2, c)",
+        lambda x, z: ((x[:, None] - z[None]) ** 2).sum(2),
+    ),
+    "nearest": (
+        "y[i] = min(sum((x[i,c] - z[j,c])**2, c), j)",
+        lambda x, z: ((x[:, None] - z[None]) ** 2).sum(2).min(1),
+    ),
+    "kernel": (
+        "y[i,j] = exp(-sum((x[i,c] - z[j,c])**2, c))",
+        lambda x, z: np.exp(-((x[:, None] - z[None]) ** 2).sum(2)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAN_CASES))
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_nan_in_the_first_point_stays_in_its_row(name, target, budget, tmp_path):
+    """The first point of x is the centre the points move by (`_first_or_zero`); a nan
+    there was moved into every point: every output nan (and grad_x in every row), where
+    the op as written has nan in row 0 alone. A non-finite centre moves nothing now."""
+    fw = FRAMEWORKS[target]
+    formula, numpy_result = NAN_CASES[name]
+    case = Case(formula, {"x": (4, 3), "z": (6, 3)}, inputs=("x", "z"))
+    module = generate(case, tmp_path, prefix="NanCentre" + name.title(), target=target)
+    module.MAX_TEMP_BYTES = budget
+    rng = np.random.default_rng(0)
+    x, z = (rng.standard_normal(s).astype(np.float32) for s in ((4, 3), (6, 3)))
+    x[0, 0] = np.nan
+    want = numpy_result(x.astype(np.float64), z.astype(np.float64))
+    got = fw.numpy(module.forward(fw.tensor(x), fw.tensor(z)))
+    assert np.isnan(got[0]).all(), got[0]
+    np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-6)
+    g = np.ones(want.shape, np.float32)
+    grad_x = fw.numpy(module.vjp(fw.tensor(x), fw.tensor(z), fw.tensor(g))[0])
+    assert np.isfinite(grad_x[1:]).all(), grad_x
+    # the rows of grad_x past the first, against the same op without the nan row
+    clean = fw.numpy(module.vjp(fw.tensor(x[1:]), fw.tensor(z), fw.tensor(g[1:]))[0])
+    np.testing.assert_allclose(grad_x[1:], clean, rtol=1e-5, atol=1e-6)

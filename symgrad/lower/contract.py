@@ -41,6 +41,14 @@ def _first_or_zero(points: ir.Var, axes: list[int], rank: int, sized: str) -> ir
     return ir.Call("reduce_sum", (first,), (("axis", ir.Lit(repr(axes))),))
 
 
+def _finite_or_zero(center: ir.Var) -> ir.Expr:
+    """`center` where it is finite, else 0: a nan or inf first point moves nothing. Moved
+    by a nan, every point was nan (every output, where the op as written has nan in
+    that point's row alone)."""
+    finite = ir.Call("is_finite", (center,))
+    return ir.Call("where", (finite, center, ir.Call("zeros_like", (center,))))
+
+
 def _shift_directions(factor: sp.Expr, found: list) -> list[dict]:
     """A basis of the directions σ (one number per access) along which the polynomial
     `factor` does not change, `u -> u + σ_u t` for every t: its derivative along σ,
@@ -240,7 +248,8 @@ class Contraction:
         points = ir.Var(body.tensors[pivot.base.label.name])
         sized = origins.get(pivot.base.label.name, points.name)  # a step's own name is
         # not renamed where another body borrows the step (`_f1` for `_t1`)
-        center = ir.Var(body.bind(_first_or_zero(points, axes, len(pivot.indices), sized)))
+        first = ir.Var(body.bind(_first_or_zero(points, axes, len(pivot.indices), sized)))
+        center = ir.Var(body.bind(_finite_or_zero(first)))
         mapping = {  # `(x - 2z)**2`: z moves by c / 2
             access: self.added(body, access, -v, center, center_labels, origins)
             for access, v in signs.items()
