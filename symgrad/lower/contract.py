@@ -102,14 +102,21 @@ def _expands_safely(polynomial: sp.Expr) -> bool:
     sums = [(s, n) for s, n in sums if s.is_Add and len(s.atoms(sp.Indexed)) >= 2 and n.is_Integer]
     if sum(n for _, n in sums) < 2:
         return True
-    found = sorted(polynomial.atoms(sp.Indexed), key=sp.default_sort_key)
-    common = set.intersection(*(set(a.indices) for a in found))
-    spread = [a for a in found if not set(a.indices) <= common]
+    found, _, spread = _sets_of_points(polynomial)
     moved: set = set()
     if not _unmovable(found):
         for _, direction in _invariant_basis(polynomial, spread):
             moved |= {a for a, v in direction.items() if v != 0}
     return all(not (s.atoms(sp.Indexed) & set(spread)) - moved for s, _ in sums)
+
+
+def _sets_of_points(polynomial: sp.Expr) -> tuple[list, set, list]:
+    """The accesses of `polynomial` (in SymPy's order), the indices they all share, and
+    its sets of points: the accesses over more than those (`x[i,c]`, `z[j,c]`, not the
+    offset `t[c]`)."""
+    found = sorted(polynomial.atoms(sp.Indexed), key=sp.default_sort_key)
+    common = set.intersection(*(set(a.indices) for a in found))
+    return found, common, [a for a in found if not set(a.indices) <= common]
 
 
 def _unmovable(found: list) -> bool:
@@ -204,14 +211,12 @@ class Contraction:
         that set (`z + t`): centred or not, `z² + t² + 2zt` cancelled as well (float32 at
         offset 1e4 gave 0 for 3.7).
         """
-        found = sorted(factor.atoms(sp.Indexed), key=sp.default_sort_key)
+        found, common, spread = _sets_of_points(factor)
         if _unmovable(found):
             return None
-        common = set.intersection(*(set(a.indices) for a in found))
         # The sets of points first, an offset held: added to points next to the origin
         # (`z - c + t`, c near -t) it rounds as the difference as written does; added
         # to points far from it (`x + t/2`) it rounded off 1e-3 of a square of 2.
-        spread = [a for a in found if not set(a.indices) <= common]
         origins: dict[str, str] = {}
         moved = self.moved_to_origins(body, factor, spread, common, origins)
         folded = self.folded_offsets(body, moved, common, origins)
