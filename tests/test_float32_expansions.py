@@ -252,3 +252,21 @@ def test_a_nan_in_the_first_point_stays_in_its_row(name, target, budget, tmp_pat
     # the rows of grad_x past the first, against the same op without the nan row
     clean = fw.numpy(module.vjp(fw.tensor(x[1:]), fw.tensor(z), fw.tensor(g[1:]))[0])
     np.testing.assert_allclose(grad_x[1:], clean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+@pytest.mark.parametrize("budget", [2**40, 1], ids=["whole", "chunks"])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_training_step_of_pairs_moved_to_their_own_origins(name, target, budget, tmp_path):
+    """Forward, a loss and the framework's own backward (TF's tape over the registered
+    gradient, PyTorch's `backward`, `jax.grad` under jit), then an SGD update, equal the
+    independent reference's step with TF autodiff, in float64."""
+    from frameworks import reference_train_step, train_step
+
+    case, _, used = _pair_case(name)
+    module = generate(case, tmp_path, prefix=name.title().replace("_", ""), target=target)
+    module.MAX_TEMP_BYTES = budget
+    step, want = train_step(FRAMEWORKS[target], module, case), reference_train_step(case, used)
+    for got, wanted in zip(step["grads"], want["grads"], strict=True):
+        np.testing.assert_allclose(got, wanted, rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose([step["loss"], step["after"]], [want["loss"], want["after"]])
