@@ -206,9 +206,17 @@ def test_float32_pairs_of_sets_each_move_to_their_own_origin(name, target, budge
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_pairs_moved_to_their_own_origins_are_exact(name, tmp_path):
-    """Each against TF autodiff and finite differences in float64."""
-    case, _, _ = _pair_case(name)
-    check(case, generate(case, tmp_path, prefix=name.title().replace("_", "")))
+    """Each against TF autodiff and finite differences in float64; and under tf.function
+    with every size unknown, in chunks, equal to the module run eagerly in one piece."""
+    import tensorflow as tf
+    from adversarial import unknown_sizes_equal_eager
+
+    case, attrs, used = _pair_case(name)
+    module = generate(case, tmp_path, prefix=name.title().replace("_", ""))
+    check(case, module)
+    values = dict(zip("xzuv", _pair_values(9, scaled=bool(attrs)), strict=True))
+    args = [tf.constant(values[n].astype(np.float64)) for n in used]
+    unknown_sizes_equal_eager(module, args, attrs, seed=10)
 
 
 NAN_CASES = {
