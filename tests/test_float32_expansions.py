@@ -278,3 +278,28 @@ def test_a_training_step_of_pairs_moved_to_their_own_origins(name, target, budge
     for got, wanted in zip(step["grads"], want["grads"], strict=True):
         np.testing.assert_allclose(got, wanted, rtol=1e-9, atol=1e-11)
     np.testing.assert_allclose([step["loss"], step["after"]], [want["loss"], want["after"]])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a pairwise polynomial is expanded (x² + z² - 2xz), which is inf - inf "
+    "where a point has an infinite coordinate; as written the pair is inf (README, Memory)",
+)
+@pytest.mark.parametrize("name", sorted(NAN_CASES))
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_an_infinite_coordinate_is_infinite_in_its_pairs_as_written(name, target, tmp_path):
+    """Known limit, pinned: with `z[3,1] = inf`, the op as written has inf in the
+    distances to that point (0 in the kernel, and the nearest-neighbour min ignores it);
+    the expanded polynomial gives nan there (and in every row of the min)."""
+    fw = FRAMEWORKS[target]
+    formula, numpy_result = NAN_CASES[name]
+    case = Case(formula, {"x": (4, 3), "z": (6, 3)}, inputs=("x", "z"))
+    module = generate(case, tmp_path, prefix="InfPoint" + name.title(), target=target)
+    rng = np.random.default_rng(0)
+    x, z = (rng.standard_normal(s) for s in ((4, 3), (6, 3)))
+    z[3, 1] = np.inf
+    with np.errstate(invalid="ignore"):
+        want = numpy_result(x, z)
+    got = fw.numpy(module.forward(fw.tensor(x), fw.tensor(z)))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
