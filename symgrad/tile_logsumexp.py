@@ -76,6 +76,30 @@ def reduction(rhs: ast.AST) -> ast.Call | None:
     return total if _called(body, "exp") else None
 
 
+def _summed_outside(op: OpSpec, assign: ast.Assign) -> bool:
+    """Whether the right side reads an index that neither the left side nor a reduction
+    in it binds: Einstein's implicit sum, outside the log (`y[i] = log(sum(exp(x[i,c] +
+    z[j,c]), j))` is Σ_c log Σ_j ..). A sum of logs is no log of a sum: combined by
+    logaddexp, its chunks gave (C - 1)·log(J) too little."""
+    (target,) = assign.targets
+    bound = {
+        a.id for node in ast.walk(assign.value) if tile_sum.reduction(node) for a in node.args[1:]
+    }
+    named = {name for name, _ in (*op.attrs, *op.lets)}
+    return bool(_indices(assign.value) - _indices(target) - bound - named)
+
+
+def _indices(node: ast.AST) -> set[str]:
+    """The names read inside the subscripts of `node`."""
+    return {
+        n.id
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Subscript)
+        for n in ast.walk(sub.slice)
+        if isinstance(n, ast.Name)
+    }
+
+
 def _called(node: ast.AST, name: str) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
 
@@ -89,7 +113,7 @@ def _choose(op: OpSpec, program: Program) -> Choice | None:
     (assign,) = tree.body
     found = reduction(assign.value)
     big = big_sets(program)
-    if found is None or not big:
+    if found is None or not big or _summed_outside(op, assign):
         return None
     reads = _reads([tree], set(program.inputs))
     for name in (a.id for a in found.args[1:]):
