@@ -1032,7 +1032,22 @@ def _merge_pointwise(terms: list[Term]) -> list[Term]:
 
 
 def _canonical_key(kind: str, terms: list[Term], free: list[Index]):
-    """A name-independent key, so the same sub-formula written twice is computed once."""
+    """A name-independent key, so the same sub-formula written twice is computed once.
+
+    A free index is renamed only where the sub-formula reads a tensor plainly at it: that
+    read sizes it, so the same formula at another index is the same tensor. An index read
+    only by value or at a position (`sin(i*f)`, `x[i + 0.5]`) keeps its name: its size is
+    its own, and `sin(i*f) + sin(j*f)` shared one level over i's size (read at j, it gave
+    0 for 0.64, or an output of the wrong shape, wherever i and j differ in size)."""
+    plain = {
+        p
+        for t in terms
+        for a in t.expr.atoms(sp.Indexed)
+        if not indexing.is_iota(a)
+        for p in a.indices
+        if isinstance(p, sp.Symbol)
+    }
+    named = [(n, i.name) for n, i in enumerate(free) if i not in plain]
     canonical_free = [sp.Symbol(f"_f{n}") for n in range(len(free))]
     bound = list(dict.fromkeys(s for t in terms for s in t.summed))
     best = None
@@ -1049,7 +1064,7 @@ def _canonical_key(kind: str, terms: list[Term], free: list[Index]):
         )
         if best is None or text < best:
             best = text
-    return f"{kind}:{len(free)}:{best}", canonical_free
+    return f"{kind}:{len(free)}:{named}:{best}", canonical_free
 
 
 def build(op: OpSpec) -> Program:
