@@ -32,9 +32,11 @@ class Ties:
     ) -> ir.Expr:
         """`[value == extremum]` over `target` as a 0/1 mask in the computation dtype."""
         body.uses_dtype = True
-        mask = ir.Call("cast", (ir.Binary("==", *args), ir.Var("dtype")))
-        same = self.reduced_tensor(body, e, args[0], target)
         key = _key(e)
+        axes = _reduced_axes(e, target)
+        kind = self.extremum_kind(key)
+        mask = ir.Call("cast", (tie_test(*args, axes, kind), ir.Var("dtype")))
+        same = self.reduced_tensor(body, e, args[0], target)
         if same is None:
             if key is not None:
                 body.tie_counts[key] = None  # the saved count goes with the saved extremum
@@ -46,9 +48,15 @@ class Ties:
             return align(ir.Var(hits), order, target)
         if key is not None:
             body.tie_counts[key] = None
-        read = ir.Binary("==", same, args[1])
+        read = tie_test(same, args[1], axes, kind)
         body.written_as[ir.Call("cast", (read, ir.Var("dtype")))] = mask
         return ir.Call("cast", (read, ir.Var("dtype")))
+
+    def extremum_kind(self, key: tuple[str, tuple] | None) -> str | None:
+        """"max" or "min": the kind of the extremum a tie test compares with."""
+        if key is None:
+            return None
+        return next((lv.kind for lv in self.program.intermediates if lv.name == key[0]), None)
 
     def tie_count(self, body: _Body, name: str, labels: tuple) -> str | None:
         """The variable counting an extremum's ties (`_ties1[i,k]`) as the gradient's last
@@ -77,11 +85,11 @@ class Ties:
         operand, order = body.reduced[e.args[0]]
         at = key[1]
         axes = list(range(len(at), len(order)))
-        kind = next(lv.kind for lv in self.program.intermediates if lv.name == key[0])
+        kind = self.extremum_kind(key)
         function = "reduce_max" if kind == "max" else "reduce_min"
         local = body.bind(reduction(body, function, ir.Var(operand), axes))
         body.uses_dtype = True
-        hit = ir.Binary("==", ir.Var(operand), align(ir.Var(local), at, order))
+        hit = tie_test(ir.Var(operand), align(ir.Var(local), at, order), tuple(axes), kind)
         hits = body.bind(ir.Call("cast", (hit, ir.Var("dtype"))))
         count = body.bind(reduction(body, "reduce_sum", ir.Var(hits), axes))
         return hits, count, order
@@ -147,6 +155,36 @@ class Ties:
         body.reduced[value] = (operand.name, order)
         body.recomputed.add(value)
         return body.reduced[value]
+
+
+def tie_test(value: ir.Expr, extremum: ir.Expr, axes, kind: str | None) -> ir.Expr:
+    """`value == extremum`, the entries of `value` that attain the extremum it was reduced
+    to over `axes` (their positions in `value`'s layout), as `ir.Call("tie_hits")` where
+    they are known: each target spells it. Under XLA (`jax.jit`) one tensor is computed
+    again inside every fusion that reads it, and with FMA contraction a product-sum
+    (`x² + z² - 2xz`) need not round alike in two fusions: the max's entry failed its
+    own test in one and the row's gradient was lost (Chamfer's grad_z off by 1.2 in 7 of
+    40 draws at x, z 1x2x1), so JAX takes a row with one entry (or none, where the
+    extremum is a number) at the materialized arg-extremum (`_tie_hits`)."""
+    if axes is None or kind not in ("max", "min"):
+        return ir.Binary("==", value, extremum)
+    keywords = (("axis", ir.Lit(repr(list(axes)))), ("kind", ir.Lit(repr(kind))))
+    return ir.Call("tie_hits", (value, extremum), keywords)
+
+
+def _reduced_axes(e: fn.step_eq, target: tuple[Index, ...]) -> tuple[int, ...] | None:
+    """The positions in `target` of the indices a tie test `e` = `[value == max]` reduced
+    (the value's indices the extremum lacks); None where `target` holds other indices
+    than those and the extremum's, or the value does not read every one of them."""
+    key = _key(e)
+    if key is None:
+        return None
+    at = set(key[1])
+    value_indices = _index_set(e.args[0])
+    reduced = [n for n, i in enumerate(target) if i not in at]
+    if not reduced or any(target[n] not in value_indices for n in reduced):
+        return None
+    return tuple(reduced)
 
 
 def _summed_as(expr: sp.Expr, free: dict, summed: tuple, e: fn.step_eq) -> tuple | None:

@@ -180,6 +180,9 @@ class JaxPrinter(Printer):
     def call_reduce_max(self, e: ir.Call) -> str:
         return f"jnp.max({self.arguments(e)}, initial=-jnp.inf)"
 
+    def call_tie_hits(self, e: ir.Call) -> str:  # ties.tie_test: the template's helper
+        return f"_tie_hits({self.arguments(e)})"
+
     def call_gelu(self, e: ir.Call) -> str:  # jax.nn.gelu is the tanh form by default
         return f"jax.nn.gelu({self.arguments(e)}, approximate=False)"
 

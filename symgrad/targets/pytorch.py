@@ -439,6 +439,8 @@ class PyTorchPrinter(Printer):
         args = dict(zip(PARAMETERS.get(e.function, ()), e.args))
         args.update(e.keywords)
         name = e.function
+        if name == "tie_hits":  # `value == extremum` (ties.tie_test)
+            return f"({self.code(ir.Binary('==', *e.args))})"
         if name in LOGIC and all(self.is_python(a) for a in e.args):
             return LOGIC[name].format(*(self.code(a) for a in e.args))
         if name in ELEMENTWISE:
@@ -516,6 +518,8 @@ class PyTorchPrinter(Printer):
 
     def call_cast(self, args: dict) -> str:
         x, dtype = args["x"], self.code(args["dtype"])
+        if isinstance(x, ir.Call) and x.function == "tie_hits":  # ties.tie_test
+            x = ir.Binary("==", *x.args)
         if self.is_python(x):
             return f"torch.as_tensor({self.code(x)}, dtype={dtype}, device=_device)"
         if self.in_module and isinstance(x, ir.Binary) and x.op in COMPARISONS:

@@ -167,6 +167,8 @@ class TensorFlowPrinter(Printer):
             # where tf.maximum of two ints is a tensor (in a graph: a chunk plan over a
             # tensor). explain prints sizes as tensors (`tf.shape(x)[k]`): tf.maximum.
             return f"_int_{e.function[:3]}({self.arguments(e)})"
+        if e.function == "tie_hits":  # `value == extremum` (ties.tie_test)
+            return self.code(ir.Binary("==", *e.args))
         if e.function == "whole":  # the module's helper, not a neutral op (EXTREMA)
             return f"_whole({self.arguments(e)})"
         if e.function == "to_int64":
