@@ -242,6 +242,59 @@ def test_segment_max_with_unknown_sizes_under_tf_function(tmp_path):
     np.testing.assert_allclose(dx.numpy(), want_dx, rtol=1e-12, atol=1e-12)
 
 
+def _unbounded(kind: str):
+    """9 rows, 2 features, V = 6: segment 0 all -inf (as log 0 gives), 1 empty, 2 normal
+    with a tie, 3 the lowest float next to -inf (feature 0) and all -inf (feature 1), 4
+    the lowest float alone, 5 empty, and ids -1 and 6 out of range; for min, negated."""
+    lowest = np.finfo(np.float64).min
+    seg = np.array([0, 0, 2, 2, 3, 3, 4, -1, 6], np.int32)
+    x = np.array(
+        [
+            [-np.inf, -np.inf],
+            [-np.inf, -np.inf],
+            [1.0, -2.0],
+            [1.0, 0.5],
+            [lowest, -np.inf],
+            [-np.inf, -np.inf],
+            [lowest, 3.0],
+            [5.0, 5.0],
+            [-np.inf, 7.0],
+        ]
+    )
+    grad = np.random.default_rng(2).standard_normal((6, 2))
+    return seg, x if kind == "max" else -x, 6, grad
+
+
+@pytest.mark.parametrize("target", sorted(STEPS))
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_a_segment_of_rows_all_minus_inf_is_minus_inf_not_the_lowest_float(kind, target, tmp_path):
+    """TF's unsorted_segment_max starts each segment from the lowest float, and
+    max(lowest, -inf) is lowest: a segment whose rows were all -inf gave -1.797e308
+    (+1.797e308 for min), where the max as written, PyTorch and JAX give -inf (and its
+    rows, tied at -inf, split the gradient). A row that is the lowest float keeps it;
+    whole and in chunks."""
+    pytest.importorskip({"pytorch": "torch", "jax": "jax"}.get(target, "tensorflow"))
+    seg, x, V, grad = _unbounded(kind)
+    want_y, want_dx = _loops(kind, seg, x, V, grad)
+    sign = 1.0 if kind == "max" else -1.0
+    assert (want_y[[0, 1, 5]] == -sign * np.inf).all() and want_y[3, 1] == -sign * np.inf
+    assert want_y[3, 0] == want_y[4, 0] == sign * np.finfo(np.float64).min
+    case = Case(
+        FORMULAS[kind],
+        {"x": (9, 2)},
+        attrs={"V": V},
+        ranges={"v": "V"},
+        sizes={"v": V},
+        index_inputs={"seg": ((9,), -1, 7)},
+    )
+    module = generate(case, tmp_path, prefix="SegmentUnbounded", target=target)
+    for budget in (2**40, 1):
+        module.MAX_TEMP_BYTES = budget
+        y, dx = STEPS[target](module, seg, x, V, grad)
+        np.testing.assert_array_equal(y, want_y)
+        np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
+
+
 # ------------------------------------ 200k points into 50k segments: O(N·F), no N x V
 
 
