@@ -53,7 +53,7 @@ class Ties:
         return ir.Call("cast", (read, ir.Var("dtype")))
 
     def extremum_kind(self, key: tuple[str, tuple] | None) -> str | None:
-        """"max" or "min": the kind of the extremum a tie test compares with."""
+        """ "max" or "min": the kind of the extremum a tie test compares with."""
         if key is None:
             return None
         return next((lv.kind for lv in self.program.intermediates if lv.name == key[0]), None)
