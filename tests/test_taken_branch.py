@@ -126,3 +126,44 @@ def test_a_non_finite_taken_branch_still_reaches_the_gradient(target, budget, tm
     autodiff = tape.gradient(y, [xs, ws, As], output_gradients=tf.constant(cotangent))
     np.testing.assert_allclose(grads[0], autodiff[0].numpy(), rtol=1e-12, atol=1e-14)
     assert not np.isfinite(grads[2][1]) and not np.isfinite(autodiff[2].numpy()[1])
+
+
+ROWS_MASKED_WHOLE = {
+    # a masked norm whose second row keeps nothing: sqrt(0), its derivative inf
+    "norm": ("y[b] = sqrt(sum(where(t < ln[b], x[b,t]**2, 0), t))", "sqrt"),
+    "log": ("y[b] = log(sum(where(t < ln[b], x[b,t]**2, 0), t))", "log"),
+}
+
+
+@pytest.mark.parametrize("target,budget", RUNS)
+@pytest.mark.parametrize("name", sorted(ROWS_MASKED_WHOLE))
+def test_an_infinite_outer_derivative_over_a_row_masked_whole_gives_no_nan(
+    name, target, budget, tmp_path
+):
+    """`sqrt(sum(where(t < ln[b], x**2, 0), t))` with ln = 0 in a row: its forward is 0
+    (-inf for log), and the chain rule's outer factor 1 / (2·sqrt(0)) is inf; times the
+    masked 0 it was nan in every entry of that row's gradient (found by an adversarial
+    trial), where autodiff applies the `where` last and gives 0. The gradient's product
+    with a select of 0 is the select of the product now (`pointwise._select_last`).
+    Against TF autodiff of the formula as written, in float64."""
+    formula, outer = ROWS_MASKED_WHOLE[name]
+    case = Case(formula, {"x": (3, 5)}, inputs=("x", "ln"), index_inputs={"ln": ((3,), 0, 5)})
+    module = generate(case, tmp_path, prefix="MaskedWhole" + name.title(), target=target)
+    module.MAX_TEMP_BYTES = budget
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 5))
+    ln = np.array([4, 0, 5])
+    g = rng.standard_normal(3)
+    xt = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        kept = tf.range(5, dtype=tf.int64)[None, :] < tf.constant(ln)[:, None]
+        total = tf.reduce_sum(tf.where(kept, xt**2, tf.zeros_like(xt)), axis=1)
+        y = tf.sqrt(total) if outer == "sqrt" else tf.math.log(total)
+    want_grad = tape.gradient(y, xt, output_gradients=tf.constant(g)).numpy()
+    array = {"tensorflow": tf.constant, "pytorch": torch.tensor, "jax": jax.numpy.asarray}[target]
+    got = as_numpy(module.forward(array(x), array(ln)))
+    np.testing.assert_allclose(got, y.numpy(), rtol=1e-12)
+    grad_x = as_numpy(module.vjp(array(x), array(ln), array(g))[0])
+    assert np.isfinite(grad_x).all(), grad_x
+    np.testing.assert_allclose(grad_x, want_grad, rtol=1e-12, atol=1e-12)

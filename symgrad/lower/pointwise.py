@@ -22,6 +22,7 @@ from .common import (
     UNARY,
     _Body,
     _index_set,
+    _is_gradient,
     _is_simple,
     _letters,
     _merged_groups,
@@ -88,6 +89,10 @@ class Pointwise:
                     result = ir.Binary("+", result, self.expr(body, term, target))
             return result
         if isinstance(e, sp.Mul):
+            if body.part == "backward":
+                last = _select_last(e)
+                if last is not None:
+                    return self.expr(body, last, target)
             coeff, _ = e.as_coeff_Mul()
             negated = None
             if coeff.is_negative:
@@ -442,6 +447,37 @@ class Pointwise:
             operand = ir.Var(body.bind(ir.Einsum(subscripts, (operand,))))
             labels = unique
         return self.align(body, operand, labels, target)
+
+
+def _select_last(e: sp.Mul) -> sp.Expr | None:
+    """A gradient's product with a select of 0 (`g * where(c, 2x, 0)`) as the select of
+    the product (`where(c, g * 2x, 0)`), as autodiff applies a `where` last: where the
+    chain rule's other factor is inf (`sqrt` of a row summed to 0, every term masked),
+    `inf * 0` was nan, and in a gathered read (a ball query's empty ball) that nan was
+    added into points other rows use. Only where another factor is a quotient or an
+    incoming gradient (what is inf at a finite point: 1/S, S**-1/2, the gradient of such
+    an intermediate) and the select holds no exponential (masked weights keep their form
+    for `masked_values`). None where no factor is such a select."""
+    factors = sp.Mul.make_args(e)
+    if not any(
+        (f.is_Pow and f.exp.is_negative) or any(_is_gradient(a) for a in f.atoms(sp.Indexed))
+        for f in factors
+        if not isinstance(f, fn.select)
+    ):
+        return None
+    for factor in factors:
+        if (
+            isinstance(factor, fn.select)
+            and 0 in factor.args[1:]
+            and not factor.has(sp.exp)
+            and not all(b.is_number for b in factor.args[1:])  # a 0/1 mask: masked_values
+        ):
+            cond, then, otherwise = factor.args
+            rest = sp.Mul(*(f for f in factors if f is not factor))
+            if then == 0:
+                return fn.select(cond, 0, rest * otherwise)
+            return fn.select(cond, rest * then, 0)
+    return None
 
 
 def _smallest_factor(e: sp.Mul) -> sp.Expr | None:
