@@ -124,21 +124,60 @@ def _merge_block(
 
 
 def shifts(e: ir.Expr, start: str, starts: set[str]) -> ir.Expr:
-    """`e` with every `start + x` (the start perhaps cast to x's dtype) as `shift(x, start)`."""
+    """`e` with every `start + x` (the start perhaps cast to x's dtype) as `shift(x, start)`.
+
+    `shift` adds the start in x's dtype, and a number has none: a cast start beside one
+    (the chunk's `i + 1` is `(1 + to_int64(start)) + i`; its `i + 0.5` in a sampled
+    position `(0.5 + tile_start) + i`, the attr read as a float) shifts the tensor the
+    sum adds next, `1 + shift(i, start)`. As `shift(1, start)` TensorFlow added the
+    loop's int32 start to the number, an int32 that the int64 positions cannot be added
+    to (and 0.5 no int32 at all). With no such tensor the sum stays as written: the
+    module keeps two programs (`merge`)."""
 
     def is_start(x: ir.Expr) -> bool:
         if isinstance(x, ir.Call) and x.function in CASTS and x.args:
             x = x.args[0]
         return isinstance(x, ir.Var) and x.name in starts
 
+    def typed(s: ir.Expr, other: ir.Expr) -> bool:
+        """Whether `other + s` is `shift(other, start)`: the int start as it is, or a
+        start cast (the float attr `tile_start` too) to the dtype of `other`, a tensor."""
+        return s == ir.Var(start) or not _number(other)
+
+    def shift(x: ir.Expr) -> ir.Expr:
+        return ir.Call("shift", (ir.rewrite(x, swap), ir.Var(start)))
+
     def swap(x: ir.Expr) -> ir.Expr | None:
-        if isinstance(x, ir.Binary) and x.op == "+":
-            for s, other in ((x.left, x.right), (x.right, x.left)):
-                if is_start(s):
-                    return ir.Call("shift", (ir.rewrite(other, swap), ir.Var(start)))
+        if not (isinstance(x, ir.Binary) and x.op == "+"):
+            return None
+        inner, then = x.left, x.right
+        if isinstance(inner, ir.Binary) and inner.op == "+" and not _number(then):
+            for s, number in ((inner.left, inner.right), (inner.right, inner.left)):
+                if is_start(s) and not typed(s, number):
+                    return ir.Binary("+", number, shift(then))
+        for s, other in ((x.left, x.right), (x.right, x.left)):
+            if is_start(s) and typed(s, other):
+                return shift(other)
         return None
 
     return ir.rewrite(e, swap)
+
+
+def _number(e: ir.Expr) -> bool:
+    """Whether `e` is a number where the sizes are known: a literal, a size or an int attr,
+    or arithmetic of them, never a cast (in a graph a size may be the int32 of
+    `tf.shape`, still not the dtype the start is cast to)."""
+    if isinstance(e, ir.Lit | ir.AxisSize):
+        return True
+    if isinstance(e, ir.Var):
+        return e.name.startswith(("_n_", "_int_"))
+    if isinstance(e, ir.Negate):
+        return _number(e.operand)
+    if isinstance(e, ir.Binary):
+        return _number(e.left) and _number(e.right)
+    if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "exact_div", "size_limit"):
+        return all(_number(a) for a in e.args)
+    return False
 
 
 def _at_zero(e: ir.Expr) -> ir.Expr:
