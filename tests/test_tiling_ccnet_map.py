@@ -60,6 +60,10 @@ def _case(b, c, h, w):
 SMALL = _case(2, 3, 4, 5)  # b, c, i, j: each its own size (v runs over i, u over j)
 PEAK = (1, 64, 12, 20)  # one batch position, many channels
 PEAK_BUDGET = 32 * 1024
+# JAX's untiled step fuses the gradient's masked products (XLA): at PEAK it holds 2.1x the
+# bound since the product moved inside its `where` (pointwise._select_last), so JAX takes
+# a size where the untiled step still needs several times the bound
+PEAK_JAX = (1, 64, 36, 56)
 
 
 @pytest.fixture(scope="module")
@@ -170,22 +174,22 @@ def test_ccnet_map_masked_branch_adds_nothing_whatever_g_holds(target, modules, 
             np.testing.assert_allclose(got, wanted, rtol=1e-12, atol=1e-12, err_msg=f"{budget}")
 
 
-def _peak_arrays(dtype=np.float32):
-    b, c, h, w = PEAK
+def _peak_arrays(dtype=np.float32, peak=PEAK):
+    b, c, h, w = peak
     rng = np.random.default_rng(6)
     a = rng.uniform(-1, 1, (b, h + w - 1, h, w)).astype(dtype)
     g = rng.uniform(-1, 1, (b, c, h, w)).astype(dtype)
     return a, g
 
 
-def _bound():
-    a, g = _peak_arrays()
+def _bound(peak=PEAK):
+    a, g = _peak_arrays(peak=peak)
     io = a.nbytes + 2 * g.nbytes  # a, g and o (g's shape)
     return 4 * io + PEAK_BUDGET
 
 
-def _peak_module(target, tmp_path):
-    b, c, h, w = PEAK
+def _peak_module(target, tmp_path, peak=PEAK):
+    b, c, h, w = peak
     return generate(_case(b, c, h, w), tmp_path, prefix="CcMapPeak", target=target)
 
 
@@ -207,16 +211,17 @@ def test_pytorch_ccnet_map_step_is_within_the_bound(tmp_path):
 
 
 def test_jax_ccnet_map_step_is_within_the_bound(tmp_path):
-    module = _peak_module("jax", tmp_path)
-    args = [jax.numpy.asarray(x) for x in _peak_arrays()]
+    module = _peak_module("jax", tmp_path, PEAK_JAX)
+    args = [jax.numpy.asarray(x) for x in _peak_arrays(peak=PEAK_JAX)]
+    bound = _bound(PEAK_JAX)
     module.MAX_TEMP_BYTES = 2**40
     untiled = jax_step_bytes(module, args)
     module.MAX_TEMP_BYTES = PEAK_BUDGET
     assert module._tile_plan(*args) is not None
     tiled = jax_step_bytes(module, args)
-    print(f"jax: untiled {untiled / _bound():.2f}x, tiled {tiled / _bound():.2f}x")
-    assert untiled > 3 * _bound(), "the size does not test the bound"
-    assert tiled <= _bound()
+    print(f"jax: untiled {untiled / bound:.2f}x, tiled {tiled / bound:.2f}x")
+    assert untiled > 3 * bound, "the size does not test the bound"
+    assert tiled <= bound
 
 
 MEASURE = """
