@@ -39,6 +39,16 @@ CASES = {
         inputs=("g", "x", "ix"),
         index_inputs={"ix": ((4,), 0, 7)},
     ),
+    # a window read at 2i + j, its start 2 * start in a chunk: a size of the plan (the
+    # loop's int32) subtracted from each row's int64 position (ln is an index tensor)
+    "strided_window": Case(
+        "y[b,i] = max(where(j < ln[b], sum(q[b,i,d] * k[b, 2*i + j, d], d), 0), j)",
+        {"q": (2, 5, 1), "k": (2, 9, 1)},
+        inputs=("q", "k", "ln"),
+        ranges={"i": "5", "j": "4"},
+        sizes={"i": 5, "j": 4},
+        index_inputs={"ln": ((2,), 0, 5)},
+    ),
     # `(i + 0.5)` in a sampled position: (0.5 + start) + i, the start a float
     "bilinear_resize": Case(
         "y[b,c,i,j] = x[b,c, min(max((i+0.5)*H/OH - 0.5, 0.0), H-1),"

@@ -70,9 +70,17 @@ class Bands:
 
     def band_shift(self, body: _Body, band) -> ir.Expr:
         """Where each row's window starts in its band, shift(i) = s(i) - lo: an int vector
-        over the rows (s over the formula's own symbols, lo the band's offset)."""
+        over the rows (s over the formula's own symbols, lo the band's offset).
+
+        lo is a size (a Python int, an int32 tensor where a size is known only when the
+        graph runs, or in a chunk `2 * tile_start` of the loop's int32 start), and s(i) a
+        position, int64 beside index tensors: lo is taken as a position too (TensorFlow
+        adds no int32 to an int64)."""
         start = self.position(body, band.shift + band.offset, (band.centre,))
-        value = ir.Binary("-", ir.Var(body.bind(start)), self.band_offset(body, band))
+        offset = self.band_offset(body, band)
+        if not isinstance(offset, ir.Lit):
+            offset = self.position_int(offset)
+        value = ir.Binary("-", ir.Var(body.bind(start)), offset)
         return ir.Var(body.bind(value))
 
     def band_count(self, body: _Body, band) -> ir.Expr:
