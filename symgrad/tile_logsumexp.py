@@ -90,14 +90,20 @@ def _summed_outside(op: OpSpec, assign: ast.Assign) -> bool:
 
 
 def _indices(node: ast.AST) -> set[str]:
-    """The names read inside the subscripts of `node`."""
+    """The names read inside the subscripts of `node`, but for the tensors read there:
+    an index tensor (`z[ix[j], c]`) is no index."""
+    tensors = {
+        sub.value.id
+        for sub in ast.walk(node)
+        if isinstance(sub, ast.Subscript) and isinstance(sub.value, ast.Name)
+    }
     return {
         n.id
         for sub in ast.walk(node)
         if isinstance(sub, ast.Subscript)
         for n in ast.walk(sub.slice)
         if isinstance(n, ast.Name)
-    }
+    } - tensors
 
 
 def _called(node: ast.AST, name: str) -> bool:

@@ -49,6 +49,14 @@ CASES = {
         sizes={"i": 5, "j": 4},
         index_inputs={"ln": ((2,), 0, 5)},
     ),
+    # a log-sum-exp over j in chunks combined by logaddexp: a chunk of a length known
+    # in the loop alone lost b's size of 1, and the loop refused its sums back as [None, 6]
+    "pairwise_logsumexp": Case(
+        "y[b,i] = log(sum(exp(-sum((x[b,i,c] - z[b, ix[b,j], c])**2, c)), j))",
+        {"x": (1, 6, 2), "z": (1, 4, 2)},
+        inputs=("x", "z", "ix"),
+        index_inputs={"ix": ((1, 5), 0, 4)},
+    ),
     # `(i + 0.5)` in a sampled position: (0.5 + start) + i, the start a float
     "bilinear_resize": Case(
         "y[b,c,i,j] = x[b,c, min(max((i+0.5)*H/OH - 0.5, 0.0), H-1),"
@@ -62,7 +70,8 @@ CASES = {
     ),
 }
 
-BUDGETS = {"bilinear_resize": (4096, 1)}
+# (a budget of 1600 bytes: chunks of 3 of the 5 positions of j, the last one shorter)
+BUDGETS = {"bilinear_resize": (4096, 1), "pairwise_logsumexp": (1600, 1)}
 
 
 @pytest.mark.parametrize("name, budget", [(n, b) for n in CASES for b in BUDGETS.get(n, (1,))])

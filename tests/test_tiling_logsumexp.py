@@ -359,3 +359,19 @@ def test_a_log_summed_over_an_implicit_index_is_no_logaddexp(name, target, tmp_p
         check(case, module)
     else:
         check_target(case, module, frameworks()[target])
+
+
+def test_an_index_tensor_read_in_a_subscript_is_no_implicit_index():
+    """`ix` in `z[b, ix[b,j], c]` names a tensor, not an index summed outside the log:
+    every index here is bound (c and j by sums), so the op tiles along j by logaddexp.
+    Counted as an index, the log-sum-exp was refused and not tiled at all (b has one
+    position), and its chunk loop's crash in TensorFlow went unseen
+    (test_tiled_tf_dtypes.py)."""
+    case = Case(
+        "y[b,i] = log(sum(exp(-sum((x[b,i,c] - z[b, ix[b,j], c])**2, c)), j))",
+        {"x": (1, 6, 2), "z": (1, 4, 2)},
+        inputs=("x", "z", "ix"),
+        index_inputs={"ix": ((1, 5), 0, 4)},
+    )
+    tiling = compile_op(op_spec(case, "Probe")).tiling
+    assert (tiling.index, tiling.combine) == ("j", "logaddexp"), tiling
