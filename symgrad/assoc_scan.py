@@ -295,6 +295,12 @@ PER_POSITION = {"jax": 16, "pytorch": 16, "tensorflow": 32}
 # still gives TensorFlow's (tested, and compared in benchmarks/recurrences.py).
 BY_DEFAULT = ("jax", "pytorch")
 
+# Targets whose scan takes a chunk again, with each product of a kept as a mantissa and
+# a power of two, where its states came out non-finite (products of a over many
+# positions overflow where a growing state that starts at zero does not). TensorFlow's
+# associative scan, generated only on request, does not.
+RESCANS = ("jax", "pytorch")
+
 SCAN_KIND = {
     "jax": "jax.lax.associative_scan",
     "tensorflow": "a log-depth (Hillis-Steele) scan",
@@ -373,6 +379,7 @@ def module_text(op: OpSpec, lin: Linear, source_name: str, target: str) -> str:
             contrib=contrib,
             per_position=PER_POSITION[target],
             scan_kind=SCAN_KIND[target],
+            rescans=target in RESCANS,
         )
     )
     source = scan_render._unique_imports(source)
