@@ -46,6 +46,7 @@ from .parse import (
     Reduce,
     ShapeRef,
     Where,
+    bracketed_tensors,
     index_names,
     parse_equation,
     parse_range,
@@ -1073,13 +1074,14 @@ def build(op: OpSpec) -> Program:
     attrs = frozenset(builder.attrs) | frozenset(builder.lets)
     int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     equations = []
+    bracketed = bracketed_tensors(op.formulas)
     for text in op.formulas:
         try:
             # A tensor an earlier equation computes holds floats: inside brackets it is a
             # float position (a sampled read), never an integer index tensor.
             computed = frozenset(e.output for e in equations)
             floats = frozenset(op.float_positions) | computed
-            equations.append(parse_equation(text, attrs, int_attrs, floats))
+            equations.append(parse_equation(text, attrs, int_attrs, floats, bracketed))
         except SymgradError as exc:
             raise exc.located(op.source, text) from None
     # Output indices name one dimension across all equations; a sum in one equation

@@ -447,9 +447,13 @@ class _Walker:
         attrs: frozenset[str],
         int_attrs: frozenset[str],
         floats: frozenset[str] = frozenset(),
+        bracketed: frozenset[str] = frozenset(),
     ) -> None:
         self.text = text
         self.floats = floats  # tensors whose values are float positions (`float_positions`)
+        # Tensors the op reads inside another tensor's brackets (index tensors, unless
+        # `floats` says otherwise): compared with integers alone, they stay integers.
+        self.bracketed = bracketed - floats
         self.attrs = attrs
         self.int_attrs = int_attrs  # attrs that may scale or shift an index
         self.indices: set[str] = set()  # every index name used, for the einsum letter limit
@@ -773,7 +777,9 @@ class _Walker:
             floats = any(
                 _is_float_position(o, self.floats, self.attrs - self.int_attrs) for o in operands
             )
-            on_indices = not floats and any(self.mentions_index(o) for o in operands)
+            on_indices = not floats and (
+                any(self.mentions_index(o) for o in operands) or self.integers_only(operands)
+            )
             if on_indices:
                 values = tuple(self.index_expr(o, depth + 1, inside=False) for o in operands)
             else:
@@ -784,6 +790,27 @@ class _Walker:
             "and / or / not",
             node,
         )
+
+    def integers_only(self, operands: list[ast.AST]) -> bool:
+        """Whether a comparison with no index in it compares integers: an index tensor
+        the op reads inside brackets against int attrs, int literals and index tensors
+        (`t[n] != ig`, an ignore_index loss's label that also picks `x[n, t[n]]`)."""
+
+        def integer(node: ast.AST) -> bool:
+            if isinstance(node, ast.Constant):
+                return type(node.value) is int
+            if isinstance(node, ast.Name):
+                return node.id in self.int_attrs
+            if isinstance(node, ast.Subscript):
+                return isinstance(node.value, ast.Name) and node.value.id in self.bracketed
+            if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+                return integer(node.operand)
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Sub | ast.Mult):
+                return integer(node.left) and integer(node.right)
+            return False
+
+        tensors = [n for o in operands for n in ast.walk(o) if isinstance(n, ast.Subscript)]
+        return bool(tensors) and all(integer(o) for o in operands)
 
     def mentions_index(self, node: ast.AST) -> bool:
         """Whether a comparison operand uses an index as a number (outside brackets)."""
@@ -1271,15 +1298,35 @@ def parse_equation(
     attrs: frozenset[str] = frozenset(),
     int_attrs: frozenset[str] = frozenset(),
     floats: frozenset[str] = frozenset(),
+    bracketed: frozenset[str] = frozenset(),
 ) -> Equation:
-    """Parse one `out[idx] = expr` formula; raise SymgradError with a column on failure."""
+    """Parse one `out[idx] = expr` formula; raise SymgradError with a column on failure.
+    `bracketed`: the tensors the op reads inside brackets (`bracketed_tensors`)."""
     text = text.strip(" ")
     _check_text(text)
     if not text:
         raise SymgradError("formula is empty")
     tree = _python_tree(text, "exec", "formula")
     _check_size(tree)
-    return _Walker(text, attrs, int_attrs, floats).equation(tree)
+    return _Walker(text, attrs, int_attrs, floats, bracketed).equation(tree)
+
+
+def bracketed_tensors(texts) -> frozenset[str]:
+    """The tensors read inside another read's brackets (`t` in `x[n, t[n]]`) in any of
+    an op's formulas; a formula that does not parse adds none (parse_equation reports
+    it)."""
+    found = set()
+    for text in texts:
+        try:
+            tree = _python_tree(text.strip(" "), "exec", "formula")
+        except SymgradError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript):
+                for inner in ast.walk(node.slice):
+                    if isinstance(inner, ast.Subscript) and isinstance(inner.value, ast.Name):
+                        found.add(inner.value.id)
+    return frozenset(found)
 
 
 # ----------------------------------------------------------------------------- ranges

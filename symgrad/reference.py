@@ -40,6 +40,7 @@ from symgrad.parse import (
     Reduce,
     Sampled,
     Where,
+    bracketed_tensors,
     parse_equation,
 )
 
@@ -444,6 +445,7 @@ def evaluate(
     sizes: dict[str, int] | None = None,
     int_attrs: frozenset[str] | None = None,
     floats: frozenset[str] = frozenset(),
+    bracketed: frozenset[str] | None = None,
 ):
     """The output of one equation, densely evaluated (composite axes row-major).
 
@@ -456,7 +458,9 @@ def evaluate(
         int_attrs = frozenset(
             a for a, v in attrs.items() if isinstance(v, int) and not isinstance(v, bool)
         )
-    equation = parse_equation(formula, frozenset(attrs), frozenset(int_attrs), floats)
+    if bracketed is None:
+        bracketed = bracketed_tensors([formula])
+    equation = parse_equation(formula, frozenset(attrs), frozenset(int_attrs), floats, bracketed)
     dtype = next(t.dtype for t in inputs.values() if t.dtype.is_floating)
     evaluator = Evaluator(inputs, attrs, dtype, sizes)
     evaluator.learn_sizes(equation.rhs)
@@ -483,6 +487,7 @@ def evaluate_op(
     named = dict(inputs)
     results = []
     computed: set[str] = set()  # as in model.build: inside brackets a float position
+    bracketed = bracketed_tensors(formulas)
     for formula in formulas:
         value = evaluate(
             formula,
@@ -491,6 +496,7 @@ def evaluate_op(
             sizes=sizes,
             int_attrs=int_attrs,
             floats=frozenset(floats) | computed,
+            bracketed=bracketed,
         )
         name = formula.split("[", 1)[0].strip()
         named[name] = value

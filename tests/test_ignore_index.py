@@ -1,0 +1,91 @@
+"""An index tensor compared with integers alone stays an index tensor: `t[n] != ig` (an
+ignore_index loss, whose label also picks the target logit `x[n, t[n]]`) had made t a
+value, and the op was refused as reading t both as an index and as a value. Exact in every
+target, untiled and in chunks, against the reference (TF autodiff, float64), with labels
+equal to the ignored one and, for ig = -1, labels that read outside x (which read zero,
+and are masked)."""
+
+from __future__ import annotations
+
+import pytest
+from harness import Case, check, generate
+from target_harness import check_target, frameworks, generate_for
+
+from symgrad.errors import SymgradError
+from symgrad.model import build
+
+NLL = "y[n] = where(t[n] != ig, log(sum(exp(x[n,c]), c)) - x[n, t[n]], 0)"
+MEAN = (
+    "y[b] = sum(where(t[b,n] != ig, log(sum(exp(x[b,n,c]), c)) - x[b, n, t[b,n]], 0), n)"
+    " / max(sum(where(t[b,n] != ig, 1, 0), n), 1)"
+)
+
+CASES = {
+    # labels 0..4 of 5 classes, the ignored one 2
+    "nll": Case(
+        NLL,
+        {"x": (9, 5)},
+        attrs={"ig": 2},
+        attr_types={"ig": "int"},
+        index_inputs={"t": ((9,), 0, 5)},
+        low=-3.0,
+        high=3.0,
+    ),
+    # PyTorch's convention in miniature: the ignored label is outside the classes
+    "nll_outside": Case(
+        NLL,
+        {"x": (11, 4)},
+        attrs={"ig": -1},
+        attr_types={"ig": "int"},
+        index_inputs={"t": ((11,), -1, 4)},
+    ),
+    # the mean over the labels kept, per batch row, with a label compared in a sum
+    "mean": Case(
+        MEAN,
+        {"x": (3, 7, 6)},
+        attrs={"ig": 0},
+        attr_types={"ig": "int"},
+        index_inputs={"t": ((3, 7), 0, 6)},
+    ),
+    # two labels compared with each other and a literal
+    "pair": Case(
+        "y[n] = where(t[n] == u[n] + 1, x[n, t[n]], 0) + x[n, u[n]]",
+        {"x": (8, 5)},
+        index_inputs={"t": ((8,), 0, 5), "u": ((8,), -1, 4)},
+    ),
+}
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tensorflow_is_exact(name, budget, tmp_path):
+    module = generate(CASES[name], tmp_path, prefix="Ignore")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    check(CASES[name], module)
+
+
+@pytest.mark.parametrize("target", ["pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pytorch_and_jax_are_exact(name, target, tmp_path):
+    module = generate_for(CASES[name], target, tmp_path, prefix="Ignore")
+    module.MAX_TEMP_BYTES = 1
+    check_target(CASES[name], module, frameworks()[target])
+
+
+def test_a_value_compared_with_an_integer_is_still_a_value():
+    """Only a tensor the op reads inside brackets is an index tensor: `m[n] == 1` with m
+    read nowhere else compares values (m has a gradient of zero, and is a float input)."""
+    from harness import op_spec
+
+    program = build(op_spec(Case("y[n] = where(m[n] == 1, x[n], 0)", {"m": (3,), "x": (3,)}), "V"))
+    assert set(program.inputs) == {"m", "x"}
+
+
+def test_an_index_tensor_read_as_a_value_is_still_refused():
+    """Arithmetic on the label (`t[n] * 2.0`) reads it as a float value: refused as before."""
+    from harness import op_spec
+
+    case = Case("y[n] = x[n, t[n]] * t[n]", {"x": (3, 4)}, index_inputs={"t": ((3,), 0, 4)})
+    with pytest.raises(SymgradError, match="both as an index tensor"):
+        build(op_spec(case, "V"))
