@@ -109,6 +109,19 @@ def test_a_mean_over_no_points(target, tmp_path):
         assert np.array_equal(as_numpy(grads[1]), np.zeros((2, 5, 3)))
 
 
+@pytest.mark.xfail(strict=True, reason="a softmax over an empty axis sums its values to 0")
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_softmax_average_over_no_keys_is_nan(target, tmp_path):
+    """A known limit: sum(exp(s) * v, j) / sum(exp(s), j) over no keys is 0 / 0 as
+    written, but lowers to softmax(s) contracted with v, whose sum over nothing is 0."""
+    case = Case(
+        "y[i,d] = sum(exp(s[i,j]) * v[j,d], j) / sum(exp(s[i,j]), j)", {"s": (3, 4), "v": (4, 2)}
+    )
+    module = generate(case, tmp_path, prefix="EmptySoftmax", target=target)
+    y = as_numpy(module.forward(ARRAY[target](np.zeros((3, 0))), ARRAY[target](np.zeros((0, 2)))))
+    assert y.shape == (3, 2) and np.all(np.isnan(y))
+
+
 # ------------------------------------------------------- float32 far from the origin
 
 
