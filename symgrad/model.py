@@ -1074,7 +1074,11 @@ def build(op: OpSpec) -> Program:
     attrs = frozenset(builder.attrs) | frozenset(builder.lets)
     int_attrs = frozenset(n for n, kind in op.attrs if kind == "int") | frozenset(builder.lets)
     equations = []
-    bracketed = bracketed_tensors(op.formulas)
+    # the tensors the op reads at integer positions inside brackets (any equation's)
+    written = frozenset(text.split("[", 1)[0].strip() for text in op.formulas)
+    bracketed = bracketed_tensors(
+        op.formulas, attrs, int_attrs, frozenset(op.float_positions) | written
+    )
     for text in op.formulas:
         try:
             # A tensor an earlier equation computes holds floats: inside brackets it is a

@@ -1311,10 +1311,16 @@ def parse_equation(
     return _Walker(text, attrs, int_attrs, floats, bracketed).equation(tree)
 
 
-def bracketed_tensors(texts) -> frozenset[str]:
-    """The tensors read inside another read's brackets (`t` in `x[n, t[n]]`) in any of
-    an op's formulas; a formula that does not parse adds none (parse_equation reports
-    it)."""
+def bracketed_tensors(
+    texts,
+    attrs: frozenset[str] = frozenset(),
+    int_attrs: frozenset[str] = frozenset(),
+    floats: frozenset[str] = frozenset(),
+) -> frozenset[str]:
+    """The tensors read at integer positions inside another read's brackets (`t` in
+    `x[n, t[n]]`, not in a sampled read's `x[1.0 * t[n]]` or a displacement's
+    `x[b, h + flow[b, h]]`) in any of an op's formulas; a formula that does not parse
+    adds none (parse_equation reports it)."""
     found = set()
     for text in texts:
         try:
@@ -1322,8 +1328,14 @@ def bracketed_tensors(texts) -> frozenset[str]:
         except SymgradError:
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Subscript):
-                for inner in ast.walk(node.slice):
+            if not isinstance(node, ast.Subscript):
+                continue
+            for element in _slice_elements(node.slice):
+                if _is_float_position(element, floats, attrs - int_attrs) or _is_offset_read(
+                    element, attrs
+                ):
+                    continue
+                for inner in ast.walk(element):
                     if isinstance(inner, ast.Subscript) and isinstance(inner.value, ast.Name):
                         found.add(inner.value.id)
     return frozenset(found)

@@ -437,6 +437,12 @@ def _loose(node, free, bound=frozenset()) -> set:
     return found
 
 
+def _int_attrs(attrs: dict) -> frozenset[str]:
+    """The attrs whose value is a Python int (those that may appear in index
+    expressions, by default)."""
+    return frozenset(a for a, v in attrs.items() if isinstance(v, int) and not isinstance(v, bool))
+
+
 def evaluate(
     formula: str,
     inputs: dict,
@@ -455,11 +461,9 @@ def evaluate(
     """
     attrs = attrs or {}
     if int_attrs is None:
-        int_attrs = frozenset(
-            a for a, v in attrs.items() if isinstance(v, int) and not isinstance(v, bool)
-        )
+        int_attrs = _int_attrs(attrs)
     if bracketed is None:
-        bracketed = bracketed_tensors([formula])
+        bracketed = bracketed_tensors([formula], frozenset(attrs), frozenset(int_attrs), floats)
     equation = parse_equation(formula, frozenset(attrs), frozenset(int_attrs), floats, bracketed)
     dtype = next(t.dtype for t in inputs.values() if t.dtype.is_floating)
     evaluator = Evaluator(inputs, attrs, dtype, sizes)
@@ -487,7 +491,13 @@ def evaluate_op(
     named = dict(inputs)
     results = []
     computed: set[str] = set()  # as in model.build: inside brackets a float position
-    bracketed = bracketed_tensors(formulas)
+    computed_all = frozenset(f.split("[", 1)[0].strip() for f in formulas)
+    bracketed = bracketed_tensors(
+        formulas,
+        frozenset(attrs or {}),
+        int_attrs if int_attrs is not None else _int_attrs(attrs or {}),
+        frozenset(floats) | computed_all,
+    )
     for formula in formulas:
         value = evaluate(
             formula,

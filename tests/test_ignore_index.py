@@ -73,13 +73,25 @@ def test_pytorch_and_jax_are_exact(name, target, tmp_path):
     check_target(CASES[name], module, frameworks()[target])
 
 
-def test_a_value_compared_with_an_integer_is_still_a_value():
-    """Only a tensor the op reads inside brackets is an index tensor: `m[n] == 1` with m
-    read nowhere else compares values (m has a gradient of zero, and is a float input)."""
+@pytest.mark.parametrize(
+    "formula",
+    [
+        "y[n] = where(m[n] == 1, x[n], 0)",  # read nowhere in brackets
+        "y[n] = where(m[n] > 0, x[1.0 * m[n]], 0)",  # sampled reads at m's values
+        "y[n] = where(m[n] > 0, x[m[n] / 2], 0)",
+        "y[n] = where(m[n] != 2, x[m[n] * 0.5 + 1], 0)",
+        "y[n] = where(m[n] > 0, x[n + m[n]], 0)",  # a displacement of n
+    ],
+)
+def test_a_value_compared_with_an_integer_is_still_a_value(formula):
+    """Only a tensor the op reads at integer positions inside brackets is an index
+    tensor: compared with an integer, a tensor read nowhere in brackets, or read as a
+    float position (a sampled read), is a value with a gradient."""
     from harness import op_spec
 
-    program = build(op_spec(Case("y[n] = where(m[n] == 1, x[n], 0)", {"m": (3,), "x": (3,)}), "V"))
+    program = build(op_spec(Case(formula, {"m": (3,), "x": (4,)}), "V"))
     assert set(program.inputs) == {"m", "x"}
+    assert not program.index_inputs
 
 
 def test_an_index_tensor_read_as_a_value_is_still_refused():
