@@ -1305,15 +1305,18 @@ def _extents(
                 column=exc.column,
             ) from None
         value = sp.Max(0, _range_expr(node, builder, name, fail))  # a negative one: empty
-        for symbol in symbols:
-            if written_name(symbol) != name:
-                continue
-            if symbol in known:
-                tensor_name, axis = indexing.parse_shape_symbol(known[symbol])
-                raise fail(
-                    f"index {name!r} is a plain index of {tensor_name} (axis {axis}) and "
-                    "takes its size from there; remove it from `ranges`"
-                )
+        # One name may be several indices: an internal tensor's output index and a sum
+        # over that name in a later equation (primed). The range sizes those that no
+        # plain read sizes; it is refused only where a plain read sizes every one.
+        named = [s for s in symbols if written_name(s) == name]
+        unsized = [s for s in named if s not in known]
+        if not unsized:
+            tensor_name, axis = indexing.parse_shape_symbol(known[named[0]])
+            raise fail(
+                f"index {name!r} is a plain index of {tensor_name} (axis {axis}) and "
+                "takes its size from there; remove it from `ranges`"
+            )
+        for symbol in unsized:
             extents[symbol] = value
     sized = {**known, **extents}
     output_indices = {i for o in outputs for i in o.level.indices}
