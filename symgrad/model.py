@@ -184,12 +184,14 @@ def accesses(expr: sp.Expr) -> list[sp.Indexed]:
 
 
 def indices_in_order(expr: sp.Expr) -> list[Index]:
-    """Indices used by accesses in `expr`, in a deterministic order of appearance."""
+    """Indices used by accesses in `expr`, in a deterministic order of appearance. An int
+    attr or let in a position (`indptr[s + tile_start]`, a chunk's start) is no index."""
     seen: dict[Index, None] = {}
     for access in _accesses_in_print_order(expr):
         for index in access.indices:
             for symbol in sorted(index.free_symbols, key=sp.default_sort_key):
-                seen.setdefault(symbol, None)
+                if not symbol.name.startswith("_int_"):
+                    seen.setdefault(symbol, None)
     return list(seen)
 
 
