@@ -99,7 +99,7 @@ def _linear(op: OpSpec) -> Linear | None:
                     return None
     rhs = eq.rhs
     if scan.init is not None:
-        rhs = _decide(rhs, _Shim(t), first=False)
+        rhs = _decide(rhs, _Shim(t, op), first=False)
     if any(ref.name == t for ref in _value_indices(rhs)):
         return None
     for e in later:
@@ -251,8 +251,8 @@ def _spec(op: OpSpec, suffix: str, formulas, inputs, outputs) -> OpSpec:
 class _Shim(SimpleNamespace):
     """What `_decide` reads of a recurrence's analysis."""
 
-    def __init__(self, index: str) -> None:
-        super().__init__(index=index)
+    def __init__(self, index: str, op: OpSpec) -> None:
+        super().__init__(index=index, op=op)
 
     def fail(self, message, col, equation=None):
         return SymgradError(message)

@@ -832,9 +832,15 @@ def _decide(node, a: _Analysis, *, first: bool):
                 return a.fail(message, col)
 
             values = [_symbolic(o, fail) for o in c.operands]
+            # an index's value is never negative; an int attr's or a let's may be
+            # (`t + n > 0` with n = -2 holds from t = 3 on, not at every t >= 1)
+            signed = {n for n, _ in a.op.attrs} | {n for n, _ in a.op.lets}
             for v in values:
                 for s in v.free_symbols:
-                    symbols[s] = sp.Symbol(s.name, integer=True, nonnegative=True)
+                    if s.name in signed:
+                        symbols[s] = sp.Symbol(s.name, integer=True)
+                    else:
+                        symbols[s] = sp.Symbol(s.name, integer=True, nonnegative=True)
             step = sp.Symbol("_later", integer=True, nonnegative=True)
             position = sp.Integer(0) if first else step + 1
             symbols[sp.Symbol(t, integer=True)] = position
