@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from harness import Case, generate, make_tensors, op_spec, reference
+from harness import Case, check, generate, make_tensors, op_spec, reference
 
 from symgrad.model import build
 
@@ -153,3 +153,16 @@ def check_in_target(case: Case, target: str, folder: Path) -> None:
 
     pytest.importorskip("torch" if target == "pytorch" else "jax")
     check_target(case, generate_for(case, target, folder), frameworks()[target])
+
+
+def check_in_every_target(case: Case, target: str, folder: Path, prefix: str, budget=None):
+    """Generate `case` for `target`, set its MAX_TEMP_BYTES to `budget` (None: the
+    default), and check it against the reference: `check` in TensorFlow (with finite
+    differences), `check_target` in PyTorch and JAX."""
+    module = generate_for(case, target, folder, prefix=prefix)
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    if target == "tensorflow":
+        check(case, module)
+    else:
+        check_target(case, module, frameworks()[target])

@@ -9,8 +9,8 @@ past src's end read zero."""
 from __future__ import annotations
 
 import pytest
-from harness import Case, check, generate
-from target_harness import check_target, frameworks, generate_for
+from harness import Case
+from target_harness import check_in_every_target
 
 
 def _case(formula, **extra):
@@ -53,19 +53,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tensorflow_is_exact(name, budget, tmp_path):
-    module = generate(CASES[name], tmp_path, prefix="Csr")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
-    check(CASES[name], module)
-
-
-@pytest.mark.parametrize("budget", [None, 1])
-@pytest.mark.parametrize("target", ["pytorch", "jax"])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_pytorch_and_jax_are_exact(name, target, budget, tmp_path):
-    module = generate_for(CASES[name], target, tmp_path, prefix="Csr")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
-    check_target(CASES[name], module, frameworks()[target])
+def test_every_target_is_exact(name, target, budget, tmp_path):
+    check_in_every_target(CASES[name], target, tmp_path, "Csr", budget)

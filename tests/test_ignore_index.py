@@ -8,8 +8,8 @@ and are masked)."""
 from __future__ import annotations
 
 import pytest
-from harness import Case, check, generate
-from target_harness import check_target, frameworks, generate_for
+from harness import Case
+from target_harness import check_in_every_target
 
 from symgrad.errors import SymgradError
 from symgrad.model import build
@@ -57,20 +57,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tensorflow_is_exact(name, budget, tmp_path):
-    module = generate(CASES[name], tmp_path, prefix="Ignore")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
-    check(CASES[name], module)
-
-
-@pytest.mark.parametrize("target", ["pytorch", "jax"])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_pytorch_and_jax_are_exact(name, target, tmp_path):
-    module = generate_for(CASES[name], target, tmp_path, prefix="Ignore")
-    module.MAX_TEMP_BYTES = 1
-    check_target(CASES[name], module, frameworks()[target])
+def test_every_target_is_exact(name, target, budget, tmp_path):
+    check_in_every_target(CASES[name], target, tmp_path, "Ignore", budget)
 
 
 @pytest.mark.parametrize(

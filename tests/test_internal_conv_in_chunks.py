@@ -8,8 +8,8 @@ every target, untiled and in chunks, against the reference (TF autodiff, float64
 from __future__ import annotations
 
 import pytest
-from harness import Case, check, generate
-from target_harness import check_target, frameworks, generate_for
+from harness import Case
+from target_harness import check_in_every_target
 
 CASES = {
     # the op of the report: a 3-tap convolution centred on n, then a sum over the n
@@ -39,22 +39,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tensorflow_is_exact(name, budget, tmp_path):
-    module = generate(CASES[name], tmp_path, prefix="ConvSeg")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
-    check(CASES[name], module)
-
-
-@pytest.mark.parametrize("budget", [None, 1])
-@pytest.mark.parametrize("target", ["pytorch", "jax"])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_pytorch_and_jax_are_exact(name, target, budget, tmp_path):
-    module = generate_for(CASES[name], target, tmp_path, prefix="ConvSeg")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
-    check_target(CASES[name], module, frameworks()[target])
+def test_every_target_is_exact(name, target, budget, tmp_path):
+    check_in_every_target(CASES[name], target, tmp_path, "ConvSeg", budget)
 
 
 # An internal tensor's output index without a plain read needs a range, and a later
@@ -77,9 +65,4 @@ RANGED = Case(
 
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_a_range_sizes_the_internal_index_its_name_leaves_unsized(target, tmp_path):
-    module = generate_for(RANGED, target, tmp_path, prefix="Ranged")
-    module.MAX_TEMP_BYTES = 1
-    if target == "tensorflow":
-        check(RANGED, module)
-    else:
-        check_target(RANGED, module, frameworks()[target])
+    check_in_every_target(RANGED, target, tmp_path, "Ranged", budget=1)
