@@ -8,9 +8,10 @@ past src's end read zero."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from harness import Case
-from target_harness import check_in_every_target
+from target_harness import check_in_every_target, generate_for
 
 
 def _case(formula, **extra):
@@ -57,3 +58,76 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_target_is_exact(name, target, budget, tmp_path):
     check_in_every_target(CASES[name], target, tmp_path, "Csr", budget)
+
+
+# ------------------------------------------- against loops over the rows, with ties
+
+
+def _loops(kind, indptr, src, grad):
+    """Each segment s covers rows indptr[s] .. indptr[s+1] - 1: an empty one is -inf
+    (+inf for min) with no gradient, and ties split the gradient equally."""
+    segments = len(indptr) - 1
+    y = np.full((segments, src.shape[1]), -np.inf if kind == "max" else np.inf)
+    dx = np.zeros_like(src)
+    for s in range(segments):
+        rows = src[indptr[s] : indptr[s + 1]]
+        if not len(rows):
+            continue
+        y[s] = rows.max(0) if kind == "max" else rows.min(0)
+        hits = rows == y[s]
+        dx[indptr[s] : indptr[s + 1]] += hits * grad[s] / hits.sum(0)
+    return y, dx
+
+
+def _tf_step(module, indptr, src, grad):
+    import tensorflow as tf
+
+    x = tf.constant(src)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = module.forward(tf.constant(indptr), x)
+    return y.numpy(), tape.gradient(y, x, output_gradients=tf.constant(grad)).numpy()
+
+
+def _torch_step(module, indptr, src, grad):
+    import torch
+
+    leaf = torch.tensor(src, requires_grad=True)
+    y = module.forward(torch.tensor(indptr), leaf)
+    (dx,) = torch.autograd.grad(y, leaf, torch.tensor(grad))
+    return y.detach().numpy(), dx.numpy()
+
+
+def _jax_step(module, indptr, src, grad):
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    y, pullback = jax.vjp(lambda u: module.forward(jnp.asarray(indptr), u), jnp.asarray(src))
+    (dx,) = pullback(jnp.asarray(grad))
+    return np.asarray(y), np.asarray(dx)
+
+
+STEPS = {"tensorflow": _tf_step, "pytorch": _torch_step, "jax": _jax_step}
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+@pytest.mark.parametrize("target", sorted(STEPS))
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_extrema_match_loops_with_ties_and_empty_segments(kind, target, budget, tmp_path):
+    """11 rows, 3 features, 6 segments (1 and 3 empty), values in {0, 1, 2}: ties in most
+    segments, through each framework's own backward."""
+    pytest.importorskip({"pytorch": "torch", "jax": "jax"}.get(target, "tensorflow"))
+    rng = np.random.default_rng(3)
+    indptr = np.array([0, 3, 3, 7, 7, 10, 11], dtype=np.int64)
+    src = rng.integers(0, 3, size=(11, 3)).astype(np.float64)
+    grad = rng.standard_normal((6, 3))
+    want_y, want_dx = _loops(kind, indptr, src, grad)
+    assert np.isinf(want_y[[1, 3]]).all()
+    assert 0 < np.abs(want_dx).min(initial=1, where=want_dx != 0) < np.abs(grad).max()
+    module = generate_for(CASES[kind], target, tmp_path, prefix="CsrLoops")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    y, dx = STEPS[target](module, indptr, src, grad)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
