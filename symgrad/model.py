@@ -1157,7 +1157,10 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     for name in op.float_positions:
         if name not in inputs:
             raise fail(f"`float_positions` names {name!r}, which is not an input")
+    # Every index the formulas use, as `ranges` sees them: one sized by a range (no plain
+    # input axis) has a typical size too (a conv's `i`, a segment sum's `v`).
     index_names = {symbol.name.rstrip("'") for symbol in builder.dims}
+    index_names |= {written_name(s) for s in _all_indices(builder, outputs)}
     for index, _ in op.sizes:
         if index not in index_names:
             raise fail(f"`sizes` names index {index!r}, which no formula uses")
