@@ -66,3 +66,66 @@ RANGED = Case(
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_a_range_sizes_the_internal_index_its_name_leaves_unsized(target, tmp_path):
     check_in_every_target(RANGED, target, tmp_path, "Ranged", budget=1)
+
+
+# The budget of the report: 64 bytes, so that stage 1 runs in several chunks of n and
+# stage 0 (the convolution) in one, its start still the loop's (traced in JAX).
+BUDGET = 64
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_training_steps_in_chunks_equal_untiled(target, tmp_path):
+    """Two SGD steps of g, x and w on sum(sin(y)) (JAX under jit and grad, PyTorch
+    eagerly, TensorFlow with a tape over its registered gradient) in chunks equal the
+    untiled module's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import sgd
+    from harness import generate, make_tensors
+
+    pytest.importorskip({"tensorflow": "tensorflow", "pytorch": "torch", "jax": "jax"}[target])
+    case = CASES["same_segment"]
+    module = generate(case, tmp_path, prefix="ConvSegSteps", target=target)
+    assert module.INPUTS == ("g", "x", "w", "sg")
+    arrays = [t.numpy() for t in make_tensors(case, module.INPUTS)]
+    tensors = [_tensor(target)(a) for a in arrays]
+    # sg, the segment values, takes no gradient (TensorFlow gives None): held fixed
+    trained = SimpleNamespace(forward=lambda g, x, w: module.forward(g, x, w, tensors[3]))
+
+    def loss_of(y, lib):
+        return sgd.total(lib.sin(y), lib)
+
+    want = sgd.two_steps(target, trained, arrays[:3], loss_of, lr=0.05)
+    module.MAX_TEMP_BYTES = BUDGET
+    plan = module._tile_plan(*tensors)
+    assert plan is not None and plan[3] < plan[2]  # stage 1: several chunks of n
+    got = sgd.two_steps(target, trained, arrays[:3], loss_of, lr=0.05)
+    moved = [np.abs(g - a).max() for g, a in zip(got, arrays, strict=False)]
+    assert min(moved) > 1e-3, moved  # the steps moved g, x and w
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12, err_msg=target)
+
+
+def _tensor(target):
+    """A NumPy array as `target`'s tensor (float64 JAX)."""
+    if target == "tensorflow":
+        import tensorflow as tf
+
+        return tf.constant
+    from target_harness import frameworks
+
+    return frameworks()[target].tensor
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_unknown_sizes_equal_eager(name, tmp_path):
+    """TensorFlow under tf.function with every size unknown, in chunks (the chunk's start
+    and the window's bounds tensors), equals the untiled module run eagerly."""
+    pytest.importorskip("tensorflow")
+    from adversarial import unknown_sizes_equal_eager
+    from harness import generate, make_tensors
+
+    case = CASES[name]
+    module = generate(case, tmp_path, prefix="ConvSegUnknown")
+    unknown_sizes_equal_eager(module, make_tensors(case, module.INPUTS), case.attrs, seed=2)
