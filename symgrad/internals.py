@@ -57,6 +57,8 @@ def share_axis(builder: _Builder, symbol: Index, name: str, axis: int, col: int)
             f"that axis with the index {defining.name.rstrip(chr(39))!r}",
             col,
         )
+    if not sources:  # a range sizes the axis: the reading index's size must equal it
+        builder.same_sizes.append((symbol, defining, f"{name}[axis {axis}]"))
     for source in sources:
         builder.add_dim(symbol, *source)
 

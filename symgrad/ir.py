@@ -130,6 +130,8 @@ OPS = {
     "refused when d does not divide it",
     "size_limit": "size_limit(n, where, others): the size n of an output axis, refused when "
     "n times the other sizes is beyond the largest output allowed",
+    "same_size": "same_size(n, other, where): the size n of an index, refused when it is not "
+    "`other`, the size of the axis it reads (`where`, a message formatted with both)",
     # reductions and scans (axis=, keepdims=)
     "cumsum": "cumsum(x, axis=, exclusive=, reverse=)",
     "log_softmax": "log_softmax(x, axis=)",

@@ -120,6 +120,10 @@ class Program:
     lets: tuple[tuple[str, sp.Expr], ...] = ()
     float_positions: tuple[str, ...] = ()  # the spec's `float_positions` (sampling.py)
     position_inputs: tuple[str, ...] = ()  # read only at float positions: int dtype is cast
+    # (reading, defining, "h[axis 0]"): an internal tensor's axis, sized by a range of the
+    # defining index, read plainly at an index sized otherwise; equal sizes are checked
+    # at call time (`internals.share_axis`)
+    same_sizes: tuple[tuple[Index, Index, str], ...] = ()
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -240,6 +244,7 @@ class _Builder:
         self.internals: dict[str, tuple[Level, str, int]] = {}
         self.internal_reads: set[str] = set()
         self.defined: list[str] = []
+        self.same_sizes: list[tuple[Index, Index, str]] = []
 
     # -- errors -----------------------------------------------------------------------
 
@@ -1217,6 +1222,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
         positive_attrs=tuple(sorted(builder.positive_attrs)),
         lets=let_values,
         float_positions=builder.op.float_positions,
+        same_sizes=tuple(dict.fromkeys(builder.same_sizes)),
     )
 
 

@@ -107,6 +107,8 @@ def split(
         if isinstance(e, ir.Call) and e.function == "size_limit":
             # its value is its size; computed whole, it checks the whole op's output
             return changing(e.args[0])
+        if isinstance(e, ir.Call) and e.function == "same_size":
+            return changing(e.args[0]) | changing(e.args[1])
         if isinstance(e, ir.Var | ir.DType | ir.AxisSize | ir.FloatSize | ir.Shape):
             return ir.names_in(e)
         found = set().union(*(changing(c) for c in ir.children(e)))

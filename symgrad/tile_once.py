@@ -177,6 +177,8 @@ def _number(e: ir.Expr) -> bool:
         return _number(e.left) and _number(e.right)
     if isinstance(e, ir.Call) and e.function in ("maximum", "minimum", "exact_div", "size_limit"):
         return all(_number(a) for a in e.args)
+    if isinstance(e, ir.Call) and e.function == "same_size":
+        return _number(e.args[0]) and _number(e.args[1])
     return False
 
 

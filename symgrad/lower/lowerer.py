@@ -22,6 +22,7 @@ from .common import (
     align,
     integer,
     reduction,
+    same_size,
     size_sources,
 )
 from .contract import Contraction
@@ -358,7 +359,8 @@ def lower(program: Program, backward: Backward) -> ir.Module:
             bwd.bind(lowerer.gradient(bwd, name, contributions, scatters), name=gname)
         returns.append(gname)
     limits = _output_limits(program, lowerer.size_of)
-    backward_block = _finish(bwd, tuple(returns), limits)
+    checks = _same_sizes(program, lowerer.size_of)
+    backward_block = _finish(bwd, tuple(returns), limits, checks)
 
     # What the backward reads from the forward pass, and how `gradient(op)` recomputes it.
     # Borrowing forward values can leave a dtype or size definition nothing reads.
@@ -367,7 +369,7 @@ def lower(program: Program, backward: Backward) -> ir.Module:
     backward_block = ir.prune(backward_block, backward_block.returns, set())
     backward_block = inline_once(backward_block, lowerer.row_reads)
     read = ir.names_read(backward_block)
-    forward_block = _finish(fwd, tuple(outputs), limits)
+    forward_block = _finish(fwd, tuple(outputs), limits, checks)
     keep = set(outputs) | {name for name in read if name not in program.inputs}
     forward_block = ir.prune(
         forward_block,
@@ -484,20 +486,51 @@ def _output_limits(program, size_of) -> dict:
     return limits
 
 
-def _finish(body: _Body, returns: tuple[str | None, ...], limits: dict) -> ir.Block:
+def _same_sizes(program: Program, size_of: dict) -> dict:
+    """For each internal tensor's axis sized by a range and read plainly at an index sized
+    otherwise (`Program.same_sizes`): per size source of either index, the other's size
+    and the message, once per pair. The sizes are checked equal at call time, where the
+    read would otherwise fail inside a reshape with the framework's message."""
+    checks: dict = {}
+    for number, (reading, defining, axis) in enumerate(program.same_sizes):
+        mine, theirs = size_of.get(reading), size_of.get(defining)
+        if mine is None or theirs is None or same_size(size_of, reading, defining):
+            continue
+        name = reading.name.rstrip("'")
+        defined = f"{axis} (the range of {defining.name.rstrip(chr(39))})"
+        read = f"{mine[0]}[axis {mine[1]}]" if isinstance(mine, tuple) else f"the range of {name}"
+        where = f"index {name} has different sizes: {read} = {{}}, {defined} = {{}}"
+        checks.setdefault(mine, []).append((number, _size_expr(theirs), where))
+        flipped = f"index {name} has different sizes: {defined} = {{}}, {read} = {{}}"
+        checks.setdefault(theirs, []).append((number, _size_expr(mine), flipped))
+    return checks
+
+
+def _size_expr(source) -> ir.Expr:
+    return ir.AxisSize(*source) if isinstance(source, tuple) else integer(source)
+
+
+def _finish(
+    body: _Body, returns: tuple[str | None, ...], limits: dict, checks: dict | None = None
+) -> ir.Block:
     """Prepend the dtype, `let` and size definitions the steps use; a computed size of an
-    output axis is checked against the size limit of an output (`limits`)."""
+    output axis is checked against the size limit of an output (`limits`), and a size that
+    must equal another (`_same_sizes`) against it."""
     prelude = []
     if body.uses_dtype:
         prelude.append(ir.Assign("dtype", ir.DType(body.program.value_inputs[0])))
     sizes = []
+    checked: set[int] = set()
     for var, source in sorted(body.sizes.items()):
-        if isinstance(source, tuple):
-            sizes.append(ir.Assign(var, ir.AxisSize(*source)))
-            continue
-        value = integer(source)
-        for output, index, others in limits.get(source, ()):
-            value = ir.Call("size_limit", (value, ir.Lit(repr(f"{output}[{index}]")), others))
+        value = _size_expr(source)
+        if not isinstance(source, tuple):
+            for output, index, others in limits.get(source, ()):
+                where = ir.Lit(repr(f"{output}[{index}]"))
+                value = ir.Call("size_limit", (value, where, others))
+        for number, other, where in (checks or {}).get(source, ()):
+            if number not in checked:
+                checked.add(number)
+                value = ir.Call("same_size", (value, other, ir.Lit(repr(where))))
         sizes.append(ir.Assign(var, value))
     # Each let the steps or sizes read (and the lets those read), in dependency order;
     # unread ones are pruned with everything else.

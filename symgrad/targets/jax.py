@@ -195,6 +195,9 @@ class JaxPrinter(Printer):
     def call_size_limit(self, e: ir.Call) -> str:
         return f"_size_limit({self.arguments(e)})"
 
+    def call_same_size(self, e: ir.Call) -> str:
+        return f"_same_size({self.arguments(e)})"
+
     def call_shift(self, e: ir.Call) -> str:
         return f"_shift({self.arguments(e)})"
 

@@ -164,7 +164,7 @@ def is_integer(e: ir.Expr) -> bool:
     if isinstance(e, ir.Whole):
         return is_integer(e.whole) and is_integer(e.part)
     if isinstance(e, ir.Call):
-        integral = ("maximum", "minimum", "to_int64", "size_limit")
+        integral = ("maximum", "minimum", "to_int64", "size_limit", "same_size")
         integral = (*integral, "exact_div", "shift")
         return e.function in integral and all(is_integer(a) for a in e.args)
     return False

@@ -131,6 +131,7 @@ PARAMETERS = {
     "segment_min": ("data", "ids", "n"),
     "shape": ("x",),
     "size_limit": ("n", "where", "others"),
+    "same_size": ("n", "other", "where"),
     "shift": ("x", "start"),
     "exact_div": ("n", "d", "where"),
     "slice": ("x", "begin", "size"),
@@ -189,6 +190,8 @@ def is_python(e: ir.Expr, names: frozenset[str] = frozenset()) -> bool:
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Call) and e.function == "size_limit":
         return is_python(e.args[0], names)
+    if isinstance(e, ir.Call) and e.function == "same_size":
+        return is_python(e.args[0], names) and is_python(e.args[1], names)
     if isinstance(e, ir.Call) and e.function == "shift":
         return all(is_python(a, names) for a in e.args)
     if isinstance(e, ir.Whole):
@@ -636,6 +639,9 @@ class PyTorchPrinter(Printer):
 
     def call_size_limit(self, args: dict) -> str:
         return f"_size_limit({self.code(args['n'])}, {self.code(args['where'])}, {self.code(args['others'])})"
+
+    def call_same_size(self, args: dict) -> str:
+        return f"_same_size({self.code(args['n'])}, {self.code(args['other'])}, {self.code(args['where'])})"
 
     def call_cumsum(self, args: dict) -> str:
         x, axis = self.code(args["x"]), self.code(args.get("axis", ir.Lit("0")))

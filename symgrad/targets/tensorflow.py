@@ -187,6 +187,8 @@ class TensorFlowPrinter(Printer):
             return self.code(ir.Binary("//", e.args[0], e.args[1]))
         if e.function == "size_limit":  # a module checks it (`_size_limit`); explain not
             return f"_size_limit({self.arguments(e)})" if self.in_module else self.code(e.args[0])
+        if e.function == "same_size":  # alike (`_same_size`)
+            return f"_same_size({self.arguments(e)})" if self.in_module else self.code(e.args[0])
         if e.function == "shift":  # a module skips adding the Python int 0 (`_shift`)
             x, start = e.args
             if self.in_module:

@@ -1,0 +1,85 @@
+"""An internal tensor's axis sized by a range, read plainly at an index another input
+sizes: the two sizes must agree, and where they do not the call is refused with the
+index, both axes and both sizes. Before, the read failed inside a reshape with the
+framework's own message ("Input to reshape is a tensor with 18 values, but the requested
+shape has 16"), untiled and in chunks, in every target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness import Case
+from target_harness import check_in_every_target, generate_for
+
+# h's n runs over x.shape[0] - w.shape[0] + 2 positions (its range); the segment sum
+# reads h at the n that seg sizes
+CASE = Case(
+    (
+        "h[n,c] = sum(x[n+k-2, c] * w[k, c], k)",
+        "y[v,c] = sum(where(seg[n] == v, h[n,c], 0), n)",
+    ),
+    {"x": (11, 2), "w": (4, 2)},
+    index_inputs={"seg": ((9,), 0, 4)},
+    ranges={"n": "x.shape[0] - w.shape[0] + 2", "v": "4"},
+    sizes={"n": 9, "v": 4},
+    outputs=("y",),
+)
+MESSAGE = "index n has different sizes: h[axis 0] (the range of n) = 9, seg[axis 0] = 8"
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((11, 2)), rng.standard_normal((4, 2)), np.arange(8) % 4
+
+
+def _framework(target):
+    if target == "pytorch":
+        torch = pytest.importorskip("torch")
+        return torch.tensor
+    if target == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        return jnp.asarray
+    import tensorflow as tf
+
+    return tf.constant
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_equal_sizes_are_exact(target, budget, tmp_path):
+    check_in_every_target(CASE, target, tmp_path, "ConvRange", budget)
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_other_sizes_are_refused_naming_both(target, budget, tmp_path):
+    module = generate_for(CASE, target, tmp_path, prefix="ConvRange")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    tensor = _framework(target)
+    x, w, seg = (tensor(a) for a in _arrays())
+    with pytest.raises(ValueError) as forward:
+        module.forward(x, w, seg)
+    name = getattr(module, "OP_NAME", None) or module.OP_TYPE
+    assert str(forward.value) == f"{name}: {MESSAGE}"
+    with pytest.raises(ValueError) as vjp:
+        module.vjp(x, w, seg, tensor(np.ones((4, 2))))
+    assert str(vjp.value) == f"{name}: {MESSAGE}"
+
+
+def test_tf_function_with_unknown_sizes_checks_them_when_the_graph_runs(tmp_path):
+    import tensorflow as tf
+
+    module = generate_for(CASE, "tensorflow", tmp_path, prefix="ConvRange")
+    unknown = [
+        tf.TensorSpec([None, None], tf.float64),
+        tf.TensorSpec([None, None], tf.float64),
+        tf.TensorSpec([None], tf.int64),
+    ]
+    forward = tf.function(module.forward, input_signature=unknown)
+    x, w, seg = _arrays()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="index n has different sizes"):
+        forward(tf.constant(x), tf.constant(w), tf.constant(seg))
+    # and equal sizes run (9 rows of seg)
+    got = forward(tf.constant(x), tf.constant(w), tf.constant(np.arange(9) % 4))
+    assert got.shape == (4, 2)
