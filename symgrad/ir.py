@@ -170,6 +170,12 @@ OPS = {
     # window of row i at i + shift[i] + u + offset, 0 <= shift[i] <= spread; a dilated
     # window: the keyword dilation=d (a Python int of any sign), row i at i + d·u + offset
     "conv2d_backprop_filter": "Conv2DBackpropFilter(input=, filter_sizes=, out_backprop=, ..)",
+    "depthwise_conv2d": "tf.nn.depthwise_conv2d(input=, filter=, strides=, padding=): NHWC, "
+    "the filter (kh, kw, c, 1), stride 1",
+    "depthwise_conv2d_backprop_filter": "tf.nn.depthwise_conv2d_backprop_filter(input=, "
+    "filter_sizes=, out_backprop=, strides=, padding=)",
+    "depthwise_conv2d_backprop_input": "tf.nn.depthwise_conv2d_backprop_input(input_sizes=, "
+    "filter=, out_backprop=, strides=, padding=)",
     "conv2d_backprop_input": "Conv2DBackpropInput(input_sizes=, filter=, out_backprop=, ..)",
     "conv3d_backprop_filter": "Conv3DBackpropFilterV2(input=, filter_sizes=, out_backprop=, ..)",
     "conv3d_backprop_input": "Conv3DBackpropInputV2(input_sizes=, filter=, out_backprop=, ..)",

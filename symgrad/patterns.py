@@ -36,7 +36,14 @@ class Convolution:
     None): `y[b,i] = Σ_k x[b,i+k] * w[k]` is one with c and o of size one. x and w may
     hold their axes in any order (PyTorch's NCHW and OIHW: `x[b,c,i+u,j+v] * w[o,c,u,v]`):
     `x_axes` and `w_axes` say where each axis of the kernels' layout lies, and lowering
-    transposes them into it (and the gradients back)."""
+    transposes them into it (and the gradients back).
+
+    A depthwise window, `y[b,i..,c] = Σ_k x[b, i + k + off, .., c] * w[k.., c]` (the
+    channel read by w and kept in y, not summed: fairseq's lightconv, a depthwise conv
+    layer), is `depthwise` (1-D or 2-D, stride 1, no output channel): TF's depthwise
+    kernels, torch's grouped convolution, and in JAX a sum of the taps' shifted slices
+    (XLA's grouped convolution on CPU was slower than the gathered window; see the
+    template). Its filter in the kernels' layout is (k.., c, 1)."""
 
     gather: str  # the gather level it replaces
     consumer: str  # the level whose term it is
@@ -49,11 +56,13 @@ class Convolution:
     # x's axis holding each of (b, i.., c), w's holding each of (k.., c, o); None: a unit axis
     x_axes: tuple[int | None, ...]
     w_axes: tuple[int | None, ...]
+    depthwise: bool = False  # c kept in y, not summed (see above)
 
     @property
     def indices(self) -> tuple[Index, ...]:
         """The axes of the result, as the formula has them (no unit axes)."""
-        full = (self.batch, *(s.output for s in self.spatial), self.out_channel)
+        last = self.channel if self.depthwise else self.out_channel
+        full = (self.batch, *(s.output for s in self.spatial), last)
         return tuple(i for i in full if i is not None)
 
 
@@ -142,11 +151,15 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
     if len(rest_w) > 1:
         return None
     out_channel = rest_w[0] if rest_w else None
-    summed = windows | ({channel} if channel is not None else set())
+    depthwise = channel is not None and channel not in term.summed
+    if depthwise and not _depthwise(spatial, out_channel):
+        return None
+    summed = windows | ({channel} if channel is not None and not depthwise else set())
     if set(term.summed) != summed or len(windows) != spatial_rank:
         return None
     outputs = {s.output for s in spatial}
-    expected = [i for i in (batch, out_channel) if i is not None] + list(outputs)
+    kept = (batch, channel if depthwise else out_channel)
+    expected = [i for i in kept if i is not None] + list(outputs)
     if len(set(expected)) != len(expected) or set(expected) & summed:
         return None
     if set(consumer.indices) != set(expected) or len(consumer.indices) != len(expected):
@@ -172,7 +185,16 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
         tuple(spatial),
         x_axes,
         w_axes,
+        depthwise,
     )
+
+
+def _depthwise(spatial: list[Spatial], out_channel: Index | None) -> bool:
+    """Whether a window whose channel w reads and y keeps is one the depthwise kernels
+    compute: no output channel of its own (a channel multiplier), 1-D or 2-D (TF has no
+    3-D depthwise kernel), stride 1 (TF's depthwise kernels take one stride for both
+    axes, and a 1-D window runs as 2-D with a unit height)."""
+    return out_channel is None and len(spatial) <= 2 and all(s.stride == 1 for s in spatial)
 
 
 def _int_attr(e: sp.Expr, program: Program) -> bool:

@@ -147,6 +147,37 @@ def frameworks() -> dict[str, Framework]:
     }
 
 
+def converters(target: str) -> tuple[Callable, Callable]:
+    """(NumPy array -> the target's tensor, and back) for "tensorflow", "pytorch", "jax"."""
+    if target == "tensorflow":
+        return tf.constant, lambda t: t.numpy()
+    import pytest
+
+    pytest.importorskip("torch" if target == "pytorch" else "jax")
+    fw = frameworks()[target]
+    return fw.tensor, fw.numpy
+
+
+def check_graphs_equal_eager(module, args: list) -> None:
+    """A TF module's forward and gradients of sum(sin(y)) under tf.function with every
+    size unknown while tracing, and under XLA, equal the module run eagerly (float64)."""
+
+    def step(*a):
+        with tf.GradientTape() as tape:
+            tape.watch(list(a))
+            y = module.forward(*a)
+            loss = tf.reduce_sum(tf.sin(y))
+        return y, tape.gradient(loss, list(a))
+
+    want = step(*args)
+    specs = [tf.TensorSpec([None] * len(a.shape), a.dtype) for a in args]
+    for compiled in (tf.function(step, input_signature=specs), tf.function(step, jit_compile=True)):
+        y, grads = compiled(*args)
+        np.testing.assert_allclose(y.numpy(), want[0].numpy(), rtol=1e-12, atol=1e-12)
+        for g, e in zip(grads, want[1], strict=True):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def check_in_target(case: Case, target: str, folder: Path) -> None:
     """`check_target` of `case`'s module for `target` ("pytorch" or "jax")."""
     import pytest

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 from harness import Case, check, generate, op_spec
-from target_harness import check_in_target
+from target_harness import check_graphs_equal_eager, check_in_target
 from test_segment_extrema import _bodies
 
 from symgrad.pipeline import module_text
@@ -66,16 +66,10 @@ CASES = {
     ),
 }
 
-# Not a convolution of the kernels: a depthwise filter (c read by w and kept in y) and a
-# dilated one (TF's CPU backprop kernels refuse dilations): gathers, exact
+# Not a convolution of the kernels: a dilated one (TF's CPU backprop kernels refuse
+# dilations): a gather, exact (a depthwise filter, c read by w and kept in y, is the
+# depthwise kernels: test_depthwise_convolutions)
 GATHERS = {
-    "depthwise": Case(
-        "y[b,c,i,j] = sum(w[c,u,v] * x[b,c,i+u,j+v], u, v)",
-        {"x": (2, 3, 6, 5), "w": (3, 2, 2)},
-        ranges={"i": "x.shape[2] - 1", "j": "x.shape[3] - 1"},
-        sizes={"i": 5, "j": 4},
-        fd_directions=4,
-    ),
     "dilated": Case(
         "y[b,o,i] = sum(w[o,c,k] * x[b,c,i+2*k], c, k)",
         {"x": (2, 3, 9), "w": (4, 3, 3)},
@@ -115,7 +109,7 @@ def test_a_convolution_in_any_layout_in_every_target(name, target, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(GATHERS))
-def test_a_depthwise_or_dilated_window_stays_an_exact_gather(name, tmp_path):
+def test_a_dilated_window_stays_an_exact_gather(name, tmp_path):
     case = GATHERS[name]
     _, compute, _ = _text_and_bodies(case)
     assert "_convolution(" not in compute and "gather(" in compute
@@ -131,21 +125,7 @@ def test_an_nchw_convolution_under_tf_function_with_unknown_dims_and_under_xla(t
     rng = np.random.default_rng(0)
     named = {"x": (2, 3, 9, 6), "w": (4, 3, 3, 2), "bias": (4,)}
     args = [tf.constant(rng.standard_normal(named[n])) for n in module.INPUTS]
-
-    def step(*a):
-        with tf.GradientTape() as tape:
-            tape.watch(list(a))
-            y = module.forward(*a)
-            loss = tf.reduce_sum(tf.sin(y))
-        return y, tape.gradient(loss, list(a))
-
-    want = step(*args)
-    specs = [tf.TensorSpec([None] * len(named[n]), tf.float64) for n in module.INPUTS]
-    for compiled in (tf.function(step, input_signature=specs), tf.function(step, jit_compile=True)):
-        y, grads = compiled(*args)
-        np.testing.assert_allclose(y.numpy(), want[0].numpy(), rtol=1e-12, atol=1e-12)
-        for g, e in zip(grads, want[1], strict=True):
-            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12, atol=1e-12)
+    check_graphs_equal_eager(module, args)
 
 
 def test_pytorch_nchw_step_holds_no_window(tmp_path):

@@ -258,6 +258,7 @@ def _forward_lines(text: str) -> list[str]:
 # kernel on an empty axis, an output too large to allocate) around the same call.
 _HELPERS = {
     "_convolution": "tf.nn.convolution",
+    "_depthwise_conv2d": "tf.nn.depthwise_conv2d",
     "_einsum": "tf.einsum",  # a product where every summed axis has one position
     "_gather": "tf.gather",
     "_segment_sum": "tf.math.unsorted_segment_sum",

@@ -527,8 +527,11 @@ def test_torch_training_step_of_a_gathered_window_is_bounded(name, folder):
 
 def test_an_op_with_a_let_runs_in_chunks_like_in_one_piece(folder):
     """A let keeps its value in every chunk (the lightconv's padding from w's width, which
-    no chunk cuts): one position per chunk gives the whole op's numbers."""
-    text = module_text(_spec_op("LightconvSame"), "symgrad.toml", "tensorflow")
+    no chunk cuts): one position per chunk gives the whole op's numbers (the dilated
+    lightconv: the undilated one is a depthwise kernel, not tiled)."""
+    from window_ops import dilated_lightconv
+
+    text = module_text(dilated_lightconv(), "symgrad.toml", "tensorflow")
     module = load_module(text, folder, "let_in_chunks")
     rng = np.random.default_rng(0)
     named = {"x": rng.standard_normal((2, 3, 11)), "w": rng.standard_normal((3, 5))}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from harness import Case
-from target_harness import check_in_every_target, generate_for
+from target_harness import check_in_every_target, converters, generate_for
 
 # h's n runs over x.shape[0] - w.shape[0] + 2 positions (its range); the segment sum
 # reads h at the n that seg sizes
@@ -32,18 +32,6 @@ def _arrays():
     return rng.standard_normal((11, 2)), rng.standard_normal((4, 2)), np.arange(8) % 4
 
 
-def _framework(target):
-    if target == "pytorch":
-        torch = pytest.importorskip("torch")
-        return torch.tensor
-    if target == "jax":
-        jnp = pytest.importorskip("jax.numpy")
-        return jnp.asarray
-    import tensorflow as tf
-
-    return tf.constant
-
-
 @pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_equal_sizes_are_exact(target, budget, tmp_path):
@@ -56,7 +44,7 @@ def test_other_sizes_are_refused_naming_both(target, budget, tmp_path):
     module = generate_for(CASE, target, tmp_path, prefix="ConvRange")
     if budget is not None:
         module.MAX_TEMP_BYTES = budget
-    tensor = _framework(target)
+    tensor, _ = converters(target)
     x, w, seg = (tensor(a) for a in _arrays())
     with pytest.raises(ValueError) as forward:
         module.forward(x, w, seg)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import load_module
+from window_ops import dilated_lightconv
 
 from symgrad import ir, pipeline, recurrence, tile_once
 from symgrad.pipeline import compile_op, module_text
@@ -115,6 +116,8 @@ def test_the_one_program_at_start_zero_is_the_ops_own(spec, op):
 
 
 def _spec_op(name: str):
+    if name == "DilatedLightconv":  # a test op: LightconvSame is a depthwise kernel
+        return dilated_lightconv()
     return next(op for path, op in _ops() if op.name == name)
 
 
@@ -129,11 +132,12 @@ def _both(op, target, folder, monkeypatch):
     return one, two
 
 
-# Each kind of shift: an int position (NattenAv2d's window), a length as well (LightconvSame), a
+# Each kind of shift: an int position (NattenAv2d's window), a length as well (a dilated
+# lightconv, `window_ops`), a
 # float position (RoiAlign, DeformConv2d), a position cast to int64 (LongformerQk).
 CASES = {
     "NattenAv2d": ({"attn": (2, 3, 7, 6, 9), "value": (2, 3, 7, 6, 5)}, {"K": 3}),
-    "LightconvSame": ({"w": (3, 5), "x": (2, 3, 11)}, {}),
+    "DilatedLightconv": ({"w": (3, 5), "x": (2, 3, 11)}, {}),
     "LongformerQk": ({"X": (2, 9, 3, 4), "Y": (2, 9, 3, 4), "D": (3,)}, {"w": 2}),
     "RoiAlign": (
         {"x": (2, 3, 7, 6), "bi": (4,), "y0": (4,), "x0": (4,), "bh": (4,), "bw": (4,)},
@@ -175,7 +179,7 @@ def test_tensorflow_untiled_call_is_bit_identical_to_the_two_program_module(
             np.testing.assert_array_equal(np.asarray(g1), np.asarray(g2))
 
 
-@pytest.mark.parametrize("name", ["NattenAv2d", "LightconvSame"])
+@pytest.mark.parametrize("name", ["NattenAv2d", "DilatedLightconv"])
 def test_pytorch_and_jax_untiled_calls_are_bit_identical_too(name, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     jnp = pytest.importorskip("jax.numpy")
@@ -231,9 +235,9 @@ def test_the_untiled_call_runs_the_ops_of_the_two_program_module(tmp_path, monke
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    arrays = _inputs_of(("w", "x"), CASES["LightconvSame"][0])
+    arrays = _inputs_of(("w", "x"), CASES["DilatedLightconv"][0])
     graphs = []
-    for module in _both(_spec_op("LightconvSame"), "tensorflow", tmp_path, monkeypatch):
+    for module in _both(_spec_op("DilatedLightconv"), "tensorflow", tmp_path, monkeypatch):
 
         def step(w, x, module=module):
             with tf.GradientTape() as tape:
@@ -246,7 +250,7 @@ def test_the_untiled_call_runs_the_ops_of_the_two_program_module(tmp_path, monke
         graphs.append([op.type for op in graph.get_operations()])
     assert collections.Counter(graphs[0]) == collections.Counter(graphs[1])
     dispatched = []
-    for module in _both(_spec_op("LightconvSame"), "pytorch", tmp_path, monkeypatch):
+    for module in _both(_spec_op("DilatedLightconv"), "pytorch", tmp_path, monkeypatch):
         xs = [torch.tensor(a, requires_grad=True) for a in arrays]
         with Record() as record:
             y = module.forward(*xs)

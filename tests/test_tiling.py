@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from harness import load_module
 from peaks import jax_step_memory
+from window_ops import dilated_lightconv
 
 from symgrad.pipeline import module_text
 from symgrad.spec import OpSpec, parse_spec
@@ -57,11 +58,12 @@ CASES = {
     "strided_conv1d": Tiled(
         _repo_op("StridedConv1d"), {"x": (5, 13, 3), "w": (2, 3, 4)}, {"s": 2, "d": 2, "p": 1}
     ),
-    # A depthwise 1-D window in its own layout (batch, channel, time): tiled along c
+    # A dilated depthwise 1-D window in its own layout (batch, channel, time): tiled along
+    # c (undilated it is the frameworks' depthwise kernel, never tiled)
     "local_window": Tiled(
         OpSpec(
             "LocalWindow",
-            ("y[b,c,t] = sum(w[c,k] * x[b,c,t+k-p], k)",),
+            ("y[b,c,t] = sum(w[c,k] * x[b,c,t+2*k-p], k)",),
             None,
             (("p", "int"),),
             (),
@@ -90,9 +92,10 @@ CASES = {
         _repo_op("RwkvWkv"),
         {"w": (3,), "u": (3,), "k": (2, 7, 3), "v": (2, 7, 3)},
     ),
-    # fairseq's lightconv with its padding a let of the filter's width: w (c=3, k=5),
-    # x (b=2, c=3, t=11); tiled along t, positions t + tile_start, the let read unchanged
-    "lightconv_same": Tiled(_repo_op("LightconvSame"), {"w": (3, 5), "x": (2, 3, 11)}),
+    # fairseq's lightconv, its taps dilated (`window_ops`), with its padding a let of the
+    # filter's width: w (c=3, k=5), x (b=2, c=3, t=11); tiled along t, positions
+    # t + tile_start, the let read unchanged
+    "dilated_lightconv": Tiled(dilated_lightconv(), {"w": (3, 5), "x": (2, 3, 11)}),
     # A Gaussian (RBF) kernel sum over a second point set: tiled along i
     "rbf_sum": Tiled(
         OpSpec(
@@ -304,7 +307,7 @@ def test_torch_registered_op_backward_is_tiled(name, modules, monkeypatch, budge
         _close(g, w, f"{name} registered backward")
 
 
-@pytest.mark.parametrize("name", ["lightconv_same", "correlation"])
+@pytest.mark.parametrize("name", ["dilated_lightconv", "correlation"])
 def test_torch_tiled_backward_recomputes_no_output(name, modules, monkeypatch, budget_of):
     """A chunk's gradient that reads no output of the chunk recomputes only the
     intermediates it reads (`_chunk_saved`, or the one program's `_recompute`), never the
@@ -374,8 +377,8 @@ MEMORY_CASES = {
     "correlation": ({"f1": (2, 20, 24, 8), "f2": (2, 20, 24, 8)}, {"r": 3}),
     # [2, 300, 300, 16] causal sums behind the internal tensors a and d
     "rwkv": ({"w": (16,), "u": (16,), "k": (2, 300, 16), "v": (2, 300, 16)}, {}),
-    # a [3, 16, 500, 31] gathered window (K = 31, padding a let)
-    "lightconv_same": ({"w": (16, 31), "x": (3, 16, 500)}, {}),
+    # a [3, 16, 500, 31] gathered window (K = 31 dilated, padding a let)
+    "dilated_lightconv": ({"w": (16, 31), "x": (3, 16, 500)}, {}),
 }
 
 

@@ -47,16 +47,17 @@ TILED = {
         fd_directions=3,
     ),
     "lightconv_own_layout": Case(
-        # fairseq's lightconv in its own [B, C, T] layout: a filter per channel.
-        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - p], k)",
+        # fairseq's lightconv in its own [B, C, T] layout: a filter per channel, its taps
+        # dilated (undilated it is the depthwise kernel, never tiled).
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + 2*k - p], k)",
         {"x": (2, 3, 11), "w": (3, 4)},
         attrs={"p": 1},
         ranges={"t": "x.shape[2]"},
         sizes={"t": 11},
     ),
     "lightconv_with_a_let": Case(
-        # fairseq's lightconv with its padding derived from the filter by a let.
-        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - P], k)",
+        # fairseq's lightconv with its padding derived from the filter by a let (dilated).
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + 2*k - P], k)",
         {"x": (2, 3, 11), "w": (3, 4)},
         lets={"P": "(w.shape[1] - 1) // 2"},
         let_values={"P": 1},
@@ -64,8 +65,8 @@ TILED = {
         sizes={"t": 11},
     ),
     "lightconv_same": Case(
-        # symgrad.toml's LightconvSame: the padding a let of the filter's width
-        "y[b,c,t] = sum(w[c,k] * x[b, c, t + k - P], k)",
+        # symgrad.toml's LightconvSame, dilated: the padding a let of the filter's width
+        "y[b,c,t] = sum(w[c,k] * x[b, c, t + 2*k - P], k)",
         {"x": (2, 3, 11), "w": (3, 5)},
         lets={"P": "(w.shape[1] - 1) // 2"},
         let_values={"P": 2},
@@ -283,7 +284,7 @@ import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
 sys.path.insert(0, {repo!r} + "/tests")
-from generated import chamfer_distance, correlation, lightconv_same, rwkv_wkv, strided_conv1d
+from generated import chamfer_distance, correlation, lightconv_heads, rwkv_wkv, strided_conv1d
 
 rng = np.random.default_rng(0)
 f = lambda *s: tf.constant(rng.normal(size=s).astype(np.float32))
@@ -296,7 +297,7 @@ def step(module, args, attrs):
             tape.watch(args)
             y = module.forward(*args, **attrs)
             loss = tf.reduce_sum(y * y)
-        return [g.numpy() for g in tape.gradient(loss, args)]
+        return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, args)]
     return run
 
 found = {{}}
@@ -305,7 +306,7 @@ for module, args, attrs in [
     (chamfer_distance, [f(2, 1024, 3), f(2, 1536, 3)], {{}}),
     (strided_conv1d, [f(2, 2048, 16), f(9, 16, 16)], {{"s": 1, "d": 2, "p": 8}}),
     (rwkv_wkv, [f(32), f(32), f(2, 512, 32), f(2, 512, 32)], {{}}),
-    (lightconv_same, [f(32, 31), f(2, 32, 2048)], {{}}),
+    (lightconv_heads, [f(8, 31), f(2, 32, 2048)], {{}}),
 ]:
     y = module.forward(*args, **attrs)
     io = sum(a.numpy().nbytes for a in args) + y.numpy().nbytes

@@ -37,6 +37,9 @@ class Kernels:
         (other,) = [f for f in factors if f != reads[0]]
         if not isinstance(other, sp.Indexed):
             return None
+        if other.base.label.name == conv.filter and conv.depthwise:
+            value = self.depthwise(body, conv, None, kernel="depthwise_conv2d")
+            return self.without_units(body, value, self.unit_axes(conv, "y")), conv.indices
         if other.base.label.name == conv.filter:  # the forward term
             axes = self.conv_axes(body, conv)
             value = ir.Call(
@@ -81,7 +84,8 @@ class Kernels:
         elif tensor == "w":
             present = (*([0] * n), conv.channel, conv.out_channel)
         else:
-            present = (conv.batch, *([0] * n), conv.out_channel)
+            last = conv.channel if conv.depthwise else conv.out_channel
+            present = (conv.batch, *([0] * n), last)
         return tuple(k for k, index in enumerate(present) if index is None)
 
     @staticmethod
@@ -163,17 +167,11 @@ class Kernels:
     def backprop(self, body: _Body, conv, grad: ir.Expr, *, filter_gradient: bool) -> ir.Expr:
         """TF's backprop kernel for the filter or for the window of x (1-D runs as 2-D
         with a height of one, as tf.nn.conv1d does)."""
-        axes = self.conv_axes(body, conv)
-        window: ir.Expr = ir.Var(body.bind(self.window(body, conv, axes)))
-        weights: ir.Expr = self.full_filter(body, conv)
-        if not _is_simple(weights):
-            weights = ir.Var(body.bind(weights))
+        if conv.depthwise:
+            kind = "filter" if filter_gradient else "input"
+            return self.depthwise(body, conv, grad, kernel=f"depthwise_conv2d_backprop_{kind}")
+        window, weights, grad, padding = self.kernel_operands(body, conv, grad)
         flat = len(conv.spatial) == 1
-        padding = self.conv_padding(body, axes, flat=flat)
-        if flat:
-            window = ir.View(window, None, (0, None, 1, 2))
-            weights = ir.View(weights, None, (None, 0, 1, 2))
-            grad = ir.View(grad, None, (0, None, 1, 2))
         rank = "3D" if len(conv.spatial) == 3 else "2D"
         if filter_gradient:
             kernel = f"conv{rank.lower()}_backprop_filter"
@@ -193,6 +191,51 @@ class Kernels:
         )
         if flat:  # the added axis: 0 of the filter's shape, 1 of the input's
             axis = "0" if filter_gradient else "1"
+            value = ir.Call("squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit(axis)),))
+        return value
+
+    def kernel_operands(self, body: _Body, conv, grad: ir.Expr | None) -> tuple:
+        """The window of x, the filter, the incoming gradient (or None) and the padding
+        as the 2-D and 3-D kernels take them: a 1-D window runs as 2-D with a height of
+        one, as tf.nn.conv1d does."""
+        axes = self.conv_axes(body, conv)
+        window: ir.Expr = ir.Var(body.bind(self.window(body, conv, axes)))
+        weights: ir.Expr = self.full_filter(body, conv)
+        if not _is_simple(weights):
+            weights = ir.Var(body.bind(weights))
+        flat = len(conv.spatial) == 1
+        padding = self.conv_padding(body, axes, flat=flat)
+        if flat:
+            window = ir.View(window, None, (0, None, 1, 2))
+            weights = ir.View(weights, None, (None, 0, 1, 2))
+            if grad is not None:
+                grad = ir.View(grad, None, (0, None, 1, 2))
+        return window, weights, grad, padding
+
+    def depthwise(self, body: _Body, conv, grad: ir.Expr | None, *, kernel: str) -> ir.Expr:
+        """TF's depthwise kernel `kernel` (the forward, or the backprop of the filter or
+        of the window of x) in 2-D (1-D with a height of one), stride 1: the window in
+        NHWC, the filter (kh, kw, c, 1), `grad` the consumer's gradient (b, i, j, c)."""
+        window, weights, grad, padding = self.kernel_operands(body, conv, grad)
+        flat = len(conv.spatial) == 1
+        strides = ("strides", ir.List((ir.Lit("1"),) * 4))
+        if kernel == "depthwise_conv2d":
+            first = (("input", window), ("filter", weights))
+        elif kernel.endswith("filter"):
+            first = (
+                ("input", window),
+                ("filter_sizes", ir.Call("shape", (weights,))),
+                ("out_backprop", grad),
+            )
+        else:
+            first = (
+                ("input_sizes", ir.Call("shape", (window,))),
+                ("filter", weights),
+                ("out_backprop", grad),
+            )
+        value: ir.Expr = ir.Call(kernel, (), (*first, strides, ("padding", padding)))
+        if flat:  # the added axis: 0 of the filter's shape, 1 of the input's and output's
+            axis = "0" if kernel.endswith("filter") else "1"
             value = ir.Call("squeeze", (ir.Var(body.bind(value)),), (("axis", ir.Lit(axis)),))
         return value
 

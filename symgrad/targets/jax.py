@@ -78,6 +78,10 @@ NAMES = {
     "conv2d_backprop_input": "_conv_backprop_input",
     "conv3d_backprop_filter": "_conv_backprop_filter",
     "conv3d_backprop_input": "_conv_backprop_input",
+    # a depthwise window as a sum of its taps' shifted slices (the template's helpers)
+    "depthwise_conv2d": "_depthwise_conv2d",
+    "depthwise_conv2d_backprop_filter": "_depthwise_backprop_filter",
+    "depthwise_conv2d_backprop_input": "_depthwise_backprop_input",
     "conv_padding": "_conv_padding",
     "conv_window": "_conv_window",
     "conv_unwindow": "_conv_unwindow",

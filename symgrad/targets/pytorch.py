@@ -110,6 +110,21 @@ PARAMETERS = {
     "conv2d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
     "conv3d_backprop_input": ("input_sizes", "filter", "out_backprop", "strides", "padding"),
     "convolution": ("x", "filters", "strides", "padding"),
+    "depthwise_conv2d": ("input", "filter", "strides", "padding"),
+    "depthwise_conv2d_backprop_filter": (
+        "input",
+        "filter_sizes",
+        "out_backprop",
+        "strides",
+        "padding",
+    ),
+    "depthwise_conv2d_backprop_input": (
+        "input_sizes",
+        "filter",
+        "out_backprop",
+        "strides",
+        "padding",
+    ),
     "conv_padding": ("axes",),
     "conv_window": ("x", "axes"),
     "conv_unwindow": ("g", "axes"),
@@ -724,6 +739,21 @@ class PyTorchPrinter(Printer):
 
     def call_conv3d_backprop_input(self, args: dict) -> str:
         return self.backprop_input(args)
+
+    def call_depthwise_conv2d(self, args: dict) -> str:
+        x, w = self.atom(args["input"]), self.atom(args["filter"])
+        # A module helper: torch's grouped convolution, never on an empty axis.
+        return f"_depthwise_conv2d({x}, {w}{self.padding(args)})"
+
+    def call_depthwise_conv2d_backprop_filter(self, args: dict) -> str:
+        parts = [args["input"], args["filter_sizes"], args["out_backprop"]]
+        text = ", ".join(self.code(p) for p in parts)
+        return f"_depthwise_backprop_filter({text}{self.padding(args)})"
+
+    def call_depthwise_conv2d_backprop_input(self, args: dict) -> str:
+        parts = [args["input_sizes"], args["filter"], args["out_backprop"]]
+        text = ", ".join(self.code(p) for p in parts)
+        return f"_depthwise_backprop_input({text}{self.padding(args)})"
 
     def backprop_filter(self, args: dict) -> str:
         parts = [args["input"], args["filter_sizes"], args["out_backprop"]]
