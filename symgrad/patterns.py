@@ -109,7 +109,10 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
         return None
     read, weights = mine[0], others[0]
     filter_name = weights.base.label.name
-    if filter_name not in program.inputs or filter_name in program.index_inputs:
+    filter_level = _gathered_filter(program, filter_name)
+    if filter_level is None and (
+        filter_name not in program.inputs or filter_name in program.index_inputs
+    ):
         return None
     if filter_name == g.source or tuple(read.indices) != gather.indices:
         return None
@@ -154,6 +157,8 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
     depthwise = channel is not None and channel not in term.summed
     if depthwise and not _depthwise(spatial, out_channel):
         return None
+    if filter_level is not None and not depthwise:
+        return None
     summed = windows | ({channel} if channel is not None and not depthwise else set())
     if set(term.summed) != summed or len(windows) != spatial_rank:
         return None
@@ -187,6 +192,20 @@ def _match(program: Program, gather: Level, consumer: Level, n: int) -> Convolut
         w_axes,
         depthwise,
     )
+
+
+def _gathered_filter(program: Program, name: str) -> Level | None:
+    """The level of a filter gathered from an input of values at computed positions of
+    its own indices (`w[c // G, k]`: fairseq's lightconv with H filters shared by G
+    channels each), which a depthwise kernel reads like an input: it is no larger than
+    the filter the kernel takes (c, k), and its gradient goes back to w by the gather's
+    scatter."""
+    level = next((lv for lv in program.intermediates if lv.name == name), None)
+    if level is None or level.gather is None or level.gather.source not in program.inputs:
+        return None
+    if level.gather.source in program.index_inputs:
+        return None
+    return level
 
 
 def _depthwise(spatial: list[Spatial], out_channel: Index | None) -> bool:

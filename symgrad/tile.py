@@ -76,8 +76,11 @@ class Choice:
 
 def _read_in_place(program: Program) -> dict:
     """Gathers never computed: those a convolution kernel reads in place, and the windows
-    the band kernels read (bands.py)."""
-    return {**patterns.convolutions(program), **bands.bands(program)}
+    the band kernels read (bands.py); and a depthwise kernel's gathered filter (`w[c //
+    G, k]`), computed but of the filter's size [c, k], which the kernel reads whole."""
+    kernels = patterns.convolutions(program)
+    filters = {c.filter: c for c in kernels.values() if c.filter not in program.inputs}
+    return {**kernels, **filters, **bands.bands(program)}
 
 
 def big_sets(program: Program) -> list[tuple[Index, ...]]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from harness import Case, op_spec
 from target_harness import check_in_every_target
+from test_segment_extrema import _bodies
 
 from symgrad.pipeline import module_text
 
@@ -20,6 +21,16 @@ CASES = {
         {"w": (3, 5), "x": (2, 3, 11)},
         lets={"P": "(w.shape[1] - 1) // 2"},
         let_values={"P": 2},
+        ranges={"t": "x.shape[2]"},
+        sizes={"t": 11},
+    ),
+    # fairseq's lightconv with H filters shared by G channels each (its LightweightConv):
+    # the filter gathered at c // G, [C, K], then the kernel
+    "lightconv_heads": Case(
+        "y[b,c,t] = sum(w[c // G, k] * x[b, c, t + k - P], k)",
+        {"w": (2, 5), "x": (2, 6, 11)},
+        lets={"H": "w.shape[0]", "G": "x.shape[1] // H", "P": "(w.shape[1] - 1) // 2"},
+        let_values={"H": 2, "G": 3, "P": 2},
         ranges={"t": "x.shape[2]"},
         sizes={"t": 11},
     ),
@@ -55,7 +66,8 @@ CASES = {
 
 # Not the depthwise kernels: a stride (TF's take one stride for both axes of a 2-D
 # window, a 1-D one runs with a unit height), and a channel multiplier (an output
-# channel beside the depthwise one).
+# channel beside the depthwise one). (A filter gathered at computed channels is read by
+# the kernel: "lightconv_heads" above.)
 GATHERS = {
     "strided": Case(
         "y[b,c,i] = sum(w[c,k] * x[b,c,2*i+k], k)",
@@ -93,7 +105,8 @@ def test_a_depthwise_window_is_the_kernel(name, target):
     text = _text(CASES[name], target)
     kernels = KERNELS[target]
     assert all(k in text for k in kernels), [k for k in kernels if k not in text]
-    assert "_gather(" not in text
+    compute, backward = _bodies(text)
+    assert "gather(x" not in compute + backward  # no window of x (lightconv_heads: of w)
 
 
 @pytest.mark.parametrize("budget", [None, 1])

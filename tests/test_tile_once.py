@@ -39,7 +39,7 @@ SEPARATE |= {"correlation", "mmcv_correlation", "bench_correlation"}
 SEPARATE |= {"segment_csr_sum", "bench_max_pool", "natten_qk2d"}
 # Tiled in two levels (`tile_nest`) where the chunk of both indices lowers otherwise than
 # the chunk of one (a window read as a convolution along the inner index, then a gather).
-SEPARATE |= {"involution", "dynamic_conv", "lightconv_heads", "roi_pool"}
+SEPARATE |= {"involution", "dynamic_conv", "roi_pool"}
 # Tiled in two levels because one position of the window offset is the size of `query`
 # (`position_bound`): the chunk of both keeps other intermediates for its gradient.
 SEPARATE |= {"natten_qk1d"}

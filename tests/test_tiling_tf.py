@@ -284,7 +284,7 @@ import numpy as np
 import tensorflow as tf
 sys.path.insert(0, {repo!r})
 sys.path.insert(0, {repo!r} + "/tests")
-from generated import chamfer_distance, correlation, lightconv_heads, rwkv_wkv, strided_conv1d
+from generated import chamfer_distance, correlation, dynamic_conv, rwkv_wkv, strided_conv1d
 
 rng = np.random.default_rng(0)
 f = lambda *s: tf.constant(rng.normal(size=s).astype(np.float32))
@@ -306,7 +306,7 @@ for module, args, attrs in [
     (chamfer_distance, [f(2, 1024, 3), f(2, 1536, 3)], {{}}),
     (strided_conv1d, [f(2, 2048, 16), f(9, 16, 16)], {{"s": 1, "d": 2, "p": 8}}),
     (rwkv_wkv, [f(32), f(32), f(2, 512, 32), f(2, 512, 32)], {{}}),
-    (lightconv_heads, [f(8, 31), f(2, 32, 2048)], {{}}),
+    (dynamic_conv, [f(2, 32, 2048), f(2, 4, 31, 2048)], {{}}),
 ]:
     y = module.forward(*args, **attrs)
     io = sum(a.numpy().nbytes for a in args) + y.numpy().nbytes
