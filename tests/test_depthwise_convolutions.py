@@ -182,3 +182,61 @@ def test_jax_jit_vmap_and_grad_equal_eager(tmp_path):
     for k in range(2):
         one = module.forward(*[x if n == "x" else ws[k] for n in order])
         np.testing.assert_allclose(np.asarray(batched[k]), np.asarray(one), rtol=1e-12, atol=1e-12)
+
+
+def _second_order(target: str, module, w0: np.ndarray, x0: np.ndarray) -> list[np.ndarray]:
+    """∇ of |∇_w L|² + Σ (∇_x L)³ for L = Σ sin(y), through each framework's autodiff of
+    the module's `forward` (its generated backward, differentiated once more)."""
+    if target == "pytorch":
+        import torch
+
+        w, x = torch.tensor(w0, requires_grad=True), torch.tensor(x0, requires_grad=True)
+        gw, gx = torch.autograd.grad(
+            torch.sin(module.forward(w, x)).sum(), [w, x], create_graph=True
+        )
+        return [h.numpy() for h in torch.autograd.grad((gw**2).sum() + (gx**3).sum(), [w, x])]
+    if target == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        jax.config.update("jax_enable_x64", True)
+
+        def inner(w, x):
+            gw, gx = jax.grad(lambda a, b: jnp.sum(jnp.sin(module.forward(a, b))), (0, 1))(w, x)
+            return jnp.sum(gw**2) + jnp.sum(gx**3)
+
+        return [np.asarray(h) for h in jax.grad(inner, (0, 1))(jnp.asarray(w0), jnp.asarray(x0))]
+    import tensorflow as tf
+
+    w, x = tf.constant(w0), tf.constant(x0)
+    with tf.GradientTape() as outer:
+        outer.watch([w, x])
+        with tf.GradientTape() as tape:
+            tape.watch([w, x])
+            loss = tf.reduce_sum(tf.sin(module.forward(w, x)))
+        gw, gx = tape.gradient(loss, [w, x])
+        second = tf.reduce_sum(gw**2) + tf.reduce_sum(gx**3)
+    return [h.numpy() for h in outer.gradient(second, [w, x])]
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_second_derivatives_equal_torchs_grouped_convolution(target, tmp_path):
+    """The gradient of a gradient through the depthwise kernels (lightconv, K = 5) equals
+    PyTorch's autodiff of its own grouped conv1d, twice."""
+    torch = pytest.importorskip("torch")
+    from harness import generate
+
+    module = generate(CASES["lightconv"], tmp_path, prefix="DepthwiseTwice", target=target)
+    assert module.INPUTS == ("w", "x")
+    rng = np.random.default_rng(0)
+    w0, x0 = rng.standard_normal((3, 5)), rng.standard_normal((2, 3, 11))
+
+    class Grouped:
+        @staticmethod
+        def forward(w, x):
+            return torch.nn.functional.conv1d(x, w[:, None, :], padding=2, groups=3)
+
+    want = _second_order("pytorch", Grouped, w0, x0)
+    got = _second_order(target, module, w0, x0)
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-10)
