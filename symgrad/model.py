@@ -122,8 +122,10 @@ class Program:
     position_inputs: tuple[str, ...] = ()  # read only at float positions: int dtype is cast
     # (reading, defining, "h[axis 0]"): an internal tensor's axis, sized by a range of the
     # defining index, read plainly at an index sized otherwise; equal sizes are checked
-    # at call time (`internals.share_axis`)
-    same_sizes: tuple[tuple[Index, Index, str], ...] = ()
+    # at call time (`internals.share_axis`). Also (index, its ranged namesake, None) where
+    # a plain axis sizes one index of a ranged name (`_extents`), and (ranged index,
+    # (index tensor, axis), None) for an index tensor read plainly at it.
+    same_sizes: tuple[tuple[Index, Index | tuple[str, int], str | None], ...] = ()
 
     def rank(self, tensor: str) -> int:
         return dict(self.ranks)[tensor]
@@ -244,7 +246,7 @@ class _Builder:
         self.internals: dict[str, tuple[Level, str, int]] = {}
         self.internal_reads: set[str] = set()
         self.defined: list[str] = []
-        self.same_sizes: list[tuple[Index, Index, str]] = []
+        self.same_sizes: list[tuple[Index, Index | tuple[str, int], str | None]] = []
 
     # -- errors -----------------------------------------------------------------------
 
@@ -1202,6 +1204,7 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
     unused = [a for a in builder.attrs if builder.attrs[a] not in used_symbols]
     spare = tuple(a for a in unused if a in builder.int_attrs)
     extents = _extents(builder, outputs, fail, spare)
+    _ranged_index_reads(builder, outputs, extents)
     if unused:
         raise fail(f"attr {unused[0]!r} is declared but no formula uses it")
     intermediates = tuple(_bounded(level, extents, builder) for level in builder.intermediates)
@@ -1287,6 +1290,28 @@ def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
     raise AssertionError(f"unexpected range node {node!r}")
 
 
+def _ranged_index_reads(builder: _Builder, outputs: list[Output], extents: dict) -> None:
+    """Segment ids read at an index `ranges` sizes (`where(seg[n] == v, ..)` with a range
+    on n) are read whole by the segment kernels: their axis must have the range's size,
+    checked at call time (`Program.same_sizes`). (An index tensor read otherwise at a
+    ranged index, CSR offsets `indptr[s]` over `indptr.shape[0] - 1` segments, reads
+    within its axis.)"""
+    levels = [*builder.intermediates, *(o.level for o in outputs)]
+    for level in levels:
+        for term in level.terms:
+            for relation in term.expr.atoms(sp.Eq, sp.Ne):
+                found = segment_forms.segment_condition(sp.Eq(*relation.args), builder.index_inputs)
+                if found is None:
+                    continue
+                access, _ = found
+                name = access.base.label.name
+                for axis, position in enumerate(access.indices):
+                    if isinstance(position, sp.Symbol) and position in extents:
+                        read = (position, (name, axis), None)
+                        if read not in builder.same_sizes:
+                            builder.same_sizes.append(read)
+
+
 def _extents(
     builder: _Builder, outputs: list[Output], fail, spare: tuple[str, ...] = ()
 ) -> dict[Index, sp.Expr]:
@@ -1329,6 +1354,9 @@ def _extents(
             )
         for symbol in unsized:
             extents[symbol] = value
+        # where the name's other indices take a plain axis's size, it must be the range's
+        # (checked at call time: `Program.same_sizes`)
+        builder.same_sizes += [(s, unsized[0], None) for s in named if s in known]
     sized = {**known, **extents}
     output_indices = {i for o in outputs for i in o.level.indices}
     pending = [s for s in symbols if s not in sized]

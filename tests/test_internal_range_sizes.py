@@ -71,3 +71,42 @@ def test_tf_function_with_unknown_sizes_checks_them_when_the_graph_runs(tmp_path
     # and equal sizes run (9 rows of seg)
     got = forward(tf.constant(x), tf.constant(w), tf.constant(np.arange(9) % 4))
     assert got.shape == (4, 2)
+
+
+# A range names an index that a plain read sizes elsewhere (an internal tensor's n, and
+# the later sum's n sized by seg), or an index tensor read whole at a ranged index (the
+# segment ids of `where(seg[n] == v, ..)`): the sizes must agree. Before, the first summed
+# every id of a longer seg (silently: [14, 8, 2] for [14, 7, 1]) and the second failed
+# inside a reshape (found by a random-formula trial).
+NAMESAKES = {
+    "internal_shifted": Case(
+        ("h[n] = x[n] * 2", "y[v] = sum(where(seg[n] == v, h[n+1] + 1, 0), n)"),
+        {"x": (4,)},
+        index_inputs={"seg": ((4,), 0, 3)},
+        ranges={"n": "x.shape[0]", "v": "3"},
+        sizes={"n": 4, "v": 3},
+        outputs=("y",),
+    ),
+    "segment_ids": Case(
+        "y[v] = sum(where(seg[n] == v, x[n], 0), n)",
+        {"x": (4,)},
+        index_inputs={"seg": ((4,), 0, 3)},
+        ranges={"n": "x.shape[0]", "v": "3"},
+        sizes={"n": 4, "v": 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+@pytest.mark.parametrize("name", sorted(NAMESAKES))
+def test_a_range_and_a_plain_axis_of_one_name_agree_or_are_refused(name, target, tmp_path):
+    check_in_every_target(NAMESAKES[name], target, tmp_path, "Namesake", None)
+    module = generate_for(NAMESAKES[name], target, tmp_path, prefix="Namesake")
+    tensor, _ = converters(target)
+    x = tensor(np.array([1.0, 2.0, 3.0, 4.0]))
+    for ids in ([0, 1, 0, 2, 2, 1], [0, 1]):
+        named = {"x": x, "seg": tensor(np.array(ids))}
+        with pytest.raises(ValueError) as refused:
+            module.forward(*[named[n] for n in module.INPUTS])
+        sizes = f"the range of n = 4, seg[axis 0] = {len(ids)}"
+        assert str(refused.value).endswith(f"index n has different sizes: {sizes}")

@@ -492,12 +492,24 @@ def _same_sizes(program: Program, size_of: dict) -> dict:
     and the message, once per pair. The sizes are checked equal at call time, where the
     read would otherwise fail inside a reshape with the framework's message."""
     checks: dict = {}
+    done: set = set()
     for number, (reading, defining, axis) in enumerate(program.same_sizes):
-        mine, theirs = size_of.get(reading), size_of.get(defining)
-        if mine is None or theirs is None or same_size(size_of, reading, defining):
+        mine = size_of.get(reading)
+        theirs = defining if isinstance(defining, tuple) else size_of.get(defining)
+        if mine is None or theirs is None or mine == theirs:
             continue
+        if not isinstance(defining, tuple) and same_size(size_of, reading, defining):
+            continue
+        if (mine, theirs) in done:  # one check per pair of sizes
+            continue
+        done |= {(mine, theirs), (theirs, mine)}
         name = reading.name.rstrip("'")
-        defined = f"{axis} (the range of {defining.name.rstrip(chr(39))})"
+        if isinstance(defining, tuple):
+            defined = f"{defining[0]}[axis {defining[1]}]"
+        elif axis is None:
+            defined = f"the range of {defining.name.rstrip(chr(39))}"
+        else:
+            defined = f"{axis} (the range of {defining.name.rstrip(chr(39))})"
         read = f"{mine[0]}[axis {mine[1]}]" if isinstance(mine, tuple) else f"the range of {name}"
         where = f"index {name} has different sizes: {read} = {{}}, {defined} = {{}}"
         checks.setdefault(mine, []).append((number, _size_expr(theirs), where))
