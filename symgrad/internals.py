@@ -73,12 +73,15 @@ def read(builder: _Builder, node: Access, scope: dict[str, Index]) -> sp.Expr:
             f"{counted(len(node.positions), 'index', 'indices')} here",
             node.col,
         )
+    return read_at(builder, name, tuple(scope[index] for index in node.indices), node.col)
+
+
+def read_at(builder: _Builder, name: str, symbols: tuple, col: int) -> sp.Expr:
+    """Internal tensor `name` read at plain indices `symbols` (also a position that
+    simplifies to one: `h[i + 0, c]`)."""
     builder.internal_reads.add(name)
-    symbols = []
-    for axis, index in enumerate(node.indices):
-        symbol = scope[index]
-        share_axis(builder, symbol, name, axis, node.col)
-        symbols.append(symbol)
+    for axis, symbol in enumerate(symbols):
+        share_axis(builder, symbol, name, axis, col)
     from .model import tensor
 
     return tensor(name)[tuple(symbols)]

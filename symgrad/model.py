@@ -612,6 +612,8 @@ class _Builder:
             positions = splits.past_axes(self, positions)
         if all(indexing.is_plain(p) for p in positions) and not internal:
             return self.simplified_access(name, positions)
+        if all(indexing.is_plain(p) for p in positions):  # `h[i + 0, c]`: a plain read
+            return internals.read_at(self, name, positions, node.col)
         written = [scope[i] for i in node.indices]
         return self.gather_level(name, positions, written, node.col)
 
