@@ -487,6 +487,14 @@ class _Analysis:
                 return recent_text(self, eq, node, index, self.recent_name(node.tensor))
             axis = self.cuts[node.tensor]
             kept = [text(p) for k, p in enumerate(node.positions) if k != axis]
+            if not kept:  # a step's tensors have an index: a[t] would be `a[]`
+                raise self.fail(
+                    f"{node.tensor!r} is read at the scan index {index!r} alone; not yet: "
+                    f"a recurrence reads each input with another index too (give it the "
+                    f"state's batch axis, {node.tensor}[b,{index}], or a unit one)",
+                    node.col,
+                    eq,
+                )
             return f"{node.tensor}[{', '.join(kept)}]"
 
         body = text(rhs, swap)

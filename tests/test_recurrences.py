@@ -670,6 +670,9 @@ def test_lfilter_training_step_holds_no_copy_per_tap(folder):
         ("h[b,t] = x[b,2*t] + h[b,t-1]", "plus or minus a lag", "x[b,2*t]"),
         ("h[b,t] = x[b,t-1] + x[b,0] + h[b,t-1]", "and here not along it", "x[b,0]"),
         ("h[b,t] = t * h[b,t-1] + x[b,t]", "used as a value", "t * h"),
+        # an input along the scan index alone (its step would read `a[]`; this had been a
+        # syntax error in that step formula, shown as the user's)
+        ("h[b,t] = a[t] * h[b,t-1] + x[b,t]", "at the scan index 't' alone", "a[t]"),
     ],
 )
 def test_refusals_point_at_the_read(formula, message, caret):
