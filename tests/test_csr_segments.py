@@ -131,3 +131,60 @@ def test_extrema_match_loops_with_ties_and_empty_segments(kind, target, budget, 
     y, dx = STEPS[target](module, indptr, src, grad)
     np.testing.assert_array_equal(y, want_y)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
+
+
+# A segment softmax over the offsets, its log-sum-exp an internal tensor: the gradient
+# read indptr[s] whole, all S + 1 offsets for S segments, and failed in a broadcast in
+# every target (found by an adversarial trial). Against a loop written with masks that
+# keep an empty segment's gradient 0 (TF autodiff of the formula as written gives nan
+# there: exp(a - Z) at Z = -inf in the branch the mask drops).
+SOFTMAX = Case(
+    (
+        "Z[s] = log(sum(where(indptr[s] <= n < indptr[s + 1], exp(a[n]), 0), n))",
+        "y[s,f] = sum(where(indptr[s] <= n < indptr[s + 1], exp(a[n] - Z[s]) * h[n,f], 0), n)",
+    ),
+    {"a": (8,), "h": (8, 3)},
+    index_inputs={"indptr": ((5,), 0, 9)},
+    ranges={"s": "indptr.shape[0] - 1"},
+    outputs=("y",),
+)
+
+
+def _softmax_truth(a, h, indptr, grad):
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+
+    def op(a, h):
+        n = jnp.arange(a.shape[0])
+        keep = (indptr[:-1, None] <= n[None]) & (n[None] < indptr[1:, None])
+        z = jax.nn.logsumexp(jnp.where(keep, a[None], -jnp.inf), 1)
+        z = jnp.where(jnp.isfinite(z), z, 0)[:, None]
+        return jnp.where(keep, jnp.exp(jnp.where(keep, a[None] - z, 0.0)), 0.0) @ h
+
+    y, pullback = jax.vjp(op, jnp.asarray(a), jnp.asarray(h))
+    return np.asarray(y), [np.asarray(g) for g in pullback(jnp.asarray(grad))]
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_segment_softmax_over_offsets(target, budget, tmp_path):
+    from target_harness import converters
+
+    module = generate_for(SOFTMAX, target, tmp_path, prefix="CsrSoftmax")
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    tensor, numpy = converters(target)
+    rng = np.random.default_rng(29)
+    a, h = rng.standard_normal(8) * 2, rng.standard_normal((8, 3))
+    for offsets in ([0, 3, 3, 7, 8], [0, 2, 5, 4, 8], [1, 4, 6]):
+        indptr = np.array(offsets)
+        grad = rng.standard_normal((len(offsets) - 1, 3))
+        want_y, want_grads = _softmax_truth(a, h, indptr, grad)
+        named = {"a": tensor(a), "h": tensor(h), "indptr": tensor(indptr)}
+        args = [named[n] for n in module.INPUTS]
+        np.testing.assert_allclose(numpy(module.forward(*args)), want_y, rtol=1e-10, atol=1e-12)
+        grads = dict(zip(module.INPUTS, module.vjp(*args, tensor(grad)), strict=True))
+        for name, want in zip(("a", "h"), want_grads, strict=True):
+            np.testing.assert_allclose(numpy(grads[name]), want, rtol=1e-10, atol=1e-12)

@@ -436,7 +436,14 @@ class Pointwise:
         if name in self.program.index_inputs and self.is_lookup(access):
             return self.lookup(body, access, target)
         if name in self.program.index_inputs:  # compared and added with tf.range values
-            operand = ir.Var(body.bind(ir.Call("to_int64", (ir.Var(name),))))
+            ids: ir.Expr = ir.Var(name)
+            for axis, label in enumerate(labels):
+                # read at an index `ranges` sizes (CSR offsets `indptr[s]` over
+                # indptr.shape[0] - 1 segments): its first positions, zero past its end
+                if not isinstance(self.size_of.get(label), tuple | None):
+                    size = ir.Var(self.index_size(body, label))
+                    ids = ir.Var(body.bind(ir.Call("fit", (ids, ir.Lit(str(axis)), size))))
+            operand = ir.Var(body.bind(ir.Call("to_int64", (ids,))))
             return self.align(body, operand, labels, target)
         count = self.tie_count(body, name, labels)  # a max's ties, counted again (ties.py)
         operand: ir.Expr = ir.Var(body.tensors[name] if count is None else count)
