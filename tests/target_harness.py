@@ -33,9 +33,13 @@ class Framework:
     autodiff: Callable[..., list]
 
 
-def generate_for(case: Case, target: str, folder: Path, prefix: str = "Target"):
-    """The module of `case` for `target`, imported under a unique name."""
-    return generate(case, folder, prefix, target)
+def generate_for(case: Case, target: str, folder: Path, prefix: str = "Target", budget=None):
+    """The module of `case` for `target`, imported under a unique name, its
+    MAX_TEMP_BYTES set to `budget` (None: the default)."""
+    module = generate(case, folder, prefix, target)
+    if budget is not None:
+        module.MAX_TEMP_BYTES = budget
+    return module
 
 
 def _expected(case: Case, names, tensors, grads):
@@ -190,9 +194,7 @@ def check_in_every_target(case: Case, target: str, folder: Path, prefix: str, bu
     """Generate `case` for `target`, set its MAX_TEMP_BYTES to `budget` (None: the
     default), and check it against the reference: `check` in TensorFlow (with finite
     differences), `check_target` in PyTorch and JAX."""
-    module = generate_for(case, target, folder, prefix=prefix)
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
+    module = generate_for(case, target, folder, prefix, budget)
     if target == "tensorflow":
         check(case, module)
     else:

@@ -125,9 +125,7 @@ def test_extrema_match_loops_with_ties_and_empty_segments(kind, target, budget, 
     want_y, want_dx = _loops(kind, indptr, src, grad)
     assert np.isinf(want_y[[1, 3]]).all()
     assert 0 < np.abs(want_dx).min(initial=1, where=want_dx != 0) < np.abs(grad).max()
-    module = generate_for(CASES[kind], target, tmp_path, prefix="CsrLoops")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
+    module = generate_for(CASES[kind], target, tmp_path, "CsrLoops", budget)
     y, dx = STEPS[target](module, indptr, src, grad)
     np.testing.assert_array_equal(y, want_y)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-12, atol=1e-12)
@@ -172,9 +170,7 @@ def _softmax_truth(a, h, indptr, grad):
 def test_a_segment_softmax_over_offsets(target, budget, tmp_path):
     from target_harness import converters
 
-    module = generate_for(SOFTMAX, target, tmp_path, prefix="CsrSoftmax")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
+    module = generate_for(SOFTMAX, target, tmp_path, "CsrSoftmax", budget)
     tensor, numpy = converters(target)
     rng = np.random.default_rng(29)
     a, h = rng.standard_normal(8) * 2, rng.standard_normal((8, 3))

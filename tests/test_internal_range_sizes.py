@@ -41,9 +41,7 @@ def test_equal_sizes_are_exact(target, budget, tmp_path):
 @pytest.mark.parametrize("budget", [None, 1])
 @pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
 def test_other_sizes_are_refused_naming_both(target, budget, tmp_path):
-    module = generate_for(CASE, target, tmp_path, prefix="ConvRange")
-    if budget is not None:
-        module.MAX_TEMP_BYTES = budget
+    module = generate_for(CASE, target, tmp_path, "ConvRange", budget)
     tensor, _ = converters(target)
     x, w, seg = (tensor(a) for a in _arrays())
     with pytest.raises(ValueError) as forward:
