@@ -298,7 +298,8 @@ REAL = {
     ),
     # fairseq's LightweightConv1dTBC: time first, [T, B, C], a filter per head [H, K]
     "lightconv_tbc": Case(
-        "y[t,b,c] = sum(w[c // R, k] * x[t + k - P, b, c], k)",
+        # its taps dilated: undilated it is the depthwise kernel, with no chunks
+        "y[t,b,c] = sum(w[c // R, k] * x[t + 2*k - P, b, c], k)",
         {"x": (11, 2, 6), "w": (3, 5)},
         attrs={"R": 2, "P": 2},
         ranges={"t": "x.shape[0]"},  # fairseq's output has the input's length
