@@ -1295,9 +1295,9 @@ def _range_expr(node: Node, builder: _Builder, index: str, fail) -> sp.Expr:
 def _ranged_index_reads(builder: _Builder, outputs: list[Output], extents: dict) -> None:
     """Segment ids read at an index `ranges` sizes (`where(seg[n] == v, ..)` with a range
     on n) are read whole by the segment kernels: their axis must have the range's size,
-    checked at call time (`Program.same_sizes`). (An index tensor read otherwise at a
-    ranged index, CSR offsets `indptr[s]` over `indptr.shape[0] - 1` segments, reads
-    within its axis.)"""
+    checked at call time (`Program.same_sizes`, deduplicated when the Program is made).
+    (An index tensor read otherwise at a ranged index, CSR offsets `indptr[s]` over
+    `indptr.shape[0] - 1` segments, reads within its axis.)"""
     levels = [*builder.intermediates, *(o.level for o in outputs)]
     for level in levels:
         for term in level.terms:
@@ -1309,9 +1309,7 @@ def _ranged_index_reads(builder: _Builder, outputs: list[Output], extents: dict)
                 name = access.base.label.name
                 for axis, position in enumerate(access.indices):
                     if isinstance(position, sp.Symbol) and position in extents:
-                        read = (position, (name, axis), None)
-                        if read not in builder.same_sizes:
-                            builder.same_sizes.append(read)
+                        builder.same_sizes.append((position, (name, axis), None))
 
 
 def _extents(
