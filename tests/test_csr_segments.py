@@ -184,3 +184,35 @@ def test_a_segment_softmax_over_offsets(target, budget, tmp_path):
         grads = dict(zip(module.INPUTS, module.vjp(*args, tensor(grad)), strict=True))
         for name, want in zip(("a", "h"), want_grads, strict=True):
             np.testing.assert_allclose(numpy(grads[name]), want, rtol=1e-10, atol=1e-12)
+
+
+# A range of rows past x's (n = x.shape[0] + 1) over an x with no rows: under
+# tf.function with every size unknown, the gradient of x, a row gather's slices, kept
+# row 0 of a table without rows, and TF's densifying sum refused it ("segment_ids[0] = 0
+# is out of range [0, 0)"; found by a random-formula trial). Eager and known shapes were
+# right: those know the table is empty while tracing.
+ROWS_PAST_X = Case(
+    "y[s,f] = sum(where(indptr[s] <= n < indptr[s + 1], x[n,f] * g[f], 0), n)",
+    {"x": (3, 2), "g": (2,)},
+    index_inputs={"indptr": ((3,), 0, 4)},
+    ranges={"s": "indptr.shape[0] - 1", "n": "x.shape[0] + 1"},
+    sizes={"s": 2, "n": 4},
+)
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+@pytest.mark.parametrize("rows", [0, 3])
+def test_rows_past_an_empty_x_under_unknown_sizes(rows, budget, tmp_path):
+    import tensorflow as tf
+    from target_harness import check_graphs_equal_eager
+
+    module = generate_for(ROWS_PAST_X, "tensorflow", tmp_path, "CsrRowsPast", budget)
+    rng = np.random.default_rng(5)
+    x, g = tf.constant(rng.standard_normal((rows, 2))), tf.constant(rng.standard_normal(2))
+    for offsets in ([0, 1, 1], [0, -1, 0], [0, 2, 4]):
+        named = {"indptr": tf.constant(offsets, tf.int64), "x": x, "g": g}
+        args = [named[n] for n in module.INPUTS]
+        check_graphs_equal_eager(module, args)
+        grads = module.vjp(*args, tf.ones([2, 2], tf.float64))
+        if rows == 0:
+            assert all(v is None or not np.any(v.numpy()) for v in grads)
