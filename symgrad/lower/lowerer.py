@@ -455,11 +455,14 @@ def lower_sizes(
     program: Program, backward: Backward, indices: list[Index]
 ) -> tuple[ir.Block, tuple[str, ...]]:
     """A block computing the sizes of `indices` from the inputs and attrs, and the
-    variables that hold them (for the call-time tiling plan)."""
+    variables that hold them (for the call-time tiling plan). A size that must equal
+    another (`_same_sizes`) is checked here too: a chunk knows its own length alone, so
+    without the plan's check the chunks would compute where the whole op refuses."""
     lowerer = Lowerer(program, backward)
     body = _Body(program, {name: name for name in program.inputs}, part="sizes")
     names = tuple(lowerer.index_size(body, index) for index in indices)
-    return _finish(body, tuple(dict.fromkeys(names)), {}), names
+    checks = _same_sizes(program, lowerer.size_of)
+    return _finish(body, tuple(dict.fromkeys(names)), {}, checks), names
 
 
 def _output_limits(program, size_of) -> dict:
