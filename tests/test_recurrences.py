@@ -714,7 +714,10 @@ def test_check_runs_the_recurrences_against_a_loop(tmp_path):
         "[ops.FullLfilter]\n"
         'formula = "y[b,t] = sum(bb[k] * x[b,t-k], k) - sum(a[q] * y[b,t-1-q], q)"\n'
         "[ops.DiscountedReturn]\n"
-        'formula = "G[b,t] = r[b,t+1] + g[b,t] * G[b,t+1]"\n',
+        'formula = "G[b,t] = r[b,t+1] + g[b,t] * G[b,t+1]"\n'
+        # an input only the initial step reads (h0): an internal KeyError before
+        "[ops.InitialState]\n"
+        'formula = "h[b,t] = where(t == 0, h0[b], 0.5 * h[b,t-1] + x[b,t])"\n',
         encoding="utf-8",
     )
     from symgrad.cli import main
