@@ -528,12 +528,30 @@ def _lhs(a: _Analysis, eq: Equation, drop: str) -> str:
 
 def plan(op: OpSpec) -> Plan:
     """The scan and the step ops of a recurrence op. SymgradError on what cannot be
-    ordered or is not supported."""
+    ordered or is not supported; an op refused as written is tried again with its
+    internal tensors written in place of their reads (`inline_internals`), keeping the
+    first refusal when that is refused too."""
+    from . import inline_internals
+
+    try:
+        return _plan(op)
+    except SymgradError as refused:
+        simpler = inline_internals.inlined(op)
+        if simpler is None:
+            raise
+        try:
+            found = _plan(simpler)
+        except SymgradError:
+            raise refused from None
+    return replace(found, scan=replace(found.scan, formulas=op.formulas))
+
+
+def _plan(op: OpSpec) -> Plan:
     from . import coupled
 
     split = composite_states.split_states(op)  # a read tensor's composite axis: split
     if split is not op:  # the module's docstring shows the formulas as written
-        found = plan(split)
+        found = _plan(split)
         return replace(found, scan=replace(found.scan, formulas=op.formulas))
     if coupled.is_coupled(op):  # several recurrent tensors, or reads of one at t - e
         return coupled.plan(op)
