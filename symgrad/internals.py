@@ -51,14 +51,22 @@ def share_axis(builder: _Builder, symbol: Index, name: str, axis: int, col: int)
         return
     sources = builder.dims.get(defining, [])
     if not sources and symbol.name.rstrip("'") != defining.name.rstrip("'"):
+        # Where the defining index is also the reading equation's output index (a softmax
+        # over it), reading with it is refused in turn: a sum of its own is the way out.
+        own = defining.name.rstrip("'")
+        names = [i.name.rstrip("'") for i in level.indices]
+        kept = ", ".join(n for n in names if n != own)
         raise builder.fail(
             f"index {symbol.name.rstrip(chr(39))!r} reads axis {axis} of internal tensor "
-            f"{name!r}, which is sized by a range of {defining.name.rstrip(chr(39))!r}; read "
-            f"that axis with the index {defining.name.rstrip(chr(39))!r}",
+            f"{name!r}, which is sized by a range of {own!r}; read that axis with the index "
+            f"{own!r} (to sum over it where {own!r} is also an index of the output, sum in "
+            f"an equation of its own, e.g. Z[{kept}] = sum(exp({name}[{', '.join(names)}]), "
+            f"{own}), and read Z)",
             col,
         )
     if not sources:  # a range sizes the axis: the reading index's size must equal it
         builder.same_sizes.append((symbol, defining, f"{name}[axis {axis}]"))
+        builder.internal_axes.setdefault(symbol, defining)
     for source in sources:
         builder.add_dim(symbol, *source)
 

@@ -239,6 +239,9 @@ class _Builder:
         self.moving: list[tuple[sp.Expr, str, int]] = []
         # Indices used at computed positions -> (formula, column) of the first use.
         self.index_uses: dict[Index, tuple[str, int]] = {}
+        # index -> the index an internal tensor's axis it reads plainly was computed over,
+        # where no input axis sizes that one (a range, or inferred): it takes that size
+        self.internal_axes: dict[Index, Index] = {}
         # int attrs an inferred range takes as > 0, or a range divides by
         self.positive_attrs: set[str] = set()
         # Internal tensors (not in `outputs`): name -> (level, formula, column), in order;
@@ -519,7 +522,11 @@ class _Builder:
     def sized_elsewhere(self, symbol: Index) -> bool:
         """Whether an index without a plain input axis may still get a size: a range in
         the spec, or (checked once every formula is read) a range inferred from reads."""
-        return written_name(symbol) in dict(self.op.ranges) or symbol in self.index_uses
+        return (
+            written_name(symbol) in dict(self.op.ranges)
+            or symbol in self.index_uses
+            or symbol in self.internal_axes
+        )
 
     # -- computed positions -----------------------------------------------------------
 
@@ -1367,6 +1374,11 @@ def _extents(
     while pending:
         progress = False
         for symbol in list(pending):
+            if builder.internal_axes.get(symbol) in sized:  # an internal tensor's axis
+                extents[symbol] = sized[symbol] = sized[builder.internal_axes[symbol]]
+                pending.remove(symbol)
+                progress = True
+                continue
             if symbol not in output_indices:
                 continue
             bounds = []
