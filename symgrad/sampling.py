@@ -29,7 +29,7 @@ from fractions import Fraction
 import sympy as sp
 
 from . import functions as fn
-from . import interpolation, lets
+from . import interpolation, lets, splits
 from .parse import (
     Access,
     AttrRef,
@@ -87,6 +87,9 @@ def read(builder, node: Access, scope: dict) -> sp.Expr:
                 fractions[axis] = _intermediate(builder, value - fn.floor(value), written)
         else:
             positions.append(builder.position(position, scope, []))
+    # an explicit range wins over the size of an axis read plainly (`x[n, c, 0.5]` over
+    # ranges c = C): zero past the axis, as at a read without a float position
+    positions = list(splits.past_axes(builder, tuple(positions)))
     written = [scope[i] for i in node.indices]
 
     def corners(at: list[sp.Expr], axes: list[int]) -> sp.Expr:
