@@ -666,3 +666,5 @@ class Scan:
     # per state axis, the input axes (or (None, n)) its size is divided by: an index read
     # only inside a composite axis (`v[b,t,(h,i)]`: i is v's axis over h's size)
     state_divisors: tuple[tuple[tuple[str | None, int], ...], ...] = ()
+    # inputs read as integer positions (`lab[b,t]` in `x[b,t,lab[b,t]]`): no gradient
+    index_inputs: tuple[str, ...] = ()

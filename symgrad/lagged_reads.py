@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .parse import Access, Equation, IndexRef, index_names
+from .parse import Access, Equation, IndexRef, index_names, names_outside_lookups
 
 
 @dataclass
@@ -40,7 +40,7 @@ def input_lag(a, eq: Equation, access: Access, index: str) -> tuple[int, sp.Expr
     the position is not `index` minus a lag that runs with the scan."""
     from .recurrence import _symbolic
 
-    axes = [k for k, p in enumerate(access.positions) if index in index_names(p)]
+    axes = [k for k, p in enumerate(access.positions) if index in names_outside_lookups(p)]
     if not axes:
         return None
     if len(axes) > 1:
@@ -117,13 +117,13 @@ def find_recent(a, equations: list[tuple[Equation, str]]) -> dict[str, Recent]:
     return found
 
 
-def recent_text(a, eq: Equation, access: Access, index: str, name: str) -> str:
+def recent_text(a, eq: Equation, access: Access, index: str, name: str, swap=None) -> str:
     """The step's read of an input read at lags: its window at the lag, then the other
-    positions (`x[b,t-1]` -> `x_recent[1, b]`)."""
+    positions (`x[b,t-1]` -> `x_recent[1, b]`), the index tensors read there by `swap`."""
     from .recurrence import _index_text, text
 
     axis, lag = input_lag(a, eq, access, index)
-    rest = [text(p) for k, p in enumerate(access.positions) if k != axis]
+    rest = [text(p, swap or (lambda _: None)) for k, p in enumerate(access.positions) if k != axis]
     return f"{name}[{', '.join([_index_text(lag), *rest])}]"
 
 

@@ -387,6 +387,12 @@ def _plain_indices(node) -> list[str]:
     return []
 
 
+def names_outside_lookups(position) -> list[str]:
+    """The index names a position uses outside the index tensors read in it
+    (`lab[b,t]` of `x[b, lab[b,t]]` is read as an input of its own)."""
+    return _plain_indices(position) if _lookups(position) else index_names(position)
+
+
 # ----------------------------------------------------------------------------- checks
 
 

@@ -35,7 +35,7 @@ import sympy as sp
 
 from . import composite_states, ir
 from .errors import SymgradError, counted
-from .lagged_reads import find_recent, lagged_source, length_source, recent_text
+from .lagged_reads import find_recent, input_lag, lagged_source, length_source, recent_text
 from .parse import (
     Access,
     AttrRef,
@@ -54,6 +54,7 @@ from .parse import (
     Sampled,
     Where,
     index_names,
+    names_outside_lookups,
     parse_equation,
     shape_read,
 )
@@ -249,6 +250,8 @@ class _Analysis:
         self.shifts: set[tuple[int, int]] = set()  # (lag, shift) of two-index reads
         self.window_reads = False
         self.recent: dict = {}  # op input -> lagged_reads.Recent: read at lags
+        self.lookups: set[str] = set()  # index tensors the step reads: no gradient
+        self.after_first = False  # the step being written runs from the second position on
         self.depth_sizes: list[tuple[int, str, int]] = []
         self.depth_const = 0
 
@@ -415,7 +418,7 @@ class _Analysis:
         axes = [
             k
             for k, p in enumerate(node.positions)
-            if index in index_names(p)
+            if index in names_outside_lookups(p)
             if not (isinstance(p, IndexRef) and p.name == index)
         ]
         if axes:
@@ -453,7 +456,7 @@ class _Analysis:
 
         def swap(node: Access) -> str | None:
             if node.lookups:
-                raise self.fail("a recurrence reads no index tensors", node.col, eq)
+                self.lookup_read(eq, node, index)
             rest = [text(p) for k, p in enumerate(node.positions) if k != self.axis]
             if node.tensor == self.state and eq is self.eq:
                 lag = self.lag_of(node)
@@ -484,9 +487,9 @@ class _Analysis:
                 )
             self.cut(eq, index, node)
             if node.tensor in self.recent:
-                return recent_text(self, eq, node, index, self.recent_name(node.tensor))
+                return recent_text(self, eq, node, index, self.recent_name(node.tensor), swap)
             axis = self.cuts[node.tensor]
-            kept = [text(p) for k, p in enumerate(node.positions) if k != axis]
+            kept = [text(p, swap) for k, p in enumerate(node.positions) if k != axis]
             if not kept:  # a step's tensors have an index: a[t] would be `a[]`
                 raise self.fail(
                     f"{node.tensor!r} is read at the scan index {index!r} alone; not yet: "
@@ -499,6 +502,42 @@ class _Analysis:
 
         body = text(rhs, swap)
         return body
+
+    def lookup_read(self, eq: Equation, node: Access, index: str) -> None:
+        """An input read at an index tensor's values (`x[b,t,lab[b,t]]`, CTC's and
+        RNN-T's labels): the step reads both at the scan position, each cut along it or
+        whole, and gathers there; an index tensor gets no gradient. Refused where the
+        step could not read them so: the recurrent tensor or another equation's tensor at
+        an index tensor's values, lags of either, index tensors inside index tensors."""
+        if node.tensor == self.state or node.tensor in self.defined:
+            raise self.fail(
+                f"{node.tensor!r} is computed by the op and read here at an index tensor's "
+                "values; a recurrence reads inputs there, not its own tensors",
+                node.col,
+                eq,
+            )
+        for lookup in node.lookups:
+            # a window holds zeros before the start, where the index tensor has no value:
+            # the read there must be zero (as an op reads outside an index tensor), not x
+            # at position 0. Only a step that never sees the start may read one back.
+            lag = input_lag(self, eq, lookup, index) if lookup.tensor in self.recent else None
+            if lag is not None and lag[1] != 0 and not (lag[1] == 1 and self.after_first):
+                raise self.fail(
+                    f"index tensor {lookup.tensor!r} is read at an earlier position of the "
+                    f"scan index {index!r}, which does not exist at the start; not yet: write "
+                    f"the first position apart, where({index} == 0, ..., ...), with the read "
+                    "in the other branch (one position back)",
+                    lookup.col,
+                    eq,
+                )
+            if lookup.lookups:
+                raise self.fail(
+                    f"index tensor {lookup.tensor!r} is read at another index tensor's values "
+                    "inside a recurrence; not yet",
+                    lookup.col,
+                    eq,
+                )
+            self.lookups.add(lookup.tensor)
 
     def shift_name(self, lag: int, shift: int) -> str:
         return self.fresh(f"{self.state}_lag{lag}_back{shift}")
@@ -680,7 +719,10 @@ def _plan(op: OpSpec) -> Plan:
         )
 
     a.recent = find_recent(a, [(eq, a.index)] + [(e, later_index(e)) for e in later])
+    # the body step runs from the second position on where the first has a step of its own
+    a.after_first = init_rhs is not None
     body_spec, body = step(rhs, "Step")
+    a.after_first = False
     init_spec, init = step(init_rhs, "Init") if init_rhs is not None else (None, None)
     lets, ranges = step_sizes(op, a.cuts, a.index, {r.name for r in body.reads})
     body_spec = replace(body_spec, lets=lets, ranges=ranges)
@@ -716,7 +758,11 @@ def _plan(op: OpSpec) -> Plan:
         attrs=tuple(
             ir.Attr(n, k, {"float": "float", "int": "int", "bool": "bool"}[k]) for n, k in op.attrs
         ),
-        no_gradient=op.no_gradient,
+        no_gradient=(
+            *op.no_gradient,
+            *(n for n in op_inputs if n in a.lookups - set(op.no_gradient)),
+        ),
+        index_inputs=tuple(n for n in op_inputs if n in a.lookups),
         outputs=tuple(outputs),
         output_ranks=tuple({e.output: len(e.groups) for e in a.equations}[o] for o in outputs),
         state=a.state,
