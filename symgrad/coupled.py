@@ -80,6 +80,23 @@ def is_coupled(op: OpSpec) -> bool:
     return False
 
 
+def _why_coupled(op: OpSpec) -> str:
+    """What makes `op` a coupled recurrence (`is_coupled`), for messages."""
+    equations = _equations(op)
+    recurrent = [e.output for e in equations if reads_itself(e)]
+    if len(recurrent) > 1:
+        return f"{' and '.join(repr(n) for n in recurrent)} each read themselves"
+    defined = {e.output for e in equations}
+    for e in equations:
+        for access in _accesses(e.rhs):
+            if access.tensor not in defined or access.tensor == e.output:
+                continue
+            if access.tensor not in recurrent:
+                return f"{e.output!r} reads {access.tensor!r}, which does not recur"
+            return f"{e.output!r} reads {access.tensor!r} at another position"
+    return "several equations"
+
+
 class _Coupled:
     def __init__(self, op: OpSpec) -> None:
         self.op = op
@@ -138,8 +155,10 @@ class _Coupled:
             for ref in _value_indices(e.rhs):
                 if ref.name == index:
                     raise self.fail(
-                        f"the scan index {index!r} is used as a value; a coupled recurrence "
-                        "reads zero before the start (initial states: not yet)",
+                        f"the scan index {index!r} is used as a value (an initial state, "
+                        f"where({index} == 0, ..)?); the op is a coupled recurrence "
+                        f"({_why_coupled(self.op)}), which reads zero before the start "
+                        "(initial states there: not yet)",
                         ref.col,
                         e,
                     )

@@ -643,6 +643,14 @@ def _plan(op: OpSpec) -> Plan:
 
     def later_index(e: Equation) -> str:
         p = a.self_reads(e)[0].positions[a.axis]
+        if isinstance(p, IndexRef) and p.name not in e.output_indices:
+            raise a.fail(
+                f"{e.output!r} sums or reduces {a.state!r} over the scan index {p.name!r}; "
+                f"not yet: an equation after a recurrence keeps the scan index (reduce over "
+                "it in an op of its own)",
+                e.output_col,
+                e,
+            )
         if not (isinstance(p, IndexRef) and p.name in e.output_indices):
             raise a.fail(
                 f"{a.state!r} is read here at another position than the scan position",

@@ -120,3 +120,26 @@ def test_a_range_and_a_plain_axis_of_one_name_agree_or_are_refused(name, target,
             with pytest.raises(ValueError) as refused:
                 call(*args)
             assert str(refused.value).endswith(f"index n has different sizes: {sizes}")
+
+
+# The check of an index that two input axes size named the model's primed index, which the
+# user never wrote ("index n' has different sizes"; found by an adversarial trial): a sum
+# over n of an internal tensor computed over n.
+PRIMED = Case(
+    ("h[n,f] = tanh(x[n,f])", "y[v,f] = sum(where(seg[n] == v, h[n,f], 0), n)"),
+    {"x": (7, 2)},
+    index_inputs={"seg": ((7,), 0, 3)},
+    ranges={"v": "3"},
+    sizes={"v": 3},
+    outputs=("y",),
+)
+
+
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_a_summed_index_is_named_as_written(target, tmp_path):
+    module = generate_for(PRIMED, target, tmp_path, "Primed")
+    tensor, _ = converters(target)
+    named = {"x": tensor(np.ones((7, 2))), "seg": tensor(np.arange(5) % 3)}
+    with pytest.raises(ValueError) as refused:
+        module.forward(*[named[n] for n in module.INPUTS])
+    assert "index n has different sizes: seg[axis 0] = 5, x[axis 0] = 7" in str(refused.value)

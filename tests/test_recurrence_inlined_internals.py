@@ -92,6 +92,32 @@ def exp_lag_loop(x, h0):
     return (h,)
 
 
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+def mamba_block_loop(cw, x, cb, delta, A, B, C, D):
+    """Mamba's block (state-spaces/mamba: causal_conv1d, then selective_scan) in its
+    layout x [B, D, T]: a causal depthwise convolution and silu, then the scan."""
+    K = cw.shape[1]
+    padded = np.concatenate([np.zeros((*x.shape[:2], K - 1)), x], -1)
+    u = _silu(
+        sum(
+            cw[None, :, k, None] * padded[..., K - 1 - k : K - 1 - k + x.shape[2]] for k in range(K)
+        )
+        + cb[None, :, None]
+    )
+    h = np.zeros((x.shape[0], x.shape[1], A.shape[1]))
+    y = np.zeros_like(x)
+    for t in range(x.shape[2]):
+        h = (
+            np.exp(delta[..., t, None] * A[None]) * h
+            + (delta[..., t] * u[..., t])[..., None] * B[:, None, :, t]
+        )
+        y[..., t] = (C[:, None, :, t] * h).sum(-1) + D[None] * u[..., t]
+    return (y,)
+
+
 # name -> (formulas, outputs, input shapes, loop); every size differs
 CASES = {
     "rnnt_from_logits": (
@@ -122,6 +148,27 @@ CASES = {
         ("h",),
         {"h0": (3,), "x": (3, 7)},
         preact_loop,
+    ),
+    # Mamba's block in one op: the convolution's output read by the scan and by y (it
+    # was refused: "'x' is read at a position computed from the scan index")
+    "mamba_block": (
+        (
+            "u[b,d,t] = silu(sum(cw[d,k] * x[b,d,t-k], k) + cb[d])",
+            "h[b,d,n,t] = exp(delta[b,d,t]*A[d,n]) * h[b,d,n,t-1] + delta[b,d,t]*B[b,n,t]*u[b,d,t]",
+            "y[b,d,t] = sum(C[b,n,t]*h[b,d,n,t], n) + D[d]*u[b,d,t]",
+        ),
+        ("y",),
+        {
+            "cw": (3, 4),
+            "x": (2, 3, 6),
+            "cb": (3,),
+            "delta": (2, 3, 6),
+            "A": (3, 5),
+            "B": (2, 5, 6),
+            "C": (2, 5, 6),
+            "D": (3,),
+        },
+        mamba_block_loop,
     ),
     "internal_read_one_back": (
         ("g[b,t] = exp(x[b,t])", "h[b,t] = where(t == 0, h0[b], 0.5 * h[b,t-1] + g[b,t-1])"),
@@ -212,7 +259,24 @@ def test_the_docstring_shows_the_formulas_as_written():
         ),
         (
             ("u[b,t] = x[b,t,k] * w[k]", "h[b,t] = where(t == 0, h0[b], 0.5 * h[b,t-1] + u[b,t])"),
-            "initial states: not yet",
+            (
+                "coupled recurrence ('h' reads 'u', which does not recur), which reads zero before "
+                "the start (initial states there: not yet)"
+            ),
+        ),
+        # no internal tensor: a later equation reads the state one position back
+        (
+            (
+                "h[b,t] = where(t == 0, h0[b], a[b,t] * h[b,t-1] + x[b,t])",
+                "y[b,t] = 2 * h[b,t] + h[b,t-1] * x[b,t]",
+            ),
+            "('y' reads 'h' at another position)",
+        ),
+        # a sum over the scan index after the scan: it said 'h' was read "at another
+        # position than the scan position"
+        (
+            ("h[b,t] = a[b,t] * h[b,t-1] + x[b,t]", "y[b] = sum(h[b,t], t)"),
+            "'y' sums or reduces 'h' over the scan index 't'",
         ),
     ],
 )

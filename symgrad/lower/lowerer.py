@@ -422,7 +422,10 @@ def lower(program: Program, backward: Backward) -> ir.Module:
         ),
         grads=tuple(grads),
         dim_checks=tuple(
-            ir.DimCheck(index.name, axes) for index, axes in program.dims if len(axes) > 1
+            # named as written: a summed index's prime is the model's, not the user's
+            ir.DimCheck(index.name.rstrip("'"), axes)
+            for index, axes in program.dims
+            if len(axes) > 1
         ),
         forward=forward_block,
         saved=saved,
