@@ -166,27 +166,27 @@ def _free(node) -> list[str]:
         return [i for i in _free(node.body) if i not in node.indices]
     if isinstance(node, IndexRef):
         return [node.name]
+    return [name for child in _children(node) for name in _free(child)]
+
+
+def _bound(node) -> list[str]:
+    """The indices the reductions inside `node` bind."""
+    found = list(node.indices) if isinstance(node, Reduce) else []
+    return found + [name for child in _children(node) for name in _bound(child)]
+
+
+def _children(node) -> list:
+    """The formula nodes directly inside `node` (the parse dataclasses' fields)."""
     if not dataclasses.is_dataclass(node):
         return []
     found = []
     for field in dataclasses.fields(node):
         value = getattr(node, field.name)
-        for v in value if isinstance(value, tuple) else (value,):
-            if dataclasses.is_dataclass(v):
-                found += _free(v)
-    return found
-
-
-def _bound(node) -> list[str]:
-    """The indices the reductions inside `node` bind."""
-    if not dataclasses.is_dataclass(node):
-        return []
-    found = list(node.indices) if isinstance(node, Reduce) else []
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        for v in value if isinstance(value, tuple) else (value,):
-            if dataclasses.is_dataclass(v):
-                found += _bound(v)
+        found += [
+            v
+            for v in (value if isinstance(value, tuple) else (value,))
+            if dataclasses.is_dataclass(v)
+        ]
     return found
 
 
