@@ -161,3 +161,76 @@ def test_second_derivatives_of_a_recurrence(name, run, budget, folder):
         module.MAX_TEMP_BYTES = default
     for got, want in zip(first + second, want_first + want_second, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+# The coupled scan (RWKV-4's WKV) and the two-index one (soft-DTW) run the same hooks:
+# PyTorch's second derivatives pass torch's own numerical gradgradcheck, and TensorFlow's,
+# eagerly and under tf.function with unknown sizes, equal PyTorch's.
+SCANS = {
+    "coupled": (
+        (
+            "num[b,t,c] = exp(w[c]) * num[b,t-1,c] + exp(k[b,t,c]) * v[b,t,c]",
+            "den[b,t,c] = exp(w[c]) * den[b,t-1,c] + exp(k[b,t,c])",
+            (
+                "y[b,t,c] = (num[b,t-1,c] + exp(u[c] + k[b,t,c]) * v[b,t,c])"
+                " / (den[b,t-1,c] + exp(u[c] + k[b,t,c]))"
+            ),
+        ),
+        ("y",),
+        {"w": (2,), "k": (1, 4, 2), "v": (1, 4, 2), "u": (2,)},
+    ),
+    "two_index": (
+        (
+            (
+                "R[b,i,j] = D[b,i,j] + where(i == 0 and j == 0, 0, -log("
+                "where(i > 0 and j > 0, exp(-R[b,i-1,j-1]), 0) + where(i > 0, exp(-R[b,i-1,j]), 0)"
+                " + where(j > 0, exp(-R[b,i,j-1]), 0)))"
+            ),
+        ),
+        None,
+        {"D": (1, 4, 3)},
+    ),
+}
+
+
+# the two-index scan at a budget of one byte alone (checkpoints at every level): its
+# nested while_loops take a minute to trace for second derivatives
+@pytest.mark.parametrize(("name", "budget"), [("coupled", None), ("coupled", 1), ("two_index", 1)])
+def test_second_derivatives_of_coupled_and_two_index_scans(name, budget, folder):
+    torch = pytest.importorskip("torch")
+    import tensorflow as tf
+
+    formulas, outputs, shapes = SCANS[name]
+    op = op_spec(f"SecondScan{name.title().replace('_', '')}", formulas, outputs=outputs)
+    modules = {
+        t: load_module(module_text(op, "test", t), folder, f"second_scan_{name}_{t}_{budget}")
+        for t in ("pytorch", "tensorflow")
+    }
+    for module in modules.values():
+        module.MAX_TEMP_BYTES = module.MAX_TEMP_BYTES if budget is None else budget
+    rng = np.random.default_rng(11)
+    values = {
+        n: rng.standard_normal(s) * (0.3 if n in ("w", "u") else 1) for n, s in shapes.items()
+    }
+    names = modules["pytorch"].INPUTS
+    leaves = [torch.tensor(values[n], requires_grad=True) for n in names]
+    assert torch.autograd.gradgradcheck(modules["pytorch"].forward, leaves)
+    first = torch.autograd.grad(
+        torch.sin(modules["pytorch"].forward(*leaves)).sum(), leaves, create_graph=True
+    )
+    want = torch.autograd.grad(sum((g**2).sum() for g in first), leaves)
+
+    def step(*args):
+        with tf.GradientTape() as outer:
+            outer.watch(list(args))
+            with tf.GradientTape() as inner:
+                inner.watch(list(args))
+                loss = tf.reduce_sum(tf.sin(modules["tensorflow"].forward(*args)))
+            total = tf.add_n([tf.reduce_sum(g**2) for g in inner.gradient(loss, list(args))])
+        return outer.gradient(total, list(args))
+
+    specs = [tf.TensorSpec([None] * len(shapes[n]), tf.float64) for n in names]
+    for run in (step, tf.function(step, input_signature=specs)):
+        got = run(*[tf.constant(values[n]) for n in names])
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-11)
