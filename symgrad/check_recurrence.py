@@ -102,7 +102,9 @@ def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | Non
     # The past states have the state's shape (the step alone does not know it: an RNN's
     # h_lag1[b,e] is summed over e against W[d,e]).
 
-    step = _with_initial_step(found, step, attrs, step_shapes, program)
+    # the inputs only the initial step reads, planned once at the step's index sizes
+    initial = _initial_shapes(found, step, attrs, step_shapes, program)
+    step = replace(step, shapes={**initial, **step.shapes})
 
     def size(name: str | None, axis: int) -> int:
         if name is None:  # the axis that stacks coupled states: its size is their number
@@ -128,7 +130,7 @@ def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | Non
     if fixed and program is not None:
         fixed = {n: s for n, s in fixed.items() if n in program.inputs}
         step = plan_sizes(program, attrs, shapes={**step_shapes, **fixed}, sizes=given)
-    step = _with_initial_step(found, step, attrs, step_shapes, program)
+        step = replace(step, shapes={**initial, **step.shapes})
     length = next(iter(lengths.values()), max([*step.indices.values(), 4]) + 1)
     shapes = {}
     for name, axis in zip(scan.inputs, scan.cut_axes, strict=True):
@@ -139,18 +141,17 @@ def sizes(op: OpSpec, attrs: dict, shapes: dict | None = None, given: dict | Non
     return Sizes(shapes, {**step.indices, scan.index: length})
 
 
-def _with_initial_step(found, step: Sizes, attrs: dict, shapes: dict, program) -> Sizes:
-    """`step` with the shapes of the inputs only the initial step reads (`h0[b]` of
-    `where(t == 0, h0[b], ..)`), at the step's sizes of the indices they share: the state
-    may be sized by one (this was an internal KeyError)."""
+def _initial_shapes(found, step: Sizes, attrs: dict, shapes: dict, program) -> dict:
+    """The shapes of the initial step's inputs (`h0[b]` of `where(t == 0, h0[b], ..)`,
+    which the body step may not read), at the step's sizes of the indices they share: the
+    state may be sized by one (this was an internal KeyError)."""
     if found.init is None or program is None:
-        return step
+        return {}
     init = build(found.init)
     known = plan_sizes(init, attrs).indices
     shared = {name: step.indices[name] for name in known if name in step.indices}
     given = {name: shape for name, shape in shapes.items() if name in init.inputs}
-    init_sizes = plan_sizes(init, attrs, shapes=given, sizes=shared)
-    return replace(step, shapes={**init_sizes.shapes, **step.shapes})
+    return plan_sizes(init, attrs, shapes=given, sizes=shared).shapes
 
 
 def reference(op: OpSpec, attrs: dict):

@@ -65,23 +65,12 @@ def is_coupled(op: OpSpec) -> bool:
     """Whether a recurrence op needs the coupled scan: several equations read their own
     tensor, or an equation reads another's tensor other than as the single scan does (the
     recurrent tensor, at plain indices, from an equation after it)."""
-    equations = _equations(op)
-    recurrent = [e.output for e in equations if reads_itself(e)]
-    if len(recurrent) > 1:
-        return True
-    defined = {e.output for e in equations}
-    for e in equations:
-        for access in _accesses(e.rhs):
-            if access.tensor not in defined or access.tensor == e.output:
-                continue
-            shifted = not all(isinstance(p, IndexRef) for p in access.positions)
-            if shifted or access.tensor not in recurrent:
-                return True
-    return False
+    return _coupling(op) is not None
 
 
-def _why_coupled(op: OpSpec) -> str:
-    """What makes `op` a coupled recurrence (`is_coupled`), for messages."""
+def _coupling(op: OpSpec) -> str | None:
+    """What makes `op` a coupled recurrence (`is_coupled`), said for messages; None when
+    the single scan serves it."""
     equations = _equations(op)
     recurrent = [e.output for e in equations if reads_itself(e)]
     if len(recurrent) > 1:
@@ -93,8 +82,9 @@ def _why_coupled(op: OpSpec) -> str:
                 continue
             if access.tensor not in recurrent:
                 return f"{e.output!r} reads {access.tensor!r}, which does not recur"
-            return f"{e.output!r} reads {access.tensor!r} at another position"
-    return "several equations"
+            if not all(isinstance(p, IndexRef) for p in access.positions):
+                return f"{e.output!r} reads {access.tensor!r} at another position"
+    return None
 
 
 class _Coupled:
@@ -157,7 +147,7 @@ class _Coupled:
                     raise self.fail(
                         f"the scan index {index!r} is used as a value (an initial state, "
                         f"where({index} == 0, ..)?); the op is a coupled recurrence "
-                        f"({_why_coupled(self.op)}), which reads zero before the start "
+                        f"({_coupling(self.op)}), which reads zero before the start "
                         "(initial states there: not yet)",
                         ref.col,
                         e,
