@@ -91,31 +91,35 @@ def _values(seed=0):
     return rng.uniform(-1, 1, (B, T)), rng.standard_normal((B, T))
 
 
-def _torch_second(module, a, x):
+def _torch_second(module, *arrays):
+    """(first, second) derivatives of L = Σ sin(y) through `forward`, for every input."""
     import torch
 
-    a, x = torch.tensor(a, requires_grad=True), torch.tensor(x, requires_grad=True)
-    ga, gx = torch.autograd.grad(torch.sin(module.forward(a, x)).sum(), (a, x), create_graph=True)
-    second = torch.autograd.grad((ga**2).sum() + (gx**2).sum(), (a, x))
-    return [ga.detach().numpy(), gx.detach().numpy()], [g.numpy() for g in second]
+    leaves = [torch.tensor(v, requires_grad=True) for v in arrays]
+    first = torch.autograd.grad(torch.sin(module.forward(*leaves)).sum(), leaves, create_graph=True)
+    second = torch.autograd.grad(sum((g**2).sum() for g in first), leaves)
+    return [g.detach().numpy() for g in first], [g.numpy() for g in second]
 
 
-def _tf_second(module, a, x, graph):
+def _tf_second(module, *arrays, graph):
+    """`_torch_second` in TensorFlow: two tapes, eagerly or under tf.function with every
+    size unknown."""
     import tensorflow as tf
 
-    def step(a, x):
+    def step(*args):
         with tf.GradientTape() as outer:
-            outer.watch([a, x])
+            outer.watch(list(args))
             with tf.GradientTape() as inner:
-                inner.watch([a, x])
-                loss = tf.reduce_sum(tf.sin(module.forward(a, x)))
-            first = inner.gradient(loss, [a, x])
+                inner.watch(list(args))
+                loss = tf.reduce_sum(tf.sin(module.forward(*args)))
+            first = inner.gradient(loss, list(args))
             total = tf.add_n([tf.reduce_sum(g**2) for g in first])
-        return first, outer.gradient(total, [a, x])
+        return first, outer.gradient(total, list(args))
 
     if graph:
-        step = tf.function(step, input_signature=[tf.TensorSpec([None, None], tf.float64)] * 2)
-    first, second = step(tf.constant(a), tf.constant(x))
+        specs = [tf.TensorSpec([None] * np.ndim(v), tf.float64) for v in arrays]
+        step = tf.function(step, input_signature=specs)
+    first, second = step(*[tf.constant(v) for v in arrays])
     return [g.numpy() for g in first], [g.numpy() for g in second]
 
 
@@ -198,7 +202,6 @@ SCANS = {
 @pytest.mark.parametrize(("name", "budget"), [("coupled", None), ("coupled", 1), ("two_index", 1)])
 def test_second_derivatives_of_coupled_and_two_index_scans(name, budget, folder):
     torch = pytest.importorskip("torch")
-    import tensorflow as tf
 
     formulas, outputs, shapes = SCANS[name]
     op = op_spec(f"SecondScan{name.title().replace('_', '')}", formulas, outputs=outputs)
@@ -212,25 +215,11 @@ def test_second_derivatives_of_coupled_and_two_index_scans(name, budget, folder)
     values = {
         n: rng.standard_normal(s) * (0.3 if n in ("w", "u") else 1) for n, s in shapes.items()
     }
-    names = modules["pytorch"].INPUTS
-    leaves = [torch.tensor(values[n], requires_grad=True) for n in names]
+    arrays = [values[n] for n in modules["pytorch"].INPUTS]
+    leaves = [torch.tensor(v, requires_grad=True) for v in arrays]
     assert torch.autograd.gradgradcheck(modules["pytorch"].forward, leaves)
-    first = torch.autograd.grad(
-        torch.sin(modules["pytorch"].forward(*leaves)).sum(), leaves, create_graph=True
-    )
-    want = torch.autograd.grad(sum((g**2).sum() for g in first), leaves)
-
-    def step(*args):
-        with tf.GradientTape() as outer:
-            outer.watch(list(args))
-            with tf.GradientTape() as inner:
-                inner.watch(list(args))
-                loss = tf.reduce_sum(tf.sin(modules["tensorflow"].forward(*args)))
-            total = tf.add_n([tf.reduce_sum(g**2) for g in inner.gradient(loss, list(args))])
-        return outer.gradient(total, list(args))
-
-    specs = [tf.TensorSpec([None] * len(shapes[n]), tf.float64) for n in names]
-    for run in (step, tf.function(step, input_signature=specs)):
-        got = run(*[tf.constant(values[n]) for n in names])
+    _, want = _torch_second(modules["pytorch"], *arrays)
+    for graph in (False, True):
+        _, got = _tf_second(modules["tensorflow"], *arrays, graph=graph)
         for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-9, atol=1e-11)
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11)
