@@ -164,7 +164,8 @@ def converters(target: str) -> tuple[Callable, Callable]:
 
 def check_graphs_equal_eager(module, args: list) -> None:
     """A TF module's forward and gradients of sum(sin(y)) under tf.function with every
-    size unknown while tracing, and under XLA, equal the module run eagerly (float64)."""
+    size unknown while tracing, under XLA, and under XLA traced with every size unknown,
+    equal the module run eagerly (float64)."""
 
     def step(*a):
         with tf.GradientTape() as tape:
@@ -175,7 +176,11 @@ def check_graphs_equal_eager(module, args: list) -> None:
 
     want = step(*args)
     specs = [tf.TensorSpec([None] * len(a.shape), a.dtype) for a in args]
-    for compiled in (tf.function(step, input_signature=specs), tf.function(step, jit_compile=True)):
+    for compiled in (
+        tf.function(step, input_signature=specs),
+        tf.function(step, jit_compile=True),
+        tf.function(step, input_signature=specs, jit_compile=True),
+    ):
         y, grads = compiled(*args)
         np.testing.assert_allclose(y.numpy(), want[0].numpy(), rtol=1e-12, atol=1e-12)
         for g, e in zip(grads, want[1], strict=True):
