@@ -1347,7 +1347,10 @@ def _extents(
                 formula=exc.formula,
                 column=exc.column,
             ) from None
-        value = sp.Max(0, _range_expr(node, builder, name, fail))  # a negative one: empty
+        written = _range_expr(node, builder, name, fail)
+        if written.is_number and written < 0:  # negative at every size: a slip, not a size
+            raise fail(f"range of index {name!r} is {written}; a size cannot be negative")
+        value = sp.Max(0, written)  # one negative at some sizes only: empty there
         # One name may be several indices: an internal tensor's output index and a sum
         # over that name in a later equation (primed). The range sizes those that no
         # plain read sizes; it is refused only where a plain read sizes every one.

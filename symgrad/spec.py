@@ -190,6 +190,12 @@ def _op_spec(
             f"op name {_show(name)} is longer than {MAX_OP_NAME} characters",
             where=f"{path} [ops]",
         )
+    if keyword.iskeyword(name):  # None, True, False: the PyTorch module's class name
+        raise SymgradError(
+            f"op name {name!r} is a Python keyword, which the generated code cannot use as "
+            "a name; choose another name",
+            where=where,
+        )
     module = snake_case(name)
     if keyword.iskeyword(module):
         raise SymgradError(

@@ -288,6 +288,18 @@ CASES = [
     Case(
         "op-keyword-module", op("y[b] = A[b]", name="Import"), "would write import.py", op="Import"
     ),
+    *(
+        Case(
+            f"range-negative-{k}",
+            op("y[i] = A[i + 1]", f"[ops.X.ranges]\ni = {text}\n"),
+            "range of index 'i' is -4; a size cannot be negative",
+        )
+        for k, text in enumerate(("-4", '"2 - 6"', '"-(3 + 1)"'))
+    ),
+    *(
+        Case(f"op-keyword-{name}", op("y[b] = A[b]", name=name), "is a Python keyword", op=name)
+        for name in ("None", "True", "False")
+    ),
     # Modules that would shadow what generated code and its users import, and TF's own ops
     # (whose second gradient registration would fail only at import).
     Case(
