@@ -102,6 +102,22 @@ def load_module(text: str, folder: Path, stem: str):
     return module
 
 
+_ONCE: dict = {}
+
+
+def generated_once(stem: str, op: OpSpec, target: str, folder: Path):
+    """The module of `op` for `target`, generated and imported once per test process
+    under `stem` (the tests of a file that share a module share this one; JAX's in
+    float64)."""
+    if target == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    if stem not in _ONCE:
+        _ONCE[stem] = load_module(module_text(op, "test", target), folder, stem)
+    return _ONCE[stem]
+
+
 def generate(case: Case, folder: Path, prefix: str = "Corpus", target: str = "tensorflow"):
     """The module of `case` for `target`, imported under a unique name."""
     name = f"{prefix}{next(_counter)}"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from frameworks import FRAMEWORKS, _enable_x64
-from harness import load_module
+from frameworks import FRAMEWORKS
+from harness import generated_once
 from test_recurrences import op_spec
 
 from symgrad.pipeline import module_text
@@ -105,18 +105,11 @@ CASES = {
     ),
 }
 
-_MODULES: dict = {}
-
 
 def module_for(name, target, folder):
-    if target == "jax":
-        _enable_x64()
-    if (name, target) not in _MODULES:
-        formulas, outputs, *_ = CASES[name]
-        op = op_spec("Labelled", formulas, outputs=outputs)
-        text = module_text(op, "test", target)
-        _MODULES[name, target] = load_module(text, folder, f"labelled_{name}_{target}")
-    return _MODULES[name, target]
+    formulas, outputs, *_ = CASES[name]
+    op = op_spec("Labelled", formulas, outputs=outputs)
+    return generated_once(f"labelled_{name}_{target}", op, target, folder)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from frameworks import _enable_x64
-from harness import load_module
+from harness import generated_once, load_module
 from test_recurrences import op_spec
 
 from symgrad.pipeline import module_text
@@ -70,15 +70,9 @@ def _truth(name, a, x):
     )
 
 
-_MODULES: dict = {}
-
-
 def _module(name, target, folder):
-    if (name, target) not in _MODULES:
-        op = op_spec(f"Second{name.title().replace('_', '')}", FORMS[name][0], inputs=("a", "x"))
-        text = module_text(op, "test", target)
-        _MODULES[name, target] = load_module(text, folder, f"second_{name}_{target}")
-    return _MODULES[name, target]
+    op = op_spec(f"Second{name.title().replace('_', '')}", FORMS[name][0], inputs=("a", "x"))
+    return generated_once(f"second_{name}_{target}", op, target, folder)
 
 
 @pytest.fixture(scope="module")

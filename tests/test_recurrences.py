@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from frameworks import FRAMEWORKS, _enable_x64
-from harness import load_module
+from frameworks import FRAMEWORKS
+from harness import generated_once, load_module
 
 from symgrad.errors import SymgradError
 from symgrad.pipeline import module_text
@@ -363,18 +363,8 @@ def inputs_for(shapes, seed=0):
     return found
 
 
-_MODULES = {}
-
-
 def module_for(case, target, folder):
-    key = (case, target)
-    if target == "jax":
-        _enable_x64()
-    if key not in _MODULES:
-        spec = CASES[case][0]
-        text = module_text(spec, "test", target)
-        _MODULES[key] = load_module(text, folder, f"rec_{case}_{target}")
-    return _MODULES[key]
+    return generated_once(f"rec_{case}_{target}", CASES[case][0], target, folder)
 
 
 @pytest.fixture(scope="module")
