@@ -237,6 +237,47 @@ def test_tied_distances_of_integer_points_split_equally_whole_and_in_chunks(targ
             np.testing.assert_allclose(grad_z, want_z, rtol=0, atol=1e-12, err_msg=message)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the op expands (x - z)**2 into monomials (never the [b,n,m,c] differences), "
+    "which round otherwise than the formula; exact ties are kept on integer lattices only",
+)
+@pytest.mark.parametrize("target", ["tensorflow", "pytorch", "jax"])
+def test_tied_distances_on_a_lattice_split_equally_whole_and_in_chunks(target, tmp_path):
+    """Nearest neighbour over points on a lattice 1.37 apart (not integers): squared
+    distances that tie as written should split the gradient equally, untiled and in
+    chunks of one, two or all rows. The op expands `(x - z)**2` into monomials, which
+    round otherwise, so no tie holds and one tied point takes the whole gradient (found by
+    an adversarial trial); a chunk of one point, centred on itself, happens to be right.
+    Computing compared distances as written fixes it but builds the pairwise differences
+    (`test_chamfer_never_builds_the_pairwise_difference_tensor`): open."""
+    case = Case(
+        "y[b,n] = min(sum((x[b,n,c] - z[b,m,c])**2, c), m)", {"x": (2, 7, 3), "z": (2, 5, 3)}
+    )
+    module = generate(case, tmp_path, "LatticeTies", target)
+    rng = np.random.default_rng(14)
+    x = (rng.integers(-1, 2, (2, 7, 3)) + 3) * 1.37
+    z = (rng.integers(-1, 2, (2, 5, 3)) + 3) * 1.37
+    g = rng.standard_normal((2, 7))
+    diff = x[:, :, None] - z[:, None]  # [b, n, m, c]
+    d = (diff**2).sum(-1)
+    tied = (d == d.min(-1, keepdims=True)).astype(float)
+    assert (tied.sum(-1) > 1).sum() >= 3  # rows with ties, as written in float64
+    w = g[..., None] * tied / tied.sum(-1, keepdims=True)
+    want_x = (2 * w[..., None] * diff).sum(2)
+    want_z = -(2 * w[..., None] * diff).sum(1)
+    array = _as(target)
+    for budget in (module.MAX_TEMP_BYTES, 1, 600, 4000):
+        module.MAX_TEMP_BYTES = budget
+        np.testing.assert_array_equal(np.asarray(module.forward(array(x), array(z))), d.min(-1))
+        vjp = module.vjp(array(x), array(z), array(g))
+        for how, grads in (("vjp", vjp), ("training step", _step_grads(target, module, x, z, g))):
+            grad_x, grad_z = (np.asarray(a) for a in grads)
+            message = f"{how} at {budget} bytes"
+            np.testing.assert_allclose(grad_x, want_x, rtol=0, atol=1e-12, err_msg=message)
+            np.testing.assert_allclose(grad_z, want_z, rtol=0, atol=1e-12, err_msg=message)
+
+
 def _step_grads(target, module, *arrays):
     """The gradients of sum(forward(inputs) * g) by the framework's own backward."""
     *inputs, g = arrays
