@@ -1150,9 +1150,17 @@ def _check(builder: _Builder, outputs: list[Output]) -> Program:
             raise fail(f"output {output!r} is also used as an input")
         if output in builder.attrs:
             raise fail(f"output {output!r} has the name of an attr")
+        if output in {n for n, _ in op.lets}:
+            raise fail(f"output {output!r} has the name of a let")
     for name in inputs_used:
         if name in builder.attrs:
             raise fail(f"{name!r} is both an attr and a tensor")
+    # Inside brackets the name would be the index, outside them the attr or let: `x[b,i] +
+    # i` with a let `i` added the let where the index was meant, without a word.
+    indices = {indexing.written_name(i) for i in _all_indices(builder, outputs)}
+    for kind, name in (*(("attr", n) for n, _ in op.attrs), *(("let", n) for n, _ in op.lets)):
+        if name in indices:
+            raise fail(f"{kind} {name!r} has the name of an index of the formula; rename one")
     if op.inputs is not None:
         missing = [n for n in op.inputs if n not in inputs_used]
         extra = [n for n in inputs_used if n not in op.inputs]

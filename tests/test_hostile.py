@@ -288,6 +288,22 @@ CASES = [
     Case(
         "op-keyword-module", op("y[b] = A[b]", name="Import"), "would write import.py", op="Import"
     ),
+    # A let or attr named like an index: inside brackets the index, outside the let.
+    Case(
+        "let-named-like-an-index",
+        op("y[b,i] = A[b,i] + i", '[ops.X.let]\ni = "A.shape[1]"\n'),
+        "let 'i' has the name of an index of the formula",
+    ),
+    Case(
+        "attr-named-like-an-index",
+        op("y[b,i] = A[b,i] * 2", '[ops.X.attrs]\ni = "int"\n'),
+        "attr 'i' has the name of an index of the formula",
+    ),
+    Case(
+        "let-named-like-the-output",
+        op("y[b,i] = A[b,i] * y", '[ops.X.let]\ny = "2"\n'),
+        "output 'y' has the name of a let",
+    ),
     *(
         Case(
             f"range-negative-{k}",
