@@ -110,9 +110,9 @@ def generated_once(stem: str, op: OpSpec, target: str, folder: Path):
     under `stem` (the tests of a file that share a module share this one; JAX's in
     float64)."""
     if target == "jax":
-        import jax
+        from frameworks import _enable_x64  # frameworks imports this module
 
-        jax.config.update("jax_enable_x64", True)
+        _enable_x64()
     if stem not in _ONCE:
         _ONCE[stem] = load_module(module_text(op, "test", target), folder, stem)
     return _ONCE[stem]

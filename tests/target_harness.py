@@ -162,15 +162,16 @@ def converters(target: str) -> tuple[Callable, Callable]:
     return fw.tensor, fw.numpy
 
 
-def check_graphs_equal_eager(module, args: list) -> None:
+def check_graphs_equal_eager(module, args: list, attrs: dict | None = None) -> None:
     """A TF module's forward and gradients of sum(sin(y)) under tf.function with every
     size unknown while tracing, under XLA, and under XLA traced with every size unknown,
-    equal the module run eagerly (float64)."""
+    equal the module run eagerly (float64; `attrs`: the op's attrs)."""
+    attrs = attrs or {}
 
     def step(*a):
         with tf.GradientTape() as tape:
             tape.watch(list(a))
-            y = module.forward(*a)
+            y = module.forward(*a, **attrs)
             loss = tf.reduce_sum(tf.sin(y))
         return y, tape.gradient(loss, list(a))
 
