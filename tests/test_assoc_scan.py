@@ -148,24 +148,25 @@ def test_tensorflow_chunks_with_unknown_dims_and_xla(folder):
         module.MAX_TEMP_BYTES = default
 
 
-def test_pytorch_compile_fullgraph_of_the_associative_scan(folder):
-    """torch.compile(fullgraph=True) takes the chunked forward and backward."""
+def _check_compiled_step(case, positions, folder, seed):
+    """A training step of `case`'s PyTorch module in chunks of `positions` positions under
+    torch.compile(fullgraph=True, aot_eager): its loss equals the loop's, its gradients
+    the module's eager vjp."""
     import torch
 
-    module = module_for("selective_scan", "pytorch", folder)
-    _, shapes, ref = CASES["selective_scan"]
-    values = inputs_for(shapes, seed=9)
+    module = module_for(case, "pytorch", folder)
+    _, shapes, ref = CASES[case]
+    values = inputs_for(shapes, seed=seed)
     leaves = [torch.tensor(values[n], requires_grad=True) for n in module.INPUTS]
     want = ref(*[values[n] for n in module.INPUTS])[0]
-    g_y = torch.tensor(np.random.default_rng(2).standard_normal(want.shape))
-
-    def loss(*xs):
-        return (module.forward(*xs) * g_y).sum()
-
+    g_y = torch.tensor(np.random.default_rng(seed + 1).standard_normal(want.shape))
     default = module.MAX_TEMP_BYTES
     try:
-        module.MAX_TEMP_BYTES = _budget("selective_scan", shapes, 4, "pytorch")
-        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+        module.MAX_TEMP_BYTES = _budget(case, shapes, positions, "pytorch")
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda *xs: (module.forward(*xs) * g_y).sum(), fullgraph=True, backend="aot_eager"
+        )
         value = compiled(*leaves)
         value.backward()
         expected = module.vjp(*[x.detach() for x in leaves], g_y)
@@ -176,32 +177,15 @@ def test_pytorch_compile_fullgraph_of_the_associative_scan(folder):
         np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
 
 
+def test_pytorch_compile_fullgraph_of_the_associative_scan(folder):
+    """torch.compile(fullgraph=True) takes the chunked forward and backward."""
+    _check_compiled_step("selective_scan", 4, folder, seed=9)
+
+
 @pytest.mark.parametrize("positions", [1, 2])
 def test_pytorch_compile_fullgraph_of_chunks_of_one_position(positions, folder):
     """Chunks of one position (every chunk, or the last of 7 positions in chunks of 2):
     torch.compile(fullgraph=True) failed on the cond around the log-depth scan there (an
     assertion on its branches' strides; found by an adversarial trial). One position is
     the loop's own step, with no cond."""
-    import torch
-
-    module = module_for("linear", "pytorch", folder)
-    _, shapes, ref = CASES["linear"]
-    values = inputs_for(shapes, seed=5)
-    leaves = [torch.tensor(values[n], requires_grad=True) for n in module.INPUTS]
-    want = ref(*[values[n] for n in module.INPUTS])[0]
-    g_h = torch.tensor(np.random.default_rng(6).standard_normal(want.shape))
-    default = module.MAX_TEMP_BYTES
-    try:
-        module.MAX_TEMP_BYTES = _budget("linear", shapes, positions, "pytorch")
-        torch._dynamo.reset()
-        compiled = torch.compile(
-            lambda *xs: (module.forward(*xs) * g_h).sum(), fullgraph=True, backend="aot_eager"
-        )
-        value = compiled(*leaves)
-        value.backward()
-        expected = module.vjp(*[x.detach() for x in leaves], g_h)
-    finally:
-        module.MAX_TEMP_BYTES = default
-    np.testing.assert_allclose(value.item(), float((want * g_h.numpy()).sum()), rtol=1e-10)
-    for x, e in zip(leaves, expected, strict=True):
-        np.testing.assert_allclose(x.grad.numpy(), e.numpy(), rtol=1e-10, atol=1e-12)
+    _check_compiled_step("linear", positions, folder, seed=5)
